@@ -1,0 +1,21 @@
+"""klppo: PPO for Hugging Face causal LMs with first-class KL control.
+
+``klppo.kl`` is pure torch and imports quickly; the trainer classes are imported lazily so that
+``import klppo.kl`` does not pull in transformers.
+"""
+
+__version__ = "0.1.0"
+
+__all__ = ["KLPPOConfig", "KLPPOTrainer", "__version__"]
+
+
+def __getattr__(name):
+    if name == "KLPPOConfig":
+        from .ppo.config import KLPPOConfig
+
+        return KLPPOConfig
+    if name == "KLPPOTrainer":
+        from .ppo.trainer import KLPPOTrainer
+
+        return KLPPOTrainer
+    raise AttributeError(f"module 'klppo' has no attribute {name!r}")
