@@ -1,0 +1,308 @@
+"""`KLPPOConfig`: training arguments for `KLPPOTrainer`."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+from ..kl import KL_CONTROLLERS, LOSS_AGG_MODES, divergence_followed, kl_estimators
+
+logger = logging.getLogger(__name__)
+
+KL_MODES = ("reward", "loss", "both", "none")
+KL_TARGET_UNITS = ("token", "sequence")
+CRITIC_KINDS = ("separate", "shared")
+FULL_KL = "full"
+
+
+def kl_estimator_choices() -> list[str]:
+    """Every name accepted by `kl_estimator`: the per-token registry plus full-vocabulary "full"."""
+    return [*kl_estimators(), FULL_KL]
+
+
+def _choice_error(field_name: str, value, choices) -> ValueError:
+    listed = ", ".join(repr(c) for c in choices)
+    return ValueError(f"`{field_name}`={value!r} is not valid. Choose one of: {listed}.")
+
+
+@dataclass
+class KLPPOConfig(TrainingArguments):
+    r"""
+    Configuration for [`KLPPOTrainer`].
+
+    Batch sizes follow TRL's former PPO convention:
+
+    - per-device mini-batch = `per_device_train_batch_size * gradient_accumulation_steps`;
+    - per-device rollout batch = mini-batch * `num_mini_batches`;
+    - global rollout batch = per-device rollout batch * number of processes.
+
+    `max_steps` counts PPO updates (one rollout batch each). When `max_steps <= 0`, the number of
+    updates is `ceil(num_train_epochs * len(train_dataset) / global rollout batch)`.
+
+    Parameters:
+        > KL control
+
+        kl_mode (`str`, *optional*, defaults to `"reward"`):
+            Where the KL estimate acts. `"reward"`: per-token rewards `-kl_coef * kl_t` on response tokens
+            (Ziegler et al. 2019; with `k1` this is an unbiased gradient of the sequence KL). `"loss"`:
+            `kl_coef * aggregated kl` added to the policy loss (GRPO style). `"both"`: both, with the same
+            coefficient. `"none"`: no KL term (KL is still measured and logged).
+        kl_estimator (`str`, *optional*, defaults to `"k1"`):
+            Per-token estimator: `k1`, `k2`, `k3`, `low_var_kl`, `abs`, `corrected_k3`, each also with a `+`
+            suffix (value of the estimator, gradient of `k2`), or `"full"` (exact KL over the whole vocabulary,
+            computed in chunks). Combinations whose gradient is not that of KL(pi||ref) log one warning
+            naming the divergence they follow (see the README's estimator table).
+        kl_coef (`float`, *optional*, defaults to `0.05`):
+            Initial KL coefficient beta.
+        kl_controller (`str`, *optional*, defaults to `"fixed"`):
+            How beta changes between updates: `"fixed"`, `"adaptive"` (Ziegler et al. 2019, Sec. 2.2),
+            `"exponential"` (`beta <- beta * exp(rate * (kl - target))`) or `"pid"` (PID on log beta).
+        kl_target (`float` or `None`, *optional*, defaults to `None`):
+            Target of the controller statistic, in the unit given by `kl_target_unit`. Required by every
+            controller but `"fixed"`. Typical: 6 nats per sequence (trlx) or 0.1 per token (verl).
+        kl_target_unit (`str`, *optional*, defaults to `"sequence"`):
+            Unit of the controller statistic: `"sequence"` (mean over sequences of the per-sequence sum, the
+            trlx / old TRL convention) or `"token"` (token-weighted mean, verl's convention). Both are reduced
+            across all processes as (sum, count).
+        kl_horizon (`int`, *optional*, defaults to `10000`):
+            Horizon of the adaptive controller, in sequences.
+        kl_error_clip (`float`, *optional*, defaults to `0.2`):
+            Clip of the relative error of the adaptive controller.
+        kl_controller_rate (`float`, *optional*, defaults to `0.1`):
+            Rate `k_p` of the exponential controller.
+        kl_pid_kp, kl_pid_ki, kl_pid_kd (`float` or `None`, *optional*):
+            Gains of the PID controller on log beta; `None` keeps the controller's defaults.
+        kl_coef_min (`float`, *optional*, defaults to `1e-4`), kl_coef_max (`float`, *optional*, defaults to `10.0`):
+            Bounds on beta for the adaptive, exponential and PID controllers.
+        kl_log_ratio_clamp (`float` or `None`, *optional*, defaults to `40.0`):
+            `|log pi - log pi_ref|` is clamped to this before any `exp`, which keeps float32 finite.
+        kl_value_clamp (`float` or `None`, *optional*, defaults to `None`):
+            Opt-in clamp of every estimator's output to `[-v, v]` (OpenRLHF uses 10). Clamped tokens have zero
+            gradient; their fraction is logged as `kl/clamped_frac`.
+        kl_loss_agg_mode (`str`, *optional*, defaults to `"token-mean"`):
+            Aggregation of the KL loss term: `token-mean`, `seq-mean-token-sum`, `seq-mean-token-mean` or
+            `seq-mean-token-sum-norm`. Counts are global (all processes, whole mini-batch), so results do not
+            depend on how a batch is split across processes and accumulation steps.
+        kl_drift_patience (`int`, *optional*, defaults to `5`):
+            Warn when the controller statistic stays above 2x or below 0.5x the target for this many
+            consecutive updates.
+        full_kl_chunk_size (`int`, *optional*, defaults to `1024`):
+            Positions per chunk for `kl_estimator="full"`.
+
+        > PPO
+
+        num_ppo_epochs (`int`, *optional*, defaults to `4`):
+            Optimisation epochs over each rollout batch.
+        num_mini_batches (`int`, *optional*, defaults to `1`):
+            Mini-batches per rollout batch (one optimizer step each).
+        cliprange (`float`, *optional*, defaults to `0.2`):
+            Clip range of the policy ratio.
+        cliprange_value (`float`, *optional*, defaults to `0.2`):
+            Clip range of the value prediction around the rollout's value.
+        vf_coef (`float`, *optional*, defaults to `0.1`):
+            Weight of the value loss.
+        gamma (`float`, *optional*, defaults to `1.0`), lam (`float`, *optional*, defaults to `0.95`):
+            Discount and GAE lambda.
+        whiten_rewards (`bool`, *optional*, defaults to `False`):
+            Whiten per-token rewards (global statistics) before GAE.
+        whiten_advantages (`bool`, *optional*, defaults to `True`):
+            Whiten advantages with global statistics across processes.
+        critic (`str`, *optional*, defaults to `"separate"`):
+            `"separate"`: a value model of its own (initialised per `critic_init`); `"shared"`: a value head on
+            the policy backbone, one forward pass for both.
+        critic_init (`str`, *optional*, defaults to `"policy"`):
+            Where a separate critic's backbone comes from: `"policy"`, `"reward"` (the first reward model) or
+            a model path / hub id.
+
+        > Rollout
+
+        response_length (`int`, *optional*, defaults to `53`):
+            Maximum number of generated tokens.
+        temperature (`float`, *optional*, defaults to `0.7`):
+            Sampling temperature; policy and reference log-probs use the same scaling.
+        stop_token (`str` or `None`, *optional*, defaults to `"eos"`):
+            `"eos"` truncates responses after the first EOS token; `None` keeps the full length.
+        stop_token_id (`int` or `None`, *optional*, defaults to `None`):
+            An explicit stop token id (overrides `stop_token`).
+        missing_eos_penalty (`float` or `None`, *optional*, defaults to `None`):
+            Subtracted from the score of responses that did not end with the stop token.
+        reward_weights (`list[float]` or `None`, *optional*, defaults to `None`):
+            Weights of the reward functions (default: all 1).
+        rollout_forward_batch_size (`int`, *optional*, defaults to `16`):
+            Sequences per forward chunk when scoring rollouts: full-vocabulary logits never exist for more than
+            this many sequences at once.
+        max_prompt_length (`int` or `None`, *optional*, defaults to `256`):
+            Prompts are truncated (from the left) to this many tokens.
+
+        > Diagnostics
+
+        num_sample_generations (`int`, *optional*, defaults to `10`):
+            How many times over training a table of sample completions is logged (0 disables).
+        heldout_eval_texts (`int`, *optional*, defaults to `32`):
+            Number of held-out texts for `eval/perplexity`.
+        max_nonfinite_updates (`int`, *optional*, defaults to `3`):
+            Updates with a non-finite loss or KL are skipped; this many in a row abort training.
+    """
+
+    # KL control
+    kl_mode: str = field(default="reward", metadata={"help": f"Where KL acts: {', '.join(KL_MODES)}."})
+    kl_estimator: str = field(default="k1", metadata={"help": "Per-token KL estimator (see the README table)."})
+    kl_coef: float = field(default=0.05, metadata={"help": "Initial KL coefficient beta."})
+    kl_controller: str = field(default="fixed", metadata={"help": f"One of {', '.join(KL_CONTROLLERS)}."})
+    kl_target: float | None = field(default=None, metadata={"help": "Target of the controller statistic."})
+    kl_target_unit: str = field(default="sequence", metadata={"help": "'sequence' or 'token'."})
+    kl_horizon: int = field(default=10000, metadata={"help": "Adaptive controller horizon (sequences)."})
+    kl_error_clip: float = field(default=0.2, metadata={"help": "Adaptive controller error clip."})
+    kl_controller_rate: float = field(default=0.1, metadata={"help": "Exponential controller rate."})
+    kl_pid_kp: float | None = field(default=None, metadata={"help": "PID proportional gain (log beta)."})
+    kl_pid_ki: float | None = field(default=None, metadata={"help": "PID integral gain (log beta)."})
+    kl_pid_kd: float | None = field(default=None, metadata={"help": "PID derivative gain (log beta)."})
+    kl_coef_min: float = field(default=1e-4, metadata={"help": "Lower bound of beta (adaptive kinds)."})
+    kl_coef_max: float = field(default=10.0, metadata={"help": "Upper bound of beta (adaptive kinds)."})
+    kl_log_ratio_clamp: float | None = field(default=40.0, metadata={"help": "Clamp of |log ratio| before exp."})
+    kl_value_clamp: float | None = field(default=None, metadata={"help": "Opt-in clamp of estimator outputs."})
+    kl_loss_agg_mode: str = field(default="token-mean", metadata={"help": "Aggregation of the KL loss term."})
+    kl_drift_patience: int = field(default=5, metadata={"help": "Updates out of band before a drift warning."})
+    full_kl_chunk_size: int = field(default=1024, metadata={"help": "Chunk size of full-vocabulary KL."})
+
+    # PPO
+    num_ppo_epochs: int = field(default=4, metadata={"help": "PPO epochs per rollout batch."})
+    num_mini_batches: int = field(default=1, metadata={"help": "Mini-batches per rollout batch."})
+    cliprange: float = field(default=0.2, metadata={"help": "Policy ratio clip range."})
+    cliprange_value: float = field(default=0.2, metadata={"help": "Value clip range."})
+    vf_coef: float = field(default=0.1, metadata={"help": "Value loss weight."})
+    gamma: float = field(default=1.0, metadata={"help": "Discount factor."})
+    lam: float = field(default=0.95, metadata={"help": "GAE lambda."})
+    whiten_rewards: bool = field(default=False, metadata={"help": "Whiten rewards before GAE."})
+    whiten_advantages: bool = field(default=True, metadata={"help": "Whiten advantages (global statistics)."})
+    critic: str = field(default="separate", metadata={"help": "'separate' value model or 'shared' value head."})
+    critic_init: str = field(default="policy", metadata={"help": "'policy', 'reward' or a model path."})
+
+    # Rollout
+    response_length: int = field(default=53, metadata={"help": "Maximum generated tokens."})
+    temperature: float = field(default=0.7, metadata={"help": "Sampling temperature."})
+    stop_token: str | None = field(default="eos", metadata={"help": "'eos' or None."})
+    stop_token_id: int | None = field(default=None, metadata={"help": "Explicit stop token id."})
+    missing_eos_penalty: float | None = field(default=None, metadata={"help": "Penalty without stop token."})
+    reward_weights: list[float] | None = field(default=None, metadata={"help": "Weights of reward functions."})
+    rollout_forward_batch_size: int = field(default=16, metadata={"help": "Sequences per scoring chunk."})
+    max_prompt_length: int | None = field(default=256, metadata={"help": "Maximum prompt tokens."})
+
+    # Diagnostics
+    num_sample_generations: int = field(default=10, metadata={"help": "Sample-completion tables over training."})
+    heldout_eval_texts: int = field(default=32, metadata={"help": "Held-out texts for eval/perplexity."})
+    max_nonfinite_updates: int = field(default=3, metadata={"help": "Non-finite updates in a row before abort."})
+
+    # Defaults that differ from TrainingArguments
+    learning_rate: float = field(default=3e-6, metadata={"help": "Learning rate."})
+    logging_steps: float = field(default=1, metadata={"help": "Log every N PPO updates."})
+    remove_unused_columns: bool = field(default=False, metadata={"help": "Keep dataset columns for rewards."})
+
+    def __post_init__(self):
+        self._validate_kl_fields()
+        self._validate_ppo_fields()
+        super().__post_init__()
+        self._warn_biased_gradient()
+
+    # ------------------------------------------------------------------ validation
+    def _validate_kl_fields(self) -> None:
+        if self.kl_mode not in KL_MODES:
+            raise _choice_error("kl_mode", self.kl_mode, KL_MODES)
+        if self.kl_estimator not in kl_estimator_choices():
+            raise _choice_error("kl_estimator", self.kl_estimator, kl_estimator_choices())
+        if self.kl_controller not in KL_CONTROLLERS:
+            raise _choice_error("kl_controller", self.kl_controller, KL_CONTROLLERS)
+        if self.kl_target_unit not in KL_TARGET_UNITS:
+            raise _choice_error("kl_target_unit", self.kl_target_unit, KL_TARGET_UNITS)
+        if self.kl_loss_agg_mode not in LOSS_AGG_MODES:
+            raise _choice_error("kl_loss_agg_mode", self.kl_loss_agg_mode, LOSS_AGG_MODES)
+        if self.kl_controller == "fixed":
+            if self.kl_coef < 0:
+                raise ValueError(f"`kl_coef` must be >= 0, got {self.kl_coef}.")
+        else:
+            if self.kl_mode == "none":
+                raise ValueError(
+                    f"`kl_mode='none'` applies no KL term, so `kl_controller='{self.kl_controller}'` has "
+                    "nothing to adapt. Set `kl_controller='fixed'`, or choose kl_mode 'reward', 'loss' or 'both'."
+                )
+            if self.kl_target is None or not self.kl_target > 0:
+                raise ValueError(
+                    f"`kl_controller='{self.kl_controller}'` needs a positive `kl_target` (got {self.kl_target}), "
+                    f"in the unit of `kl_target_unit` ('{self.kl_target_unit}'): e.g. 6.0 nats per sequence or "
+                    "0.1 per token. Use `kl_controller='fixed'` for a constant coefficient."
+                )
+            if not self.kl_coef > 0:
+                raise ValueError(
+                    f"`kl_controller='{self.kl_controller}'` scales the coefficient multiplicatively, so "
+                    f"`kl_coef` must be > 0 (got {self.kl_coef})."
+                )
+            if self.kl_coef_min < 0 or self.kl_coef_min > self.kl_coef_max:
+                raise ValueError(
+                    f"Need 0 <= kl_coef_min <= kl_coef_max, got kl_coef_min={self.kl_coef_min}, "
+                    f"kl_coef_max={self.kl_coef_max}."
+                )
+            if self.kl_controller == "adaptive" and not self.kl_horizon > 0:
+                raise ValueError(f"`kl_horizon` must be > 0 (sequences), got {self.kl_horizon}.")
+        if self.kl_log_ratio_clamp is not None and not self.kl_log_ratio_clamp > 0:
+            raise ValueError(
+                f"`kl_log_ratio_clamp` must be > 0 or None, got {self.kl_log_ratio_clamp} (40 keeps float32 finite)."
+            )
+        if self.kl_value_clamp is not None and not self.kl_value_clamp > 0:
+            raise ValueError(f"`kl_value_clamp` must be > 0 or None (off), got {self.kl_value_clamp}.")
+        if self.kl_drift_patience < 1:
+            raise ValueError(f"`kl_drift_patience` must be >= 1, got {self.kl_drift_patience}.")
+        if self.full_kl_chunk_size < 1:
+            raise ValueError(f"`full_kl_chunk_size` must be >= 1, got {self.full_kl_chunk_size}.")
+
+    def _validate_ppo_fields(self) -> None:
+        if self.critic not in CRITIC_KINDS:
+            raise _choice_error("critic", self.critic, CRITIC_KINDS)
+        for name in ("num_ppo_epochs", "num_mini_batches", "response_length", "rollout_forward_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}.")
+        if not self.temperature > 0:
+            raise ValueError(f"`temperature` must be > 0, got {self.temperature}.")
+        if self.stop_token not in ("eos", None):
+            raise _choice_error("stop_token", self.stop_token, ("eos", None))
+        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
+            raise ValueError(f"`gamma` and `lam` must lie in [0, 1], got gamma={self.gamma}, lam={self.lam}.")
+        if self.cliprange <= 0 or self.cliprange_value <= 0:
+            raise ValueError("`cliprange` and `cliprange_value` must be > 0.")
+        if self.max_nonfinite_updates < 1:
+            raise ValueError(f"`max_nonfinite_updates` must be >= 1, got {self.max_nonfinite_updates}.")
+
+    def _warn_biased_gradient(self) -> None:
+        for mode in self.kl_modes_applied:
+            info = divergence_followed(self.kl_estimator, mode, off_policy=self.is_off_policy)
+            if not info.unbiased:
+                logger.warning("KL configuration: %s", info.message)
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def kl_modes_applied(self) -> tuple[str, ...]:
+        """The places the KL term acts: a subset of ("reward", "loss")."""
+        return {"reward": ("reward",), "loss": ("loss",), "both": ("reward", "loss"), "none": ()}[self.kl_mode]
+
+    @property
+    def is_off_policy(self) -> bool:
+        """Whether loss terms are evaluated on a policy that has moved since sampling (several optimizer
+        steps per rollout batch)."""
+        return self.num_ppo_epochs * self.num_mini_batches > 1
+
+    @property
+    def local_mini_batch_size(self) -> int:
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps
+
+    @property
+    def local_rollout_batch_size(self) -> int:
+        return self.local_mini_batch_size * self.num_mini_batches
+
+    def num_updates(self, dataset_size: int, world_size: int) -> int:
+        """Number of PPO updates: `max_steps` if set, else epochs over the prompt set."""
+        if self.max_steps > 0:
+            return int(self.max_steps)
+        global_batch = self.local_rollout_batch_size * world_size
+        return max(1, math.ceil(self.num_train_epochs * dataset_size / global_batch))

@@ -1,0 +1,119 @@
+"""Value models and the actor-critic module the trainer optimises.
+
+Two layouts (`KLPPOConfig.critic`):
+
+- `"separate"`: the critic is a backbone of its own plus a scalar head (initialised from the policy, the
+  reward model or any path; a sequence-classification model is used as backbone + its `score` head).
+- `"shared"`: a scalar head on the policy's last hidden state; one forward pass gives logits and values.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def hidden_size_of(config) -> int:
+    for name in ("hidden_size", "n_embd", "d_model"):
+        if getattr(config, name, None):
+            return int(getattr(config, name))
+    text_config = getattr(config, "text_config", None)
+    if text_config is not None:
+        return hidden_size_of(text_config)
+    raise ValueError(f"Cannot find the hidden size of {type(config).__name__}; pass a value_model explicitly.")
+
+
+class ValueHead(nn.Module):
+    """Linear map from the last hidden state to a scalar value per position."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.summary = nn.Linear(hidden_size, 1)
+        nn.init.normal_(self.summary.weight, std=1.0 / (hidden_size + 1) ** 0.5)
+        nn.init.zeros_(self.summary.bias)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.summary(hidden_states.to(self.summary.weight.dtype)).squeeze(-1)
+
+
+class CriticModel(nn.Module):
+    """A transformer backbone plus a scalar head: `forward(...) -> values [B, L]`."""
+
+    def __init__(self, backbone: nn.Module, head: nn.Module):
+        super().__init__()
+        self.backbone = backbone
+        self.head = head
+
+    @classmethod
+    def from_model(cls, model: nn.Module) -> "CriticModel":
+        """Build from a causal-LM or sequence-classification model (its backbone; its `score` head if it has
+        one with a single output, else a fresh `ValueHead`)."""
+        backbone = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+        if backbone is None:
+            backbone = model.get_decoder() if hasattr(model, "get_decoder") else model
+        score = getattr(model, "score", None)
+        if isinstance(score, nn.Linear) and score.out_features == 1:
+            return cls(backbone, _LinearValue(score))
+        return cls(backbone, ValueHead(hidden_size_of(model.config)))
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
+        out = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        )
+        return self.head(out.last_hidden_state)
+
+
+class _LinearValue(nn.Module):
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.score = linear
+
+    def forward(self, hidden_states):
+        return self.score(hidden_states.to(self.score.weight.dtype)).squeeze(-1)
+
+
+class ActorCritic(nn.Module):
+    """Policy and critic as one module, so that one optimizer and one data-parallel wrapper cover both.
+
+    `forward(input_ids, attention_mask, position_ids) -> (logits, values)`; with `compute_values=False`
+    the critic is skipped.
+    """
+
+    def __init__(self, policy: nn.Module, critic: nn.Module | None = None, value_head: nn.Module | None = None):
+        super().__init__()
+        if (critic is None) == (value_head is None):
+            raise ValueError("ActorCritic needs exactly one of `critic` (separate) or `value_head` (shared).")
+        self.policy = policy
+        self.critic = critic
+        self.value_head = value_head
+
+    @property
+    def shared(self) -> bool:
+        return self.value_head is not None
+
+    @property
+    def config(self):
+        return self.policy.config
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, compute_values: bool = True):
+        out = self.policy(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            output_hidden_states=compute_values and self.shared,
+            use_cache=False,
+        )
+        values = None
+        if compute_values:
+            if self.shared:
+                values = self.value_head(out.hidden_states[-1])
+            else:
+                values = self.critic(input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        return out.logits, values
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+        self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
+        if self.critic is not None and hasattr(self.critic.backbone, "gradient_checkpointing_enable"):
+            self.critic.backbone.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs=gradient_checkpointing_kwargs
+            )

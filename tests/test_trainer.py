@@ -1,0 +1,216 @@
+"""KLPPOTrainer on a tiny random Llama (no hub): parameters move, KL modes, controllers, resume, PEFT."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+
+import pytest
+import torch
+from datasets import Dataset
+
+from klppo import KLPPOConfig, KLPPOTrainer
+from klppo.kl import kl_estimators
+from klppo.models import TINY_MODEL, resolve_model_path
+
+DESIGN_METRICS = [
+    "kl/coef", "kl/value", "kl/k1", "kl/k2", "kl/k3", "kl/clamped_frac",
+    "objective/scores", "objective/rlhf_reward", "objective/non_score_reward",
+    "loss/policy", "loss/value", "policy/approxkl", "policy/clipfrac", "policy/entropy", "val/clipfrac",
+]  # fmt: skip
+
+
+def length_reward(prompts, completions, completion_ids=None, **kwargs):
+    """Rewards longer completions: a signal the tiny model can follow."""
+    return [len(ids) / 8.0 for ids in completion_ids]
+
+
+@pytest.fixture(scope="module")
+def tiny_path():
+    return resolve_model_path(TINY_MODEL)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    words = ["The day was", "My friend said", "A letter came", "The food tasted", "Our team lost", "It rained"]
+    return Dataset.from_dict({"prompt": [w for w in words for _ in range(4)]})
+
+
+def make_args(tmp_path, **overrides) -> KLPPOConfig:
+    base = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        num_mini_batches=1,
+        num_ppo_epochs=1,
+        max_steps=1,
+        response_length=6,
+        learning_rate=1e-3,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        seed=0,
+        disable_tqdm=True,
+        use_cpu=True,
+        num_sample_generations=0,
+    )
+    base.update(overrides)
+    return KLPPOConfig(**base)
+
+
+def make_trainer(tiny_path, prompts, args, **kwargs) -> KLPPOTrainer:
+    kwargs.setdefault("reward_funcs", length_reward)
+    return KLPPOTrainer(model=tiny_path, args=args, train_dataset=prompts, **kwargs)
+
+
+def last_log(trainer) -> dict:
+    return next(h for h in reversed(trainer.state.log_history) if "kl/coef" in h)
+
+
+def test_every_trainable_parameter_changes_reference_does_not(tiny_path, prompts, tmp_path):
+    trainer = make_trainer(tiny_path, prompts, make_args(tmp_path, kl_mode="both", kl_estimator="k3+"))
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    ref_before = {n: p.detach().clone() for n, p in trainer.ref_model.named_parameters()}
+    trainer.train()
+    for name, param in trainer.model.named_parameters():
+        if name in before:
+            assert not torch.equal(before[name], param), f"{name} did not change"
+    for name, param in trainer.ref_model.named_parameters():
+        assert torch.equal(ref_before[name], param), f"reference {name} changed"
+    log = last_log(trainer)
+    for key in DESIGN_METRICS:
+        assert key in log and math.isfinite(log[key]), key
+    assert log["loss/kl"] != 0.0
+
+
+@pytest.mark.parametrize("estimator", [*kl_estimators(), "full"])
+def test_each_estimator_runs_in_loss_mode(tiny_path, prompts, tmp_path, estimator):
+    args = make_args(tmp_path, kl_mode="loss", kl_estimator=estimator, critic="shared", num_ppo_epochs=2)
+    trainer = make_trainer(tiny_path, prompts, args)
+    trainer.train()
+    log = last_log(trainer)
+    assert math.isfinite(log["loss/kl"]) and math.isfinite(log["kl/value"])
+    assert log["objective/non_score_reward"] == 0.0  # loss mode puts nothing in the reward
+
+
+@pytest.mark.parametrize("mode", ["reward", "none"])
+def test_reward_and_none_modes(tiny_path, prompts, tmp_path, mode):
+    trainer = make_trainer(tiny_path, prompts, make_args(tmp_path, kl_mode=mode, kl_coef=0.5))
+    trainer.train()
+    log = last_log(trainer)
+    assert "loss/kl" not in log
+    if mode == "reward":
+        # non-score reward is exactly -beta * mean per-sequence sum of k1 (the controller statistic)
+        assert log["objective/non_score_reward"] == pytest.approx(-0.5 * log["kl/value"], rel=1e-5, abs=1e-9)
+    else:
+        assert log["objective/non_score_reward"] == 0.0
+
+
+def test_adaptive_coefficient_follows_target_fixed_stays(tiny_path, prompts, tmp_path):
+    common = dict(kl_controller="adaptive", kl_coef=0.1, kl_horizon=8, max_steps=2, kl_target_unit="token")
+    # a tiny target: KL is above it, beta must rise; a huge one: beta must fall
+    high = make_trainer(tiny_path, prompts, make_args(tmp_path, kl_target=1e-9, **common))
+    high.train()
+    low = make_trainer(tiny_path, prompts, make_args(tmp_path, kl_target=1e3, **common))
+    low.train()
+    assert high.kl_controller.value > 0.1 * 1.1
+    assert low.kl_controller.value < 0.1 * 0.9
+    fixed = make_trainer(tiny_path, prompts, make_args(tmp_path, kl_coef=0.1, max_steps=2))
+    fixed.train()
+    assert fixed.kl_controller.value == 0.1
+    coefs = [h["kl/coef"] for h in fixed.state.log_history if "kl/coef" in h]
+    assert coefs == [0.1, 0.1]
+
+
+def test_resume_continues_coefficient(tiny_path, prompts, tmp_path):
+    kw = dict(kl_controller="exponential", kl_target=1e-6, kl_coef=0.1, kl_target_unit="token", save_strategy="steps")
+    full = make_trainer(tiny_path, prompts, make_args(tmp_path, max_steps=2, save_steps=1, **kw))
+    full.train()
+    coefs = [h["kl/coef"] for h in full.state.log_history if "kl/coef" in h]
+    assert coefs[1] != coefs[0]  # it did adapt
+    ckpt = os.path.join(full.args.output_dir, "checkpoint-1")
+    with open(os.path.join(ckpt, "kl_controller.json")) as f:
+        saved = json.load(f)["kl_controller"]
+    resumed = make_trainer(tiny_path, prompts, make_args(tmp_path, max_steps=2, save_steps=1, **kw))
+    assert resumed.kl_controller.value == 0.1
+    resumed.train(resume_from_checkpoint=ckpt)
+    resumed_coefs = [h["kl/coef"] for h in resumed.state.log_history if "kl/coef" in h]
+    # the resumed run's update 2 used the coefficient saved after update 1, not the initial 0.1
+    assert resumed_coefs[-1] == pytest.approx(coefs[1], rel=1e-12)
+    assert saved["value"] == pytest.approx(coefs[1], rel=1e-12) if "value" in saved else True
+    assert resumed.state.global_step == 2
+
+
+def test_peft_adapter_reference_matches_frozen_copy(tiny_path, prompts, tmp_path):
+    peft = pytest.importorskip("peft")
+    from klppo.models import load_causal_lm
+
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    args = make_args(tmp_path, critic="shared")
+    adapter_ref = make_trainer(tiny_path, prompts, args, peft_config=lora)
+    copy_ref = make_trainer(tiny_path, prompts, args, peft_config=lora, ref_model=load_causal_lm(tiny_path))
+    assert adapter_ref.ref_model is None and adapter_ref.use_adapter_reference
+    batch = adapter_ref._collate([{"prompt": p} for p in prompts["prompt"][:4]])
+    torch.manual_seed(0)
+    rollout_a = adapter_ref._rollout(batch)
+    rollout_b = {k: rollout_a[k] for k in ("query_responses", "attention_mask", "responses", "response_mask")}
+    rollout_b["context_length"] = rollout_a["context_length"]
+    scored_b = copy_ref._score(rollout_b, {})
+    torch.testing.assert_close(rollout_a["ref_logp"], scored_b["ref_logp"], rtol=1e-5, atol=1e-5)
+    # at step 0 (LoRA B = 0) the policy equals the reference
+    torch.testing.assert_close(rollout_a["logp"], rollout_a["ref_logp"], rtol=1e-5, atol=1e-5)
+    # only adapter and value-head weights train; training changes them and not the base
+    adapter_ref.train()
+    names = [n for n, p in adapter_ref.model.named_parameters() if p.requires_grad]
+    assert names and all("lora" in n or "value_head" in n for n in names)
+
+
+def test_nonfinite_reward_skips_update_then_aborts(tiny_path, prompts, tmp_path):
+    def nan_reward(prompts, completions, **kwargs):
+        return [float("nan")] * len(completions)
+
+    args = make_args(tmp_path, max_steps=3, max_nonfinite_updates=2)
+    trainer = make_trainer(tiny_path, prompts, args, reward_funcs=nan_reward)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    with pytest.raises(RuntimeError, match="non-finite"):
+        trainer.train()
+    assert trainer.nonfinite_skips == 2
+    for name, param in trainer.model.named_parameters():
+        assert torch.equal(before[name], param), f"{name} changed during a skipped update"
+
+
+def test_shared_critic_and_perplexity_eval(tiny_path, prompts, tmp_path):
+    args = make_args(tmp_path, critic="shared", eval_strategy="steps", eval_steps=1, max_steps=1)
+    trainer = make_trainer(tiny_path, prompts, args, eval_dataset=prompts.select(range(4)), heldout_texts=["a b c"] * 4)
+    trainer.train()
+    evals = [h for h in trainer.state.log_history if "eval/perplexity" in h]
+    assert evals and math.isfinite(evals[0]["eval/perplexity"]) and evals[0]["eval/perplexity"] > 1
+    assert "eval/scores" in evals[0]
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (dict(kl_estimator="k4"), "k1"),
+        (dict(kl_mode="sideways"), "reward"),
+        (dict(kl_controller="magic"), "adaptive"),
+        (dict(kl_loss_agg_mode="sum"), "token-mean"),
+        (dict(kl_controller="adaptive"), "kl_target"),
+        (dict(kl_controller="pid", kl_target=-1.0), "kl_target"),
+        (dict(kl_mode="none", kl_controller="adaptive", kl_target=1.0), "nothing to adapt"),
+        (dict(critic="both"), "separate"),
+        (dict(kl_target_unit="nats"), "sequence"),
+    ],
+)
+def test_config_rejects_bad_values(tmp_path, overrides, match):
+    with pytest.raises(ValueError, match=match):
+        make_args(tmp_path, **overrides)
+
+
+def test_biased_combination_warns_once(tmp_path, caplog):
+    with caplog.at_level("WARNING"):
+        make_args(tmp_path, kl_mode="loss", kl_estimator="k1")
+    messages = [r.getMessage() for r in caplog.records if "KL configuration" in r.getMessage()]
+    assert len(messages) == 1
