@@ -28,7 +28,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase, Trainer, TrainerCallback
+from transformers import PreTrainedTokenizerBase, Trainer, TrainerCallback, set_seed
 from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
 from trl.models.utils import unwrap_model_for_generation
@@ -169,6 +169,7 @@ class KLPPOTrainer(Trainer):
             )
         if reward_funcs is None:
             raise ValueError("KLPPOTrainer needs `reward_funcs`: a callable, a reward model, or a path to one.")
+        set_seed(args.seed)  # value heads and copies are created below, before Trainer seeds
         _maybe_offline_wandb(args)
 
         # Policy and tokenizer
@@ -346,12 +347,7 @@ class KLPPOTrainer(Trainer):
         args, acc = self.args, self.accelerator
         self.is_in_train = True
         num_updates = args.num_updates(len(self.train_dataset), acc.num_processes)
-        optimizer_steps = num_updates * args.num_ppo_epochs * args.num_mini_batches
-        self.create_optimizer_and_scheduler(num_training_steps=optimizer_steps)
-        self.model_wrapped, self.optimizer = acc.prepare(self.model, self.optimizer)
-        if self.is_deepspeed_enabled:
-            self.deepspeed = self.model_wrapped
-
+        self._setup_optimisation(num_updates)
         self.state.max_steps = num_updates
         self.state.num_train_epochs = math.ceil(
             num_updates * args.local_rollout_batch_size * acc.num_processes / len(self.train_dataset)
@@ -395,6 +391,17 @@ class KLPPOTrainer(Trainer):
         self.is_in_train = False
         runtime = time.time() - start_time
         return TrainOutput(self.state.global_step, metrics.get("loss/policy", float("nan")), {"train_runtime": runtime})
+
+    def _setup_optimisation(self, num_updates: int) -> None:
+        """Create the optimizer and scheduler and wrap the actor-critic for distributed training. The
+        scheduler is not handed to accelerate: it steps once per optimizer step, on every rank."""
+        args = self.args
+        if self.optimizer is None:
+            optimizer_steps = num_updates * args.num_ppo_epochs * args.num_mini_batches
+            self.create_optimizer_and_scheduler(num_training_steps=optimizer_steps)
+            self.model_wrapped, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
+            if self.is_deepspeed_enabled:
+                self.deepspeed = self.model_wrapped
 
     def _ppo_update(self, batch: dict) -> dict[str, float]:
         timings: dict[str, float] = defaultdict(float)

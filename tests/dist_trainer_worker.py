@@ -1,0 +1,115 @@
+"""Worker for the distributed trainer tests (run by `torchrun`, or by `python` as one process).
+
+    python tests/dist_trainer_worker.py update <rollout.pt> <out_dir> <grad_accum>
+        One PPO optimisation pass on a saved rollout: each rank takes its contiguous slice of the rows.
+        Writes the KL statistic, the coefficient before/after, and (rank 0) the parameter deltas.
+    python tests/dist_trainer_worker.py train <out_dir>
+        A few real PPO updates with the adaptive controller; every rank writes its coefficient trajectory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+from datasets import Dataset
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from klppo import KLPPOConfig, KLPPOTrainer  # noqa: E402
+from klppo.models import TINY_MODEL, resolve_model_path  # noqa: E402
+
+
+def length_reward(prompts, completions, completion_ids=None, **kwargs):
+    return [len(ids) / 8.0 for ids in completion_ids]
+
+
+PROMPTS = Dataset.from_dict({"prompt": ["The day was", "My friend said", "A letter came", "It rained"] * 4})
+
+
+def make_trainer(out_dir: str, **overrides) -> KLPPOTrainer:
+    args = dict(
+        output_dir=out_dir,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=1,
+        num_ppo_epochs=1,
+        num_mini_batches=1,
+        max_steps=3,
+        response_length=6,
+        learning_rate=0.5,
+        optim="sgd",
+        max_grad_norm=0.0,
+        lr_scheduler_type="constant",
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        use_cpu=True,
+        seed=0,
+        kl_controller="adaptive",
+        kl_coef=0.1,
+        kl_target=1e-3,
+        kl_target_unit="token",
+        kl_horizon=4,
+        kl_mode="both",
+        kl_estimator="k1",
+        num_sample_generations=0,
+    )
+    args.update(overrides)
+    return KLPPOTrainer(
+        model=resolve_model_path(TINY_MODEL),
+        args=KLPPOConfig(**args),
+        reward_funcs=length_reward,
+        train_dataset=PROMPTS,
+    )
+
+
+def run_update(rollout_path: str, out_dir: str, grad_accum: int) -> dict:
+    trainer = make_trainer(out_dir, gradient_accumulation_steps=grad_accum)
+    acc = trainer.accelerator
+    full = torch.load(rollout_path)
+    n = full["responses"].shape[0]
+    per_rank = n // acc.num_processes
+    rows = slice(acc.process_index * per_rank, (acc.process_index + 1) * per_rank)
+    rollout = {k: (v[rows] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == n else v) for k, v in full.items()}
+    trainer._setup_optimisation(num_updates=1)
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if p.requires_grad}
+    coef_before = trainer.kl_controller.value
+    metrics = trainer._apply_kl(rollout)
+    trainer._compute_advantages(rollout)
+    trainer._optimise(rollout)
+    deltas = {name: (p.detach() - before[name]) for name, p in trainer.model.named_parameters() if name in before}
+    result = {
+        "rank": acc.process_index,
+        "world": acc.num_processes,
+        "tokens": int(rollout["response_mask"].sum()),
+        "kl_value": metrics["kl/value"],
+        "coef_before": coef_before,
+        "coef_after": trainer.kl_controller.value,
+    }
+    with open(os.path.join(out_dir, f"update_rank{acc.process_index}.json"), "w") as f:
+        json.dump(result, f)
+    if acc.is_main_process:
+        torch.save(deltas, os.path.join(out_dir, f"deltas_world{acc.num_processes}.pt"))
+    return result
+
+
+def run_train(out_dir: str) -> None:
+    trainer = make_trainer(out_dir, kl_mode="reward", kl_target=0.5, kl_target_unit="sequence")
+    trainer.train()
+    coefs = [h["kl/coef"] for h in trainer.state.log_history if "kl/coef" in h] + [trainer.kl_controller.value]
+    values = [h["kl/value"] for h in trainer.state.log_history if "kl/value" in h]
+    rank = trainer.accelerator.process_index
+    with open(os.path.join(out_dir, f"train_rank{rank}.json"), "w") as f:
+        json.dump({"rank": rank, "world": trainer.accelerator.num_processes, "coefs": coefs, "kl": values}, f)
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    if mode == "update":
+        run_update(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    elif mode == "train":
+        run_train(sys.argv[2])
+    else:
+        raise SystemExit(f"unknown mode {mode!r}: use 'update' or 'train'")
