@@ -1,0 +1,75 @@
+"""KL control for klppo: pure tensor functions and small classes (torch and the stdlib only).
+
+- ``estimators``: per-token estimators behind a registry, ``compute_kl``, exact ``full_kl``.
+- ``controllers``: Fixed / Adaptive / Exponential / PID coefficient controllers.
+- ``penalty``: KL into per-token rewards or into the loss; loss aggregation modes.
+- ``reduce``: token-weighted global statistics across ranks (one collective each).
+- ``divergence``: which divergence a configuration follows; the README estimator table
+  (imported on first use so that ``python -m klppo.kl.divergence`` runs cleanly).
+"""
+
+from .controllers import (
+    KL_CONTROLLERS,
+    AdaptiveKLController,
+    ExponentialKLController,
+    FixedKLController,
+    KLController,
+    PIDKLController,
+    build_kl_controller,
+)
+from .estimators import (
+    BUILTIN_KL_ESTIMATORS,
+    compute_kl,
+    full_kl,
+    get_kl_estimator,
+    kl_estimators,
+    register_kl_estimator,
+)
+from .penalty import LOSS_AGG_MODES, aggregate_loss, kl_loss, kl_reward
+from .reduce import (
+    KL_STATISTIC_UNITS,
+    global_masked_mean,
+    global_masked_whiten,
+    global_sequence_sum_mean,
+    kl_statistic,
+    reduce_sum_count,
+)
+
+__all__ = [
+    "get_kl_estimator",
+    "kl_estimators",
+    "compute_kl",
+    "full_kl",
+    "register_kl_estimator",
+    "BUILTIN_KL_ESTIMATORS",
+    "KLController",
+    "FixedKLController",
+    "AdaptiveKLController",
+    "ExponentialKLController",
+    "PIDKLController",
+    "build_kl_controller",
+    "KL_CONTROLLERS",
+    "kl_reward",
+    "kl_loss",
+    "aggregate_loss",
+    "LOSS_AGG_MODES",
+    "reduce_sum_count",
+    "global_masked_mean",
+    "global_sequence_sum_mean",
+    "global_masked_whiten",
+    "kl_statistic",
+    "KL_STATISTIC_UNITS",
+    "divergence_followed",
+    "DivergenceInfo",
+    "estimator_table_markdown",
+]
+
+_LAZY = {"divergence_followed", "DivergenceInfo", "estimator_table_markdown"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        from . import divergence
+
+        return getattr(divergence, name)
+    raise AttributeError(f"module 'klppo.kl' has no attribute {name!r}")
