@@ -1,0 +1,59 @@
+"""Shared fixtures.
+
+Model cache: klppo builds its special models (``klppo:tiny-llama``, ``klppo:smollm2-135m-instruct``)
+under ``$KLPPO_CACHE``. The test session points ``KLPPO_CACHE`` at a fresh temporary folder, so
+tests never touch the user's cache and every run (CI included) builds from scratch once per
+session; subprocesses started by tests inherit it. Set ``KLPPO_TEST_CACHE=/some/folder`` to keep
+the cache between runs instead (the SmolLM2 conversion then happens only once).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(ROOT))
+
+_SESSION_CACHE: str | None = None
+
+
+def pytest_configure(config):
+    global _SESSION_CACHE
+    keep = os.environ.get("KLPPO_TEST_CACHE")
+    if keep:
+        os.environ["KLPPO_CACHE"] = keep
+    else:
+        _SESSION_CACHE = tempfile.mkdtemp(prefix="klppo-test-cache-")
+        os.environ["KLPPO_CACHE"] = _SESSION_CACHE
+
+
+def pytest_unconfigure(config):
+    if _SESSION_CACHE is not None:
+        shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path() -> str:
+    """Folder of ``klppo:tiny-llama`` in the session cache (built on first use, ~2 s)."""
+    from klppo.models import TINY_MODEL, resolve_model_path
+
+    return resolve_model_path(TINY_MODEL)
+
+
+@pytest.fixture
+def tiny_model_and_tokenizer(tiny_model_path):
+    """A fresh ``(model, tokenizer)`` of the tiny random Llama: eval mode, fp32, CPU, left padding.
+
+    The tokenizer has bos ``<|endoftext|>``, eos ``<|im_end|>``, pad ``<|pad|>`` (pad != eos) and a
+    ChatML chat template. Each test gets its own copy, free to train or modify.
+    """
+    from klppo.models import tiny_model_and_tokenizer as build
+
+    return build()
