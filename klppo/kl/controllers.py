@@ -242,8 +242,11 @@ class _LogSpaceController(KLController):
 
     def _from_log(self, log_beta: float) -> float:
         lo, hi = self._log_bounds()
-        beta = math.exp(min(max(log_beta, lo), hi))
-        return min(max(beta, self.coef_min), self.coef_max)  # exp/log round-off at the bounds
+        if log_beta <= lo:  # exactly the bound, free of exp/log round-off
+            return self.coef_min if lo == _log(self.coef_min) else math.exp(lo)
+        if log_beta >= hi:
+            return self.coef_max if hi == _log(self.coef_max) else math.exp(hi)
+        return min(max(math.exp(log_beta), self.coef_min), self.coef_max)
 
 
 class ExponentialKLController(_LogSpaceController):
