@@ -1,0 +1,157 @@
+"""A sequence-classification reward model as a TRL-style reward function."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from . import completion_text, is_conversational
+
+
+class RewardModelFunction:
+    """Score ``prompt + completion`` with a sequence-classification model (one output logit).
+
+    Calling it follows TRL's reward-function signature
+    ``fn(prompts, completions, completion_ids=None, **kwargs) -> list[float]`` and returns
+    ``logits[:, label_index]`` for each pair, computed in batches, in eval mode, without gradients.
+
+    Text sent to the reward model:
+
+    - conversational inputs and a reward tokenizer with a chat template: the chat template applied
+      to ``prompt_messages + completion_messages``, tokenized without extra special tokens (the
+      template already holds them), as TRL does;
+    - otherwise: ``prompt_text + completion_text`` (the last message's content of each, when
+      conversational), tokenized with the tokenizer's special tokens.
+
+    Sequences are right-padded and truncated from the left to ``max_length`` tokens, so the end of
+    the completion (what the reward model reads last) is always kept.
+
+    Args:
+        model_or_path: an ``AutoModelForSequenceClassification`` model, or a Hub id / local folder
+            (or a special ``klppo:`` id) to load one from.
+        tokenizer: the reward model's tokenizer; by default loaded from ``model_or_path`` (or the
+            model's ``name_or_path``).
+        batch_size: pairs per forward pass.
+        max_length: tokens per pair after truncation.
+        device: where inputs go; by default the device of the model's first parameter, read at each
+            call, so moving ``.model`` (e.g. by a trainer) is followed.
+        label_index: the logit used as reward. ``None`` requires a model with exactly one label
+            (``num_labels == 1``) and uses logit 0; set it to use, e.g., the "positive" logit of a
+            two-class classifier.
+        model_kwargs: passed to ``from_pretrained`` when loading from a path (e.g. ``dtype``).
+
+    Attributes:
+        model: the ``nn.Module``, frozen (``requires_grad=False``) and in eval mode.
+        tokenizer: the tokenizer.
+        __name__: the model's folder or repository name, for metric names.
+    """
+
+    def __init__(
+        self,
+        model_or_path,
+        tokenizer=None,
+        batch_size: int = 8,
+        max_length: int = 512,
+        device=None,
+        label_index: int | None = None,
+        **model_kwargs,
+    ):
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        from ..models import resolve_model_path
+
+        if isinstance(model_or_path, (str, Path)):
+            source = str(model_or_path)
+            model = AutoModelForSequenceClassification.from_pretrained(resolve_model_path(source), **model_kwargs)
+        else:
+            model = model_or_path
+            source = getattr(model.config, "name_or_path", "") or ""
+        if tokenizer is None:
+            if not source:
+                raise ValueError(
+                    "RewardModelFunction got a model with no name_or_path to load its tokenizer from: "
+                    "pass tokenizer=..."
+                )
+            tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(source))
+
+        num_labels = model.config.num_labels
+        if label_index is None:
+            if num_labels != 1:
+                raise ValueError(
+                    f"Reward model {source!r} has {num_labels} labels; a reward model has one output. "
+                    "Pass label_index=<the logit to use as reward> (e.g. the 'positive' class of a "
+                    "classifier), or wrap the model in your own reward function."
+                )
+            label_index = 0
+        elif not 0 <= label_index < num_labels:
+            raise ValueError(f"label_index={label_index} is out of range for a model with {num_labels} labels.")
+
+        if tokenizer.pad_token is None:
+            if tokenizer.eos_token is None:
+                raise ValueError(f"The tokenizer of reward model {source!r} has no pad and no eos token: set one.")
+            tokenizer.pad_token = tokenizer.eos_token
+        if model.config.pad_token_id is None:
+            # Sequence-classification heads find each sequence's last token through the pad id.
+            model.config.pad_token_id = tokenizer.pad_token_id
+
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.max_length = max_length
+        self.device = device
+        self.label_index = label_index
+        self.__name__ = Path(source.rstrip("/")).name if source else type(model).__name__
+
+    def __repr__(self) -> str:
+        return f"RewardModelFunction({self.__name__!r}, batch_size={self.batch_size}, max_length={self.max_length})"
+
+    def format(self, prompt, completion) -> tuple[str, bool]:
+        """The text scored for one pair and whether it already holds its special tokens."""
+        use_template = bool(self.tokenizer.chat_template) and (
+            is_conversational(prompt) or is_conversational(completion)
+        )
+        if use_template:
+            if not is_conversational(prompt):
+                prompt = [{"role": "user", "content": completion_text(prompt)}]
+            if not is_conversational(completion):
+                completion = [{"role": "assistant", "content": completion_text(completion)}]
+            text = self.tokenizer.apply_chat_template(list(prompt) + list(completion), tokenize=False)
+            return text, True
+        return completion_text(prompt) + completion_text(completion), False
+
+    @torch.no_grad()
+    def __call__(self, prompts, completions, completion_ids=None, **kwargs) -> list[float]:
+        if len(prompts) != len(completions):
+            raise ValueError(f"Got {len(prompts)} prompts and {len(completions)} completions: they must pair up.")
+        formatted = [self.format(p, c) for p, c in zip(prompts, completions)]
+        device = self.device if self.device is not None else next(self.model.parameters()).device
+        was_training = self.model.training
+        truncation_side = self.tokenizer.truncation_side
+        self.model.eval()
+        self.tokenizer.truncation_side = "left"
+        scores: list[float] = []
+        try:
+            for start in range(0, len(formatted), self.batch_size):
+                batch = formatted[start : start + self.batch_size]
+                batch_scores = [0.0] * len(batch)
+                # A batch is all templated or all plain text in practice; split it if mixed.
+                for has_specials in sorted({s for _, s in batch}):
+                    idx = [i for i, (_, s) in enumerate(batch) if s == has_specials]
+                    enc = self.tokenizer(
+                        [batch[i][0] for i in idx],
+                        return_tensors="pt",
+                        padding=True,
+                        padding_side="right",
+                        truncation=True,
+                        max_length=self.max_length,
+                        add_special_tokens=not has_specials,
+                    ).to(device)
+                    logits = self.model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits
+                    for i, value in zip(idx, logits[:, self.label_index].float().tolist()):
+                        batch_scores[i] = value
+                scores.extend(batch_scores)
+        finally:
+            self.tokenizer.truncation_side = truncation_side
+            self.model.train(was_training)
+        return scores
