@@ -45,6 +45,7 @@ from ..kl import (
     reduce_sum_count,
 )
 from ..kl.penalty import aggregate_loss
+from ..kl.reduce import all_reduce_sum
 from .advantages import gae_advantages
 from .config import FULL_KL, KLPPOConfig
 from .losses import clipped_policy_loss, clipped_value_loss
@@ -114,10 +115,9 @@ class _GlobalSums:
         if not self.sums:
             return {}
         names = list(self.sums)
-        totals, counts = reduce_sum_count(
-            torch.stack([self.sums[n] for n in names]), torch.stack([self.counts[n] for n in names]), accelerator
-        )
-        return {n: (t / c).item() if c > 0 else float("nan") for n, t, c in zip(names, totals.tolist(), counts.tolist())}
+        packed = torch.stack([torch.stack([self.sums[n] for n in names]), torch.stack([self.counts[n] for n in names])])
+        totals, counts = all_reduce_sum(packed, accelerator).tolist()
+        return {n: t / c if c > 0 else float("nan") for n, t, c in zip(names, totals, counts)}
 
 
 class KLPPOTrainer(Trainer):
@@ -405,6 +405,7 @@ class KLPPOTrainer(Trainer):
 
     def _ppo_update(self, batch: dict) -> dict[str, float]:
         timings: dict[str, float] = defaultdict(float)
+        lr = self.lr_scheduler.get_last_lr()[0] if self.lr_scheduler is not None else self.args.learning_rate
         start = _now(self.accelerator)
         rollout = self._rollout(batch, timings)  # steps 1-3
         with _timed(timings, "time/reward", self.accelerator):
@@ -426,7 +427,7 @@ class KLPPOTrainer(Trainer):
         timings["time/update"] = _now(self.accelerator) - start
         metrics.update(timings)
         metrics["train/nonfinite_skips"] = float(self.nonfinite_skips)
-        metrics["lr"] = self.lr_scheduler.get_last_lr()[0] if self.lr_scheduler is not None else self.args.learning_rate
+        metrics["lr"] = lr
         self._maybe_record_samples(rollout)
         return metrics
 
@@ -473,10 +474,16 @@ class KLPPOTrainer(Trainer):
             resp = rollout["responses"][start : start + chunk]
             pos = position_ids_from_mask(attn)
             with _timed(timings, "time/score_policy", acc):
-                logits, values = self.model_wrapped(qr, attention_mask=attn, position_ids=pos)
+                # a shared critic's values come out of this same forward pass
+                logits, values = self.model_wrapped(
+                    qr, attention_mask=attn, position_ids=pos, compute_values=unwrapped.shared
+                )
                 logits = response_logits(logits, ctx, args.temperature)
                 out["logp"].append(response_logprobs(logits, resp))
-                out["values"].append(values[:, ctx - 1 : -1].float())
+            if not unwrapped.shared:
+                with _timed(timings, "time/score_value", acc):
+                    values = unwrapped.critic(qr, attention_mask=attn, position_ids=pos)
+            out["values"].append(values[:, ctx - 1 : -1].float())
             with _timed(timings, "time/score_ref", acc):
                 ref_logits = self._reference_logits(unwrapped, qr, attn, pos, ctx)
                 out["ref_logp"].append(response_logprobs(ref_logits, resp))
@@ -484,7 +491,6 @@ class KLPPOTrainer(Trainer):
                 with _timed(timings, "time/kl", acc):
                     out["full_kl"].append(full_kl(logits, ref_logits, chunk_size=args.full_kl_chunk_size))
             del logits, ref_logits
-        timings["time/score_value"] += 0.0  # values come out of the policy/critic forward above
         return {k: torch.cat(v, dim=0) for k, v in out.items()}
 
     def _reference_logits(self, unwrapped: ActorCritic, qr, attn, pos, context_length: int) -> torch.Tensor:
@@ -564,11 +570,12 @@ class KLPPOTrainer(Trainer):
         rollout["rewards"], rollout["kl_coef"] = rewards, coef
         stats.add("objective/non_score_reward", non_score.sum(), mask.shape[0])
         stats.add("objective/rlhf_reward", rewards.sum(), mask.shape[0])
+        stats.add("_nonfinite", (~torch.isfinite(rewards)).sum(), 1.0 / acc.num_processes)
         means = stats.means(acc)
 
         # 6. controller: token-weighted (or per-sequence) global statistic, identical update on every rank
         value = kl_statistic(kl, mask, unit=args.kl_target_unit, accelerator=acc).item()
-        finite = math.isfinite(value) and math.isfinite(means["objective/scores"])
+        finite = math.isfinite(value) and means.pop("_nonfinite") == 0
         if finite:
             self.kl_controller.update(value, n_steps=mask.shape[0] * acc.num_processes)
             self._check_coef_consistent()
@@ -882,7 +889,7 @@ def _timed(timings: dict, key: str, accelerator):
     try:
         yield
     finally:
-        timings[key] += _now(accelerator) - start
+        timings[key] = timings.get(key, 0.0) + _now(accelerator) - start
 
 
 def _load_causal_lm(path: str):

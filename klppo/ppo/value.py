@@ -111,6 +111,15 @@ class ActorCritic(nn.Module):
                 values = self.critic(input_ids, attention_mask=attention_mask, position_ids=position_ids)
         return out.logits, values
 
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return bool(getattr(self.policy, "is_gradient_checkpointing", False))
+
+    def gradient_checkpointing_disable(self):
+        self.policy.gradient_checkpointing_disable()
+        if self.critic is not None and hasattr(self.critic.backbone, "gradient_checkpointing_disable"):
+            self.critic.backbone.gradient_checkpointing_disable()
+
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
         self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
         if self.critic is not None and hasattr(self.critic.backbone, "gradient_checkpointing_enable"):
