@@ -1,0 +1,36 @@
+"""The README's estimator table is generated code: it must equal estimator_table_markdown()."""
+
+from pathlib import Path
+
+from klppo.kl import estimator_table_markdown, kl_estimators
+from klppo.kl.divergence import main, readme_table_block, replace_readme_table
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+FIX = "run: python -m klppo.kl.divergence --write-readme README.md"
+
+
+def test_readme_table_is_up_to_date():
+    block = readme_table_block(README.read_text(encoding="utf-8"))
+    assert block.strip() == estimator_table_markdown().strip(), FIX
+
+
+def test_table_lists_every_builtin_estimator_and_full():
+    table = estimator_table_markdown()
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    assert [row.split("`")[1] for row in rows] == [*kl_estimators(), "full"]
+    assert all(row.count(" | ") == 4 for row in rows)  # five cells, no stray pipe
+    k3 = next(row for row in rows if row.startswith("| `k3` |"))
+    assert "no: KL(ref\\|\\|pi)" in k3
+
+
+def test_replace_and_check(tmp_path):
+    text = "intro\n<!-- estimator-table:start -->\nstale\n<!-- estimator-table:end -->\noutro\n"
+    fresh = replace_readme_table(text)
+    assert fresh.startswith("intro\n") and fresh.endswith("<!-- estimator-table:end -->\noutro\n")
+    assert "stale" not in fresh and estimator_table_markdown() in fresh
+    path = tmp_path / "README.md"
+    path.write_text(text)
+    assert main(["--check", str(path)]) == 1
+    assert main(["--write-readme", str(path)]) == 0
+    assert main(["--check", str(path)]) == 0
+    assert path.read_text() == fresh
