@@ -1,0 +1,183 @@
+"""Held-out perplexity and KL drift diagnostics."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+@torch.no_grad()
+def heldout_perplexity(
+    model,
+    tokenizer,
+    texts: Sequence[str],
+    batch_size: int = 8,
+    max_length: int = 256,
+    accelerator=None,
+) -> float:
+    """Token-weighted perplexity of a causal LM on ``texts``: ``exp(sum NLL / number of tokens)``.
+
+    Each text is tokenized on its own (the tokenizer's special tokens included, truncated to
+    ``max_length`` tokens); every token after the first is predicted from the ones before it.
+    The NLL sum and the token count are accumulated in float64 over all texts, so a long text
+    weighs more than a short one (a mean of per-text perplexities would not).
+
+    The model runs in eval mode without gradients; its previous train/eval mode is restored.
+    Anything with a causal-LM ``forward(input_ids, attention_mask)`` returning ``.logits`` works
+    (a PEFT model, a DDP-wrapped model).
+
+    With an ``accelerator`` of more than one process, rank ``r`` scores ``texts[r::num_processes]``
+    and ``(nll_sum, count)`` is summed over ranks with
+    :func:`klppo.kl.reduce.reduce_sum_count`; every rank returns the same value. Every rank makes
+    the same number of forward passes (a short shard is padded with zero-weight copies), as
+    sharded models (DeepSpeed ZeRO-3, FSDP) need all ranks in every forward.
+
+    Args:
+        model: the causal LM.
+        tokenizer: its tokenizer (no pad token needed: batches are padded here, on the right).
+        texts: the held-out texts; the same list on every rank.
+        batch_size: texts per forward pass.
+        max_length: tokens per text after truncation.
+        accelerator: an ``accelerate.Accelerator`` (or ``None`` for a single process).
+
+    Returns:
+        The perplexity (a Python float).
+    """
+    from .kl.reduce import reduce_sum_count
+
+    texts = list(texts)
+    if not texts:
+        raise ValueError("heldout_perplexity got no texts: pass at least one non-empty text.")
+    num_processes = getattr(accelerator, "num_processes", 1) if accelerator is not None else 1
+    rank = getattr(accelerator, "process_index", 0) if accelerator is not None else 0
+    shard = texts[rank::num_processes]
+    per_rank = math.ceil(len(texts) / num_processes)
+    weights = [1.0] * len(shard) + [0.0] * (per_rank - len(shard))
+    shard = shard + [texts[0]] * (per_rank - len(shard))
+
+    if accelerator is not None:
+        device = accelerator.device
+    else:
+        device = next(model.parameters()).device
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    count = torch.zeros((), dtype=torch.float64, device=device)
+    was_training = model.training
+    model.eval()
+    try:
+        for start in range(0, len(shard), batch_size):
+            batch_ids = tokenizer(shard[start : start + batch_size], truncation=True, max_length=max_length)["input_ids"]
+            longest = max(len(ids) for ids in batch_ids)
+            input_ids = torch.zeros((len(batch_ids), longest), dtype=torch.long)
+            attention_mask = torch.zeros((len(batch_ids), longest), dtype=torch.long)
+            for row, ids in enumerate(batch_ids):  # right padding: the real tokens see no pad
+                input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+                attention_mask[row, : len(ids)] = 1
+            input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+            row_weight = torch.tensor(weights[start : start + batch_size], dtype=torch.float64, device=device)
+
+            logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+            # position t predicts token t+1: [B, T-1, V] against [B, T-1]
+            nll = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), input_ids[:, 1:], reduction="none")
+            mask = attention_mask[:, 1:].to(torch.float64) * row_weight[:, None]
+            total += (nll.to(torch.float64) * mask).sum()
+            count += mask.sum()
+    finally:
+        model.train(was_training)
+
+    total, count = reduce_sum_count(total, count, accelerator)
+    if count.item() == 0:
+        raise ValueError("heldout_perplexity found no token to predict: use texts longer than one token.")
+    return math.exp(total.item() / count.item())
+
+
+class KLDriftMonitor:
+    """Warn when the KL statistic stays far from its target: the controller is not holding it.
+
+    An adaptive controller should keep the KL statistic near ``target``. When the statistic is
+    above ``high * target`` (or below ``low * target``) for ``patience`` consecutive updates,
+    :meth:`update` returns a warning once. It warns again only after the statistic has come back
+    inside the band, or has crossed to the other side of it (a new kind of drift), so a run that
+    stays out of band logs one message, not one per step.
+
+    Args:
+        target: the KL target, in the units of the statistic passed to :meth:`update`.
+        patience: consecutive out-of-band updates before warning.
+        high: upper edge of the band, as a multiple of ``target``.
+        low: lower edge of the band, as a multiple of ``target``.
+        name: the statistic's name in messages.
+    """
+
+    def __init__(self, target: float, patience: int = 5, high: float = 2.0, low: float = 0.5, name: str = "kl/value"):
+        if not target > 0:
+            raise ValueError(f"KLDriftMonitor target must be > 0, got {target}: pass the controller's kl_target.")
+        if patience < 1:
+            raise ValueError(f"KLDriftMonitor patience must be >= 1, got {patience}.")
+        if not 0 <= low < 1 < high:
+            raise ValueError(f"KLDriftMonitor needs 0 <= low < 1 < high, got low={low}, high={high}.")
+        self.target = float(target)
+        self.patience = int(patience)
+        self.high = float(high)
+        self.low = float(low)
+        self.name = name
+        self.side: str | None = None  # "above", "below" or None (inside the band)
+        self.streak = 0  # consecutive updates on `side`
+        self.warned = False  # already warned for the current streak
+
+    def update(self, value: float) -> str | None:
+        """Record one value of the statistic; return a warning message or ``None``."""
+        value = float(value)
+        if value > self.high * self.target:
+            side = "above"
+        elif value < self.low * self.target:
+            side = "below"
+        else:
+            side = None
+        if side != self.side:
+            self.side, self.streak, self.warned = side, 0, False
+        if side is None:
+            return None
+        self.streak += 1
+        if self.streak < self.patience or self.warned:
+            return None
+        self.warned = True
+        return self._message(value)
+
+    def _message(self, value: float) -> str:
+        if self.side == "above":
+            edge = f"above {self.high:g} x kl_target"
+            advice = (
+                "the KL penalty is too weak to hold it: raise kl_coef (or kl_coef_max, which may be capping "
+                "an adaptive controller), shorten kl_horizon so the controller reacts faster, or lower the "
+                "learning rate"
+            )
+        else:
+            edge = f"below {self.low:g} x kl_target"
+            advice = (
+                "the KL penalty is too strong and the policy barely moves: lower kl_coef (or kl_coef_min, "
+                "which may be holding an adaptive controller up) or shorten kl_horizon"
+            )
+        return (
+            f"KL drift: {self.name} = {value:.4g} has been {edge} ({self.target:g}) for {self.streak} "
+            f"consecutive updates; {advice}. Also check that kl_target is in the units of kl_target_unit "
+            "(nats per token vs nats per sequence differ by about the response length)."
+        )
+
+    def state_dict(self) -> dict:
+        return {
+            "target": self.target,
+            "patience": self.patience,
+            "high": self.high,
+            "low": self.low,
+            "name": self.name,
+            "side": self.side,
+            "streak": self.streak,
+            "warned": self.warned,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("target", "patience", "high", "low", "name", "side", "streak", "warned"):
+            if key in state:
+                setattr(self, key, state[key])
