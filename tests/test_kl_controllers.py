@@ -116,10 +116,17 @@ def test_pid_bounds_and_anti_windup():
     for _ in range(100):  # KL far above target for a long time: beta saturates at the max
         c.update(1.0, 1)
     assert c.value == 0.2
-    assert c.integral <= math.log(0.2 / 0.1) + 1e-12  # the integral did not wind up
-    # as soon as the KL drops below target, beta leaves the bound on the next update
-    c.update(0.0, 1)
-    assert c.value < 0.2
+    assert c.integral == pytest.approx(math.log(0.2 / 0.1))  # the integral did not wind up
+    c.update(0.0, 1)  # as soon as the KL drops below target, beta leaves the bound
+    assert c.value == pytest.approx(0.2 * math.exp(-0.5))
+    # with a proportional term the output saturates before the integral reaches its own bound;
+    # the integral is then held where the output sits exactly on the bound
+    p = PIDKLController(0.1, target=0.1, kp=0.5, ki=0.5, coef_max=0.2)
+    for _ in range(20):
+        p.update(1.0, 1)  # e = 1 (clipped)
+    assert p.value == 0.2 and p.integral == pytest.approx(math.log(2.0) - 0.5)
+    p.update(0.0, 1)  # e = -1: log beta = log 0.1 - 0.5 + (log 2 - 0.5 - 0.5)
+    assert p.value == pytest.approx(0.2 * math.exp(-1.5))  # without anti-windup: 0.2 * exp(-1)
     # integral_limit bounds the integral on its own as well
     lim = PIDKLController(0.1, target=0.1, kp=0.0, ki=1.0, coef_max=1e9, integral_limit=2.0)
     for _ in range(20):

@@ -289,8 +289,8 @@ class PIDKLController(_LogSpaceController):
     """PID control of log(beta) on the relative error, with anti-windup and bounds.
 
     ``e = clip((kl - target) / target, -error_clip, error_clip)``
-    ``I <- clamp(I + ki * e, I_lo, I_hi)``  (skipped while the output is saturated in the
-    direction ``e`` pushes: conditional integration)
+    ``I <- clamp(I + ki * e, I_lo, I_hi)``, and while the output is saturated in the direction
+    ``e`` pushes, ``I`` is held where it puts the output exactly on the bound (anti-windup)
     ``log beta = log beta0 + kp * e + I + kd * (e - e_prev)``, clamped to ``[log coef_min,
     log coef_max]``.
 
@@ -301,7 +301,8 @@ class PIDKLController(_LogSpaceController):
     independent of the unit and size of the target. The plant seen by the controller is roughly
     ``kl ~ c / beta`` (a larger penalty, a smaller drift), so near the target ``e ~ -(log beta -
     log beta*)``: the integral term alone contracts the log-error by ``1 - ki`` per update (0.7),
-    which settles within ~10 updates yet averages measurement noise over several of them; a small
+    fast (from a tenfold error, ~20 updates, each step being capped by ``error_clip``) yet
+    averaging measurement noise over several updates; a small
     proportional term adds damping when the KL lags behind beta (the policy takes several updates
     to move); the derivative term stays off because a batch's KL reading is noisy. ``error_clip=1``
     caps a step at ``exp(kp + ki) ~ 1.5x`` however far off a reading is (a 10x KL spike moves beta
@@ -348,14 +349,15 @@ class PIDKLController(_LogSpaceController):
         lo, hi = self._log_bounds()
         i_lo, i_hi = self._integral_bounds()
 
-        def output(integral: float) -> float:
-            return self.log_beta0 + self.kp * error + integral + self.kd * derivative
-
+        rest = self.log_beta0 + self.kp * error + self.kd * derivative
         integral = min(max(self.integral + self.ki * error, i_lo), i_hi)
-        u = output(integral)
-        if (u > hi and error > 0) or (u < lo and error < 0):
-            integral = self.integral  # anti-windup: do not integrate into saturation
-            u = output(integral)
+        # anti-windup: while the output is saturated in the direction the error pushes, hold the
+        # integral where it puts the output exactly on the bound (and never move it against e)
+        if error > 0 and rest + integral > hi:
+            integral = min(integral, max(self.integral, hi - rest))
+        elif error < 0 and rest + integral < lo:
+            integral = max(integral, min(self.integral, lo - rest))
+        u = rest + integral
         self.integral = integral
         self.prev_error = error
         return self._from_log(u)
