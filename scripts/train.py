@@ -141,10 +141,11 @@ def main(parsed) -> dict:
     summary = run_summary(trainer, before, after)
     summary["wall_seconds"] = time.time() - start
     if trainer.is_world_process_zero():
+        trainer.state.save_to_json(os.path.join(training_args.output_dir, "trainer_state.json"))
         print(format_summary(summary, summary["wall_seconds"]), flush=True)
-        if script_args.summary_file:
-            with open(script_args.summary_file, "w") as f:
-                json.dump(summary, f, indent=2)
+        summary_file = script_args.summary_file or os.path.join(training_args.output_dir, "summary.json")
+        with open(summary_file, "w") as f:
+            json.dump(summary, f, indent=2)
     return summary
 
 

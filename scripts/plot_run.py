@@ -1,0 +1,71 @@
+"""Plot one run's KL statistic, coefficient, reward and held-out perplexity.
+
+    python scripts/plot_run.py outputs/default            # reads the newest checkpoint's trainer_state.json
+    python scripts/plot_run.py outputs/default/checkpoint-20 --out run.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from klppo.report import metric_series  # noqa: E402
+
+
+def find_state(path: str) -> str:
+    if os.path.isfile(path):
+        return path
+    direct = os.path.join(path, "trainer_state.json")
+    if os.path.isfile(direct):
+        return direct
+    checkpoints = sorted(glob.glob(os.path.join(path, "checkpoint-*")), key=lambda p: int(p.rsplit("-", 1)[-1]))
+    if not checkpoints:
+        raise SystemExit(f"error: no trainer_state.json under {path}; train with save_strategy=steps first.")
+    return os.path.join(checkpoints[-1], "trainer_state.json")
+
+
+def main(argv=None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run", help="output_dir, a checkpoint folder or a trainer_state.json")
+    parser.add_argument("--out", default=None, help="PNG path (default: <run>/klppo_run.png)")
+    args = parser.parse_args(argv)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    state_path = find_state(args.run)
+    with open(state_path) as f:
+        history = json.load(f)["log_history"]
+    panels = [
+        ("kl/value", "KL statistic"),
+        ("kl/coef", "KL coefficient"),
+        ("objective/scores", "reward"),
+        ("eval/perplexity", "held-out perplexity"),
+    ]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
+    for ax, (key, title) in zip(axes, panels):
+        series = metric_series(history, key)
+        if series:
+            ax.plot(*zip(*series), marker="." if len(series) < 40 else None)
+        if key == "kl/value":
+            target = next((h["kl/target"] for h in history if "kl/target" in h), None)
+            if target:
+                ax.axhspan(0.8 * target, 1.2 * target, color="tab:green", alpha=0.15, label="target +-20%")
+                ax.legend()
+        ax.set_title(title)
+        ax.set_xlabel("PPO update")
+    fig.tight_layout()
+    out = args.out or os.path.join(os.path.dirname(state_path), "klppo_run.png")
+    fig.savefig(out, dpi=110)
+    print(out)
+    return out
+
+
+if __name__ == "__main__":
+    main()
