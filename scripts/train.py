@@ -135,7 +135,7 @@ def main(parsed) -> dict:
         return {"perplexity": metrics["eval/perplexity"], "samples": sample_completions(trainer, prompts), "prompts": prompts}
 
     before = snapshot()
-    trainer.train()
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     after = snapshot()
     trainer.save_model(training_args.output_dir)
     summary = run_summary(trainer, before, after)
