@@ -213,6 +213,7 @@ def test_shared_critic_and_perplexity_eval(tiny_path, prompts, tmp_path):
         (dict(kl_mode="none", kl_controller="adaptive", kl_target=1.0), "nothing to adapt"),
         (dict(critic="both"), "separate"),
         (dict(kl_target_unit="nats"), "sequence"),
+        (dict(save_strategy="epoch"), "save_steps"),
     ],
 )
 def test_config_rejects_bad_values(tmp_path, overrides, match):

@@ -271,6 +271,12 @@ class KLPPOConfig(TrainingArguments):
             raise ValueError(f"`gamma` and `lam` must lie in [0, 1], got gamma={self.gamma}, lam={self.lam}.")
         if self.cliprange <= 0 or self.cliprange_value <= 0:
             raise ValueError("`cliprange` and `cliprange_value` must be > 0.")
+        for name in ("save_strategy", "eval_strategy", "logging_strategy"):
+            if str(getattr(getattr(self, name), "value", getattr(self, name))) == "epoch":
+                raise ValueError(
+                    f"`{name}='epoch'` is not supported: klppo counts PPO updates, not epochs. Use "
+                    f"`{name}='steps'` with `{name.split('_')[0]}_steps` (in PPO updates)."
+                )
         if self.max_nonfinite_updates < 1:
             raise ValueError(f"`max_nonfinite_updates` must be >= 1, got {self.max_nonfinite_updates}.")
 
