@@ -84,9 +84,14 @@ def generate_responses(
     return torch.cat(pieces, dim=0)
 
 
-def response_logits(logits: torch.Tensor, context_length: int, temperature: float) -> torch.Tensor:
-    """Logits that predict the response tokens, scaled by the sampling temperature. `[B, L, V] -> [B, R, V]`."""
-    return logits[:, context_length - 1 : -1] / temperature
+def response_logits(logits: torch.Tensor, response_length: int, temperature: float) -> torch.Tensor:
+    """Logits that predict the `response_length` response tokens, scaled by the sampling temperature.
+
+    `logits` is `[B, L, V]` for the whole sequence or `[B, K, V]` with `K >= response_length + 1` (a forward
+    pass with `logits_to_keep=response_length + 1`, which skips the LM head on prompt positions); either way
+    the result is `[B, response_length, V]`.
+    """
+    return logits[:, -(response_length + 1) : -1] / temperature
 
 
 def response_logprobs(scaled_logits: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:

@@ -473,19 +473,20 @@ class KLPPOTrainer(Trainer):
             attn = rollout["attention_mask"][start : start + chunk]
             resp = rollout["responses"][start : start + chunk]
             pos = position_ids_from_mask(attn)
+            keep = resp.shape[1] + 1  # the LM head runs on response positions only
             with _timed(timings, "time/score_policy", acc):
                 # a shared critic's values come out of this same forward pass
                 logits, values = self.model_wrapped(
-                    qr, attention_mask=attn, position_ids=pos, compute_values=unwrapped.shared
+                    qr, attention_mask=attn, position_ids=pos, compute_values=unwrapped.shared, logits_to_keep=keep
                 )
-                logits = response_logits(logits, ctx, args.temperature)
+                logits = response_logits(logits, resp.shape[1], args.temperature)
                 out["logp"].append(response_logprobs(logits, resp))
             if not unwrapped.shared:
                 with _timed(timings, "time/score_value", acc):
                     values = unwrapped.critic(qr, attention_mask=attn, position_ids=pos)
             out["values"].append(values[:, ctx - 1 : -1].float())
             with _timed(timings, "time/score_ref", acc):
-                ref_logits = self._reference_logits(unwrapped, qr, attn, pos, ctx)
+                ref_logits = self._reference_logits(unwrapped, qr, attn, pos, resp.shape[1])
                 out["ref_logp"].append(response_logprobs(ref_logits, resp))
             if args.kl_estimator == FULL_KL:
                 with _timed(timings, "time/kl", acc):
@@ -493,14 +494,17 @@ class KLPPOTrainer(Trainer):
             del logits, ref_logits
         return {k: torch.cat(v, dim=0) for k, v in out.items()}
 
-    def _reference_logits(self, unwrapped: ActorCritic, qr, attn, pos, context_length: int) -> torch.Tensor:
+    def _reference_logits(self, unwrapped: ActorCritic, qr, attn, pos, response_length: int) -> torch.Tensor:
         """Temperature-scaled reference logits for the response positions `[B, R, V]`."""
+        kwargs = dict(
+            input_ids=qr, attention_mask=attn, position_ids=pos, use_cache=False, logits_to_keep=response_length + 1
+        )
         if self.use_adapter_reference:
             with unwrapped.policy.disable_adapter():
-                logits = unwrapped.policy(input_ids=qr, attention_mask=attn, position_ids=pos, use_cache=False).logits
+                logits = unwrapped.policy(**kwargs).logits
         else:
-            logits = self.ref_model(input_ids=qr, attention_mask=attn, position_ids=pos, use_cache=False).logits
-        return response_logits(logits, context_length, self.args.temperature)
+            logits = self.ref_model(**kwargs).logits
+        return response_logits(logits, response_length, self.args.temperature)
 
     # ------------------------------------------------------------------ step 4: rewards
     @torch.no_grad()
@@ -693,8 +697,8 @@ class KLPPOTrainer(Trainer):
         advantages, returns, old_values = rollout["advantages"][idx], rollout["returns"][idx], rollout["values"][idx]
         pos = position_ids_from_mask(attn)
 
-        logits, values = self.model_wrapped(qr, attention_mask=attn, position_ids=pos)
-        logits = response_logits(logits, ctx, args.temperature)
+        logits, values = self.model_wrapped(qr, attention_mask=attn, position_ids=pos, logits_to_keep=resp.shape[1] + 1)
+        logits = response_logits(logits, resp.shape[1], args.temperature)
         values = values[:, ctx - 1 : -1].float()
         logp = response_logprobs(logits, resp)
 
@@ -721,7 +725,7 @@ class KLPPOTrainer(Trainer):
             if args.kl_estimator == FULL_KL:
                 with torch.no_grad():
                     unwrapped = self.accelerator.unwrap_model(self.model_wrapped)
-                    ref_logits = self._reference_logits(unwrapped, qr, attn, pos, ctx)
+                    ref_logits = self._reference_logits(unwrapped, qr, attn, pos, resp.shape[1])
                 kl = full_kl(logits, ref_logits, chunk_size=args.full_kl_chunk_size)
             else:
                 kl = compute_kl(

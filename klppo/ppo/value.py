@@ -76,7 +76,7 @@ class ActorCritic(nn.Module):
     """Policy and critic as one module, so that one optimizer and one data-parallel wrapper cover both.
 
     `forward(input_ids, attention_mask, position_ids) -> (logits, values)`; with `compute_values=False`
-    the critic is skipped.
+    the critic is skipped; `logits_to_keep=K` computes logits for the last K positions only.
     """
 
     def __init__(self, policy: nn.Module, critic: nn.Module | None = None, value_head: nn.Module | None = None):
@@ -95,13 +95,16 @@ class ActorCritic(nn.Module):
     def config(self):
         return self.policy.config
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, compute_values: bool = True):
+    def forward(
+        self, input_ids, attention_mask=None, position_ids=None, compute_values: bool = True, logits_to_keep: int = 0
+    ):
         out = self.policy(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             output_hidden_states=compute_values and self.shared,
             use_cache=False,
+            logits_to_keep=logits_to_keep,
         )
         values = None
         if compute_values:
