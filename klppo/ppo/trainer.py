@@ -550,15 +550,7 @@ class KLPPOTrainer(Trainer):
         if args.kl_estimator == FULL_KL:
             kl, clamped = rollout["full_kl"], torch.zeros_like(mask, dtype=torch.bool)
         else:
-            kl, clamped = compute_kl(
-                logp,
-                ref_logp,
-                args.kl_estimator,
-                old_logp=logp,
-                log_ratio_clamp=args.kl_log_ratio_clamp,
-                value_clamp=args.kl_value_clamp,
-                return_clamped=True,
-            )
+            kl, clamped = self._configured_kl(logp, ref_logp, old_logp=logp, return_clamped=True)
         rollout["kl"] = kl
         stats.add("kl/clamped_frac", (clamped & mask.bool()).sum(), mask.sum())
 
@@ -598,6 +590,18 @@ class KLPPOTrainer(Trainer):
                 if message and self.is_world_process_zero():
                     logger.warning(message)
         return metrics
+
+    def _configured_kl(self, logp, ref_logp, old_logp, return_clamped: bool = False):
+        """The configured per-token estimator with the configured clamps (see `compute_kl`)."""
+        return compute_kl(
+            logp,
+            ref_logp,
+            self.args.kl_estimator,
+            old_logp=old_logp,
+            log_ratio_clamp=self.args.kl_log_ratio_clamp,
+            value_clamp=self.args.kl_value_clamp,
+            return_clamped=return_clamped,
+        )
 
     def _check_coef_consistent(self) -> None:
         """Every rank must hold the same coefficient: one tiny all-gather per update."""
@@ -728,14 +732,7 @@ class KLPPOTrainer(Trainer):
                     ref_logits = self._reference_logits(unwrapped, qr, attn, pos, resp.shape[1])
                 kl = full_kl(logits, ref_logits, chunk_size=args.full_kl_chunk_size)
             else:
-                kl = compute_kl(
-                    logp,
-                    ref_logp,
-                    args.kl_estimator,
-                    old_logp=old_logp,
-                    log_ratio_clamp=args.kl_log_ratio_clamp,
-                    value_clamp=args.kl_value_clamp,
-                )
+                kl = self._configured_kl(logp, ref_logp, old_logp=old_logp)
             kl_term = kl_loss(kl, mask, coef, args.kl_loss_agg_mode, **counts, norm_len=mask.shape[1])
             loss = loss + kl_term
             parts["loss/kl"] = (kl_term.detach(), share)
