@@ -1,0 +1,451 @@
+"""Side-by-side benchmark: klppo's `KLPPOTrainer` against TRL 1.12's PPO trainer (the peer).
+
+    python scripts/bench.py --model tiny                        # both workloads, 3 alternating repeats
+    python scripts/bench.py --model smollm2 --repeats 3 --warmup 1 --updates 3
+    python scripts/bench.py --quick                             # tiny model, klppo only, 2 updates
+
+TRL removed its PPO trainer in 1.13, so the peer runs in a virtual environment of its own
+(`$KLPPO_BENCH_PEER_VENV`, default ~/.cache/klppo/bench-peer-venv), which this script creates on
+first use: torch==2.13.0 first (an open pin pulls a CUDA build), then trl==1.12.0 and peft.
+
+Every measurement is a fresh subprocess (`scripts/bench_klppo.py` in this environment,
+`scripts/bench_peer.py` in the peer's), so peak RSS belongs to one run; klppo and peer runs
+alternate (klppo first in even repeats, the peer first in odd ones) so that a slow spell of a shared
+machine hits both sides. Matched settings: the same model folder, the same prompts (plain text),
+`--batch-size` prompts per update, `--response-length` sampled tokens (no stop token, so both sides
+generate exactly that many), 2 PPO epochs, 1 mini-batch, temperature 0.7, fp32, the same learning
+rate and KL coefficient (k1 estimator, fixed coefficient, KL in the reward on both sides).
+
+Workloads:
+  a  TRL's layout on both sides: separate policy, frozen reference, value model and reward model
+     (value and reward = `AutoModelForSequenceClassification(num_labels=1)` from the base).
+  b  the most economical layout of each side. klppo: LoRA policy, adapter-disabled reference,
+     `critic="shared"` (a value head on the policy), reward = the VADER sentiment function. Peer:
+     LoRA policy and adapter-disabled reference too (TRL 1.12 supports `peft_config`), but it has no
+     shared critic and no reward functions, so a separate value model and reward model remain.
+
+Figures (per workload and side): median wall time per update over the measured updates of all
+repeats (the time between consecutive `on_step_end` callbacks, measured the same way on both
+sides), per-phase medians, tokens per second (`batch_size * response_length / time per update`),
+median peak RSS; the ratios klppo/peer for time and peak RSS, the throughput ratio
+peer_time / klppo_time, and the share of klppo's update spent in KL machinery (`time/kl` /
+`time/update`). Then a full-vocabulary KL memory check: peak extra memory of forward + backward of
+`klppo.kl.full_kl` over `--kl-positions x --kl-vocab` logits in small chunks against dense.
+
+Writes `<out>/<model>.json` and `<out>/<model>.md` (`<model>-quick.*` with `--quick`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parent
+REPO_ROOT = SCRIPTS.parent
+sys.path.insert(0, str(SCRIPTS))
+sys.path.insert(0, str(REPO_ROOT))
+
+import bench_assets
+
+PHASE_ROWS = [
+    ("generation", "time/generation", "time/generation"),
+    ("score: policy log-probs", "time/score_policy", "time/score_policy"),
+    ("score: reference log-probs", "time/score_ref", "time/score_ref"),
+    ("score: values", "time/score_value", "time/score_value"),
+    ("reward", "time/reward", "time/reward"),
+    ("KL (peer: KL + rewards + GAE window)", "time/kl", "time/kl_rewards_gae"),
+    ("optimise (PPO epochs)", "time/optimise", "time/optimise"),
+    ("explicit gc.collect() (peer only)", "time/gc", "time/gc"),
+]
+WALL = {"klppo": "time/update_wall", "peer": "time/update"}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
+    parser.add_argument("--workloads", default="a,b", help="comma-separated: a, b")
+    parser.add_argument("--updates", type=int, default=3, help="measured PPO updates per run")
+    parser.add_argument("--warmup", type=int, default=1, help="PPO updates per run before measuring")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per side and workload, alternating sides")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--response-length", type=int, default=24)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch/OpenMP threads per run (default 1: on a shared machine two OpenMP threads stall "
+        "whenever one is descheduled, which makes timings swing tenfold)",
+    )
+    parser.add_argument("--peer", action="store_true", help="with --quick: run the peer too")
+    parser.add_argument("--no-peer", action="store_true", help="run klppo only")
+    parser.add_argument("--quick", action="store_true", help="tiny model, 1 warm-up + 1 update, 1 repeat, no peer")
+    parser.add_argument("--kl-positions", type=int, default=64)
+    parser.add_argument("--kl-vocab", type=int, default=49152)
+    parser.add_argument("--kl-chunk-size", type=int, default=4)
+    parser.add_argument("--out", default=str(REPO_ROOT / "results" / "bench"))
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.model, args.warmup, args.updates, args.repeats = "tiny", 1, 1, 1
+    args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    bad = [w for w in args.workloads if w not in ("a", "b")]
+    if bad:
+        parser.error(f"unknown workload(s) {bad}: choose from a, b (e.g. --workloads a,b)")
+    args.with_peer = not args.no_peer and (args.peer or not args.quick)
+    return args
+
+
+def machine() -> dict:
+    import torch
+
+    info = {
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "processor": platform.processor() or platform.machine(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    try:
+        info["mem_total_gb"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError):
+        pass
+    return info
+
+
+THREADS = {"n": 1}
+
+
+def run_json(cmd: list[str], log_path: Path, **extra_env: str) -> dict:
+    """Run one measurement in a fresh process, its output logged to `log_path`; return its JSON result."""
+    out_path = log_path.with_suffix(".json")
+    env = dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false")
+    threads = str(THREADS["n"])
+    env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, **extra_env)
+    with open(log_path, "w") as log:
+        done = subprocess.run(
+            [*cmd, "--out", str(out_path)], stdout=log, stderr=subprocess.STDOUT, env=env, check=False
+        )
+    if done.returncode != 0:
+        tail = "".join(log_path.read_text().splitlines(keepends=True)[-30:])
+        raise RuntimeError(f"{shlex.join(cmd)} failed (exit {done.returncode}):\n{tail}")
+    return json.loads(out_path.read_text())
+
+
+def train_cmd(side: str, args, workload: str, model_path: str, prompts: Path) -> list[str]:
+    common = [
+        "--model-path", model_path,
+        "--prompts", str(prompts),
+        "--workload", workload,
+        "--updates", str(args.updates),
+        "--warmup", str(args.warmup),
+        "--batch-size", str(args.batch_size),
+        "--response-length", str(args.response_length),
+    ]  # fmt: skip
+    if side == "klppo":
+        return [sys.executable, str(SCRIPTS / "bench_klppo.py"), "train", *common]
+    return [str(bench_assets.peer_python()), str(SCRIPTS / "bench_peer.py"), *common]
+
+
+def summarise_side(runs: list[dict], side: str) -> dict:
+    """Pool the measured updates of all repeats of one side: medians per update and per phase."""
+    measured = [u for r in runs for u in r["per_update"][r["warmup"] :]]
+    wall = WALL[side]
+    time_per_update = statistics.median(u[wall] for u in measured)
+    phases = {}
+    for label, klppo_key, peer_key in PHASE_ROWS:
+        key = klppo_key if side == "klppo" else peer_key
+        phases[key] = statistics.median(u.get(key, 0.0) for u in measured)
+    phases["time/other"] = statistics.median(
+        u[wall] - sum(u.get(k if side == "klppo" else p, 0.0) for _, k, p in PHASE_ROWS) for u in measured
+    )
+    if side == "klppo":
+        phases["time/update"] = statistics.median(u["time/update"] for u in measured)
+    phases[wall] = time_per_update
+    settings = runs[0]["settings"]
+    summary = {
+        "implementation": runs[0]["implementation"],
+        "layout": runs[0]["layout"],
+        "time_per_update_s": time_per_update,
+        "time_per_update_per_repeat_s": [r["time_per_update_s"] for r in runs],
+        "phases_s": phases,
+        "tokens_per_s": settings["batch_size"] * settings["response_length"] / time_per_update,
+        "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in runs),
+        "peak_rss_per_repeat_mb": [r["peak_rss_mb"] for r in runs],
+        "cuda_peak_mb": runs[0].get("cuda_peak_mb"),
+        "trainable_parameters": runs[0]["trainable_parameters"],
+        "measured_updates": len(measured),
+        "versions": runs[0]["versions"],
+    }
+    if side == "klppo":
+        summary["kl_share"] = statistics.median(u.get("time/kl", 0.0) / u["time/update"] for u in measured)
+    else:
+        summary["kl_window_share"] = statistics.median(u.get("time/kl_rewards_gae", 0.0) / u[wall] for u in measured)
+    return summary
+
+
+def compare(klppo: dict, peer: dict) -> dict:
+    paired = [k / p for k, p in zip(klppo["time_per_update_per_repeat_s"], peer["time_per_update_per_repeat_s"])]
+    return {
+        "time_ratio_klppo_over_peer": klppo["time_per_update_s"] / peer["time_per_update_s"],
+        "time_ratio_per_repeat": paired,
+        "throughput_ratio_peer_time_over_klppo_time": peer["time_per_update_s"] / klppo["time_per_update_s"],
+        "peak_rss_ratio_klppo_over_peer": klppo["peak_rss_mb"] / peer["peak_rss_mb"],
+    }
+
+
+def kl_memory_check(args, workdir: Path) -> dict:
+    results = {}
+    for variant in ("chunked", "dense", "naive"):
+        cmd = [
+            sys.executable, str(SCRIPTS / "bench_klppo.py"), "kl-memory",
+            "--variant", variant,
+            "--positions", str(args.kl_positions),
+            "--vocab", str(args.kl_vocab),
+            "--chunk-size", str(args.kl_chunk_size),
+        ]  # fmt: skip
+        # a pinned mmap threshold makes glibc return freed tensors at once, so peak RSS follows live tensors
+        results[variant] = run_json(cmd, workdir / f"kl-memory-{variant}.log", MALLOC_MMAP_THRESHOLD_="65536")
+    return {
+        "what": (
+            "peak extra memory (RSS growth, or CUDA allocations on GPU) of one forward + backward of "
+            "full-vocabulary KL beyond the two input logit tensors; the input gradient is included. "
+            "chunked = klppo.kl.full_kl(chunk_size); dense = the same with one chunk of every position; "
+            "naive = (softmax(p) * (log_softmax(p) - log_softmax(q))).sum(-1)"
+        ),
+        "positions": args.kl_positions,
+        "vocab": args.kl_vocab,
+        "chunk_size": args.kl_chunk_size,
+        "variants": results,
+    }
+
+
+def fmt(x, digits=3) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        if math.isnan(x):
+            return "nan"
+        return f"{x:.{digits}g}" if abs(x) < 1000 else f"{x:,.0f}"
+    return str(x)
+
+
+def workload_table(name: str, result: dict) -> list[str]:
+    k, p = result["klppo"], result.get("peer")
+    ratio = result.get("ratios", {})
+    lines = [
+        f"### Workload {name}",
+        "",
+        f"- klppo: {k['layout']}",
+    ]
+    if p:
+        lines.append(f"- peer ({p['implementation']}): {p['layout']}")
+    lines += ["", "| metric | klppo | peer | klppo / peer |", "| --- | ---: | ---: | ---: |"]
+
+    def row(label, kv, pv, r=None):
+        lines.append(f"| {label} | {fmt(kv)} | {fmt(pv)} | {fmt(r)} |")
+
+    row(
+        "time per update (s, median)",
+        k["time_per_update_s"],
+        p and p["time_per_update_s"],
+        ratio.get("time_ratio_klppo_over_peer"),
+    )
+    row("tokens / s (batch x response_length / time)", k["tokens_per_s"], p and p["tokens_per_s"],
+        p and k["tokens_per_s"] / p["tokens_per_s"])  # fmt: skip
+    row("peak RSS (MB, median)", k["peak_rss_mb"], p and p["peak_rss_mb"], ratio.get("peak_rss_ratio_klppo_over_peer"))
+    row("trainable parameters", k["trainable_parameters"], p and p["trainable_parameters"])
+    if p:
+        lines.append(
+            f"| throughput ratio (peer time / klppo time) | | | {fmt(ratio['throughput_ratio_peer_time_over_klppo_time'])} |"
+        )
+        lines.append(
+            "| time ratio per repeat | | | " + ", ".join(fmt(x) for x in ratio["time_ratio_per_repeat"]) + " |"
+        )
+    lines.append(f"| share of klppo's update in KL (`time/kl` / `time/update`) | {fmt(k['kl_share'])} | | |")
+    if p:
+        lines.append(f"| peer: KL + rewards + GAE window / update (upper bound) | | {fmt(p['kl_window_share'])} | |")
+    lines += ["", "| phase (median s) | klppo | peer |", "| --- | ---: | ---: |"]
+    for label, klppo_key, peer_key in PHASE_ROWS:
+        lines.append(f"| {label} | {fmt(k['phases_s'].get(klppo_key))} | {fmt(p and p['phases_s'].get(peer_key))} |")
+    lines.append(f"| other (update minus the phases above) | {fmt(k['phases_s']['time/other'])} | "
+                 f"{fmt(p and p['phases_s']['time/other'])} |")  # fmt: skip
+    lines.append(f"| whole update (wall, between step ends) | {fmt(k['time_per_update_s'])} | "
+                 f"{fmt(p and p['time_per_update_s'])} |")  # fmt: skip
+    lines.append("")
+    return lines
+
+
+def markdown(report: dict) -> str:
+    s = report["settings"]
+    m = report["machine"]
+    lines = [
+        f"# klppo vs TRL 1.12 PPO: {report['model']}",
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        f"Machine: {m['cpu_count']} CPUs ({m['processor']}), {m.get('mem_total_gb', '?')} GiB RAM, "
+        f"torch {m['torch']}, {m['platform']}, Python {m['python']}"
+        + (f", GPU {m['cuda']}" if m.get("cuda") else "")
+        + ".",
+        "",
+        (
+            f"Settings: model `{report['model_path']}`; {s['batch_size']} prompts per update, "
+            f"{s['response_length']} response tokens, 2 PPO epochs, 1 mini-batch, temperature 0.7, fp32; "
+            f"{s['warmup']} warm-up + {s['updates']} measured updates per run, {s['repeats']} alternating "
+            f"repeats per side, each run a fresh process with {s['threads_per_run']} torch thread(s). Figures "
+            "are medians over all measured updates (time) or runs (memory). Shared machine: compare "
+            "ratios, not absolute times."
+        ),
+        "",
+    ]
+    for name, result in report["workloads"].items():
+        lines += workload_table(name, result)
+    kl = report.get("kl_memory")
+    if kl:
+        lines += [
+            f"### Full-vocabulary KL memory ({kl['positions']} positions x {kl['vocab']:,} vocab)",
+            "",
+            kl["what"] + ".",
+            "",
+            "| variant | chunk size | peak extra memory (MB) | time (s) |",
+            "| --- | ---: | ---: | ---: |",
+        ]
+        for name, v in kl["variants"].items():
+            extra = v.get("peak_extra_cuda_mb") or v["peak_extra_rss_mb"]
+            lines.append(f"| {name} | {v['chunk_size']} | {fmt(extra)} | {fmt(v['seconds'])} |")
+        lines.append("")
+    lines += ["### Notes", ""] + [f"- {n}" for n in report["notes"]] + [""]
+    return "\n".join(lines)
+
+
+NOTES = [
+    (
+        "Time per update is the wall time between consecutive `on_step_end` callbacks on both sides "
+        "(klppo's own `time/update` leaves out logging; it is listed in the JSON as `time/update`)."
+    ),
+    (
+        'klppo phases are its `time/*` metrics. With `critic="shared"` (workload b) the values come out '
+        "of the policy's scoring forward, so `time/score_value` is 0 there and the head's cost sits in "
+        "`score: policy log-probs`."
+    ),
+    (
+        "Peer phases come from wrapping the functions TRL 1.12's `PPOTrainer.train` calls "
+        "(`batch_generation`, `forward`, `selective_log_softmax`, `get_reward`, `log`). The peer takes "
+        "policy log-probs from the generation scores (no extra forward), so its `score_policy` is only a "
+        "log-softmax. Its KL is a few inline tensor operations that cannot be timed alone: the listed "
+        "window (EOS filter, masks, KL, rewards, GAE, whitening; TRL's `gc.collect()` there is timed "
+        "apart) is an upper bound. TRL calls `gc.collect()` twice per update; klppo does not."
+    ),
+    (
+        "Peer workload b: TRL 1.12 accepts `peft_config` and then uses the adapter-disabled policy as the "
+        "reference, so it gets that saving; it has no shared value head and no reward-function path, so it "
+        "still holds a separate value model and reward model."
+    ),
+    "klppo clips gradients (`max_grad_norm=1.0`, the TrainingArguments default); TRL's PPO does not.",
+]
+
+
+def print_table(report: dict) -> None:
+    print(f"\nklppo vs TRL 1.12 PPO on {report['model']} ({report['machine']['cpu_count']} CPUs)")
+    header = f"{'workload':<9}{'side':<7}{'s/update':>10}{'tok/s':>9}{'peak RSS MB':>13}{'KL share':>10}"
+    print(header)
+    print("-" * len(header))
+    for name, result in report["workloads"].items():
+        for side in ("klppo", "peer"):
+            r = result.get(side)
+            if r is None:
+                continue
+            share = r.get("kl_share", r.get("kl_window_share"))
+            print(
+                f"{name:<9}{side:<7}{r['time_per_update_s']:>10.3f}{r['tokens_per_s']:>9.1f}"
+                f"{r['peak_rss_mb']:>13.0f}{share:>10.3f}"
+            )
+        if "ratios" in result:
+            q = result["ratios"]
+            print(
+                f"{name:<9}ratios: time klppo/peer {q['time_ratio_klppo_over_peer']:.3f}, throughput "
+                f"peer/klppo time {q['throughput_ratio_peer_time_over_klppo_time']:.3f}, peak RSS klppo/peer "
+                f"{q['peak_rss_ratio_klppo_over_peer']:.3f}"
+            )
+    kl = report.get("kl_memory")
+    if kl:
+        parts = [
+            f"{n} {fmt(v.get('peak_extra_cuda_mb') or v['peak_extra_rss_mb'])} MB" for n, v in kl["variants"].items()
+        ]
+        print(f"full-vocab KL {kl['positions']}x{kl['vocab']} peak extra memory: " + ", ".join(parts))
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    THREADS["n"] = args.threads
+    command = "python scripts/bench.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if args.with_peer:
+        bench_assets.ensure_peer_venv()
+    model_path = bench_assets.resolve_model(args.model)
+    workdir = Path(tempfile.mkdtemp(prefix="klppo-bench-"))
+    prompts = bench_assets.write_prompts(workdir / "prompts.json", args.batch_size * (args.warmup + args.updates))
+    sides = ["klppo", "peer"] if args.with_peer else ["klppo"]
+
+    started = time.time()
+    workloads = {}
+    for workload in args.workloads:
+        runs = {side: [] for side in sides}
+        for repeat in range(args.repeats):
+            order = sides if repeat % 2 == 0 else sides[::-1]
+            for side in order:
+                log = workdir / f"{workload}-{side}-{repeat}.log"
+                print(f"[bench] workload {workload}, repeat {repeat + 1}/{args.repeats}: {side}", flush=True)
+                runs[side].append(run_json(train_cmd(side, args, workload, model_path, prompts), log))
+        result = {side: summarise_side(runs[side], side) for side in sides}
+        if "peer" in result:
+            result["ratios"] = compare(result["klppo"], result["peer"])
+        result["runs"] = runs
+        workloads[workload] = result
+    print("[bench] full-vocabulary KL memory check", flush=True)
+    kl = kl_memory_check(args, workdir)
+
+    report = {
+        "model": args.model,
+        "model_path": model_path,
+        "command": command,
+        "machine": machine(),
+        "settings": {
+            "batch_size": args.batch_size,
+            "response_length": args.response_length,
+            "num_ppo_epochs": 2,
+            "num_mini_batches": 1,
+            "temperature": 0.7,
+            "dtype": "float32",
+            "warmup": args.warmup,
+            "updates": args.updates,
+            "repeats": args.repeats,
+            "threads_per_run": args.threads,
+            "sides": sides,
+        },
+        "workloads": workloads,
+        "kl_memory": kl,
+        "notes": NOTES,
+        "wall_seconds": time.time() - started,
+    }
+    stem = f"{args.model}-quick" if args.quick else args.model
+    (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out_dir / f"{stem}.md").write_text(markdown(report))
+    print_table(report)
+    print(f"\nwrote {out_dir / (stem + '.json')} and {out_dir / (stem + '.md')}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,350 @@
+"""The klppo side of `scripts/bench.py`, run in a fresh process per measurement.
+
+Two jobs, each printing one JSON object (also written to `--out`):
+
+    python scripts/bench_klppo.py train --model-path DIR --prompts prompts.json --workload a
+    python scripts/bench_klppo.py kl-memory --variant chunked --positions 64 --vocab 49152
+
+`train` runs `warmup + updates` PPO updates of `KLPPOTrainer` on a workload and reports the same
+fields as `scripts/bench_peer.py` (see there for the peer's phase definitions):
+
+  a: the peer's layout: policy, a separately loaded frozen reference, a value model and a reward
+     model, both `AutoModelForSequenceClassification(num_labels=1)` built from the base
+     (`critic="separate"`; the value model is the sequence classifier's backbone + its `score`).
+  b: klppo's economical default: a LoRA policy, the reference is the policy with its adapter
+     disabled (`ref_model=None`), `critic="shared"` (a value head on the policy), and the reward
+     is the function `klppo.rewards.sentiment.positive_sentiment_reward` (VADER, no model).
+
+Phase times are klppo's own `time/*` metrics from `trainer.state.log_history`. `time/update_wall` is
+measured the way the peer's `time/update` is: the wall time between consecutive `on_step_end`
+callbacks (the first from `on_train_begin`), so it includes what klppo's `time/update` leaves out
+(logging). The two sides are compared on `time/update_wall`.
+
+`kl-memory` measures the peak extra memory of one forward + backward of full-vocabulary KL over
+`positions x vocab` logits: `chunked` is `klppo.kl.full_kl(..., chunk_size)`, `dense` is the same
+function with one chunk holding every position, `naive` is the textbook dense formula
+`(softmax(p) * (log_softmax(p) - log_softmax(q))).sum(-1)` as old TRL wrote it. Each variant runs in
+its own process so that peak RSS (`ru_maxrss`) belongs to it alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # klppo from this checkout
+
+PHASES = (
+    "time/generation",
+    "time/score_policy",
+    "time/score_ref",
+    "time/score_value",
+    "time/reward",
+    "time/kl",
+    "time/optimise",
+    "time/update",
+)
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def status_mb(field: str) -> float:
+    """A memory field of /proc/self/status (VmRSS, VmHWM) in MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise KeyError(field)
+
+
+def reset_peak_rss() -> float | None:
+    """Reset the kernel's peak-RSS mark to the current RSS and return it (None where unsupported).
+
+    Linux resets VmHWM when "5" is written to /proc/self/clear_refs. With glibc's mmap threshold
+    pinned low (`MALLOC_MMAP_THRESHOLD_`, set by `bench.py`), freed tensors go back to the kernel at
+    once, so VmHWM follows the live tensors and its growth is the peak extra memory.
+    """
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return status_mb("VmRSS")
+    except OSError:
+        return None
+
+
+def versions() -> dict:
+    import transformers
+    import trl
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "trl": trl.__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def emit(result: dict, out: str | None) -> None:
+    text = json.dumps(result, indent=1)
+    if out:
+        with open(out, "w") as f:
+            f.write(text)
+    print(text)
+
+
+def train(args) -> dict:
+    import transformers
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainerCallback
+
+    from klppo import KLPPOConfig, KLPPOTrainer
+    from klppo.models import load_tokenizer
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(args.seed)
+    rss_start = peak_rss_mb()
+
+    tokenizer = load_tokenizer(args.model_path)
+    with open(args.prompts) as f:
+        prompts = json.load(f)
+    total_updates = args.warmup + args.updates
+    n_prompts = args.batch_size * total_updates
+    prompts = (prompts * (n_prompts // len(prompts) + 1))[:n_prompts]
+    dataset = Dataset.from_dict({"prompt": prompts})
+
+    def load_scalar_head():
+        model = AutoModelForSequenceClassification.from_pretrained(args.model_path, num_labels=1, dtype=torch.float32)
+        model.config.pad_token_id = tokenizer.pad_token_id
+        return model
+
+    policy = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32)
+    if args.workload == "a":
+        kwargs = {
+            "ref_model": AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32),
+            "value_model": load_scalar_head(),
+            "reward_funcs": load_scalar_head(),
+        }
+        critic = "separate"
+    else:
+        from peft import LoraConfig
+
+        from klppo.rewards.sentiment import positive_sentiment_reward
+
+        kwargs = {
+            "reward_funcs": positive_sentiment_reward,
+            "peft_config": LoraConfig(
+                r=args.lora_r,
+                lora_alpha=args.lora_alpha,
+                lora_dropout=0.0,
+                target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                task_type="CAUSAL_LM",
+            ),
+        }
+        critic = "shared"
+
+    config = KLPPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="klppo-bench-"),
+        per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=1,
+        num_mini_batches=args.num_mini_batches,
+        num_ppo_epochs=args.num_ppo_epochs,
+        response_length=args.response_length,
+        temperature=args.temperature,
+        learning_rate=args.learning_rate,
+        kl_coef=args.kl_coef,
+        kl_estimator="k1",
+        kl_controller="fixed",
+        critic=critic,
+        max_steps=total_updates,
+        stop_token=None,
+        missing_eos_penalty=None,
+        logging_steps=1,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        num_sample_generations=0,
+        use_cpu=not torch.cuda.is_available(),
+        seed=args.seed,
+    )
+
+    wall: list[float] = []
+
+    class UpdateClock(TrainerCallback):
+        def on_train_begin(self, *a, **k):
+            self.last = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            now = time.perf_counter()
+            wall.append(now - self.last)
+            self.last = now
+
+    trainer = KLPPOTrainer(
+        model=policy,
+        args=config,
+        processing_class=tokenizer,
+        train_dataset=dataset,
+        callbacks=[UpdateClock()],
+        **kwargs,
+    )
+    rss_setup = peak_rss_mb()
+    trainer.train()
+
+    logs = [h for h in trainer.state.log_history if "time/update" in h]
+    per_update = []
+    for log, seconds in zip(logs, wall):
+        record = {k: float(v) for k, v in log.items() if k.startswith("time/")}
+        record["time/update_wall"] = seconds
+        per_update.append(record)
+    measured = per_update[args.warmup :]
+    keys = sorted({k for u in measured for k in u})
+    phases = {k: statistics.median(u.get(k, 0.0) for u in measured) for k in keys}
+    kl_share = statistics.median(u.get("time/kl", 0.0) / u["time/update"] for u in measured)
+    time_per_update = phases["time/update_wall"]
+    response_positions = args.batch_size * args.response_length
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    lengths = [h.get("objective/response_length") for h in trainer.state.log_history if "time/update" in h]
+    return {
+        "side": "klppo",
+        "implementation": "klppo.KLPPOTrainer",
+        "workload": args.workload,
+        "layout": (
+            "separate policy, reference, value and reward models (critic='separate')"
+            if args.workload == "a"
+            else "LoRA policy, adapter-disabled reference, shared value head, sentiment reward function"
+        ),
+        "warmup": args.warmup,
+        "updates": args.updates,
+        "time_per_update_s": time_per_update,
+        "phases_s": phases,
+        "kl_share": kl_share,
+        "tokens_per_s": response_positions / time_per_update,
+        "tokens_per_s_definition": "batch_size * response_length / median wall time per update",
+        "generated_length": lengths,
+        "per_update_s": [u["time/update_wall"] for u in per_update],
+        "per_update": per_update,
+        "peak_rss_mb": peak_rss_mb(),
+        "rss_at_start_mb": rss_start,
+        "rss_after_setup_mb": rss_setup,
+        "cuda_peak_mb": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
+        "trainable_parameters": trainable,
+        "settings": {
+            "batch_size": args.batch_size,
+            "response_length": args.response_length,
+            "num_ppo_epochs": args.num_ppo_epochs,
+            "num_mini_batches": args.num_mini_batches,
+            "temperature": args.temperature,
+            "learning_rate": args.learning_rate,
+            "kl_coef": args.kl_coef,
+            "kl_estimator": "k1",
+            "kl_controller": "fixed",
+            "critic": critic,
+            "dtype": "float32",
+            "lora": {"r": args.lora_r, "alpha": args.lora_alpha} if args.workload == "b" else None,
+        },
+        "versions": versions(),
+    }
+
+
+def kl_memory(args) -> dict:
+    """Peak extra memory of full-vocabulary KL, forward + backward, for one variant."""
+    import torch.nn.functional as F
+
+    from klppo.kl import full_kl
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def run(positions: int):
+        torch.manual_seed(0)
+        logits = torch.randn(positions, args.vocab, device=device, requires_grad=True)
+        ref_logits = torch.randn(positions, args.vocab, device=device)
+        if args.variant == "naive":
+            logp, logq = F.log_softmax(logits, -1), F.log_softmax(ref_logits, -1)
+            kl = (logp.exp() * (logp - logq)).sum(-1)
+        else:
+            kl = full_kl(logits, ref_logits, chunk_size=args.chunk_size if args.variant == "chunked" else positions)
+        kl.sum().backward()
+        return logits, ref_logits, kl.detach()
+
+    run(2)  # first calls set up thread pools and caches: keep them out of the measurement
+    torch.manual_seed(0)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    rss_base = reset_peak_rss()
+    start = time.perf_counter()
+    logits, _, kl = run(args.positions)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    input_mb = 2 * logits.numel() * logits.element_size() / 2**20
+    peak_rss = status_mb("VmHWM") if rss_base is not None else None
+
+    result = {
+        "variant": args.variant,
+        "positions": args.positions,
+        "vocab": args.vocab,
+        "chunk_size": args.chunk_size if args.variant == "chunked" else args.positions,
+        "device": device.type,
+        "inputs_mb": input_mb,
+        "grad_mb": input_mb / 2,
+        # the inputs are allocated inside the measured window: count what comes on top of them
+        "peak_extra_rss_mb": peak_rss - rss_base - input_mb if peak_rss is not None else None,
+        "seconds": seconds,
+        "kl_mean": float(kl.mean()),
+    }
+    if device.type == "cuda":
+        result["peak_extra_cuda_mb"] = torch.cuda.max_memory_allocated() / 2**20 - input_mb
+    return result
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    jobs = parser.add_subparsers(dest="job", required=True)
+    run = jobs.add_parser("train", help="time PPO updates of KLPPOTrainer")
+    run.add_argument("--model-path", required=True, help="local HF folder of the base causal LM")
+    run.add_argument("--prompts", required=True, help="JSON file: a list of prompt strings")
+    run.add_argument("--workload", choices=["a", "b"], default="a")
+    run.add_argument("--updates", type=int, default=3, help="measured PPO updates")
+    run.add_argument("--warmup", type=int, default=1, help="PPO updates run first and not measured")
+    run.add_argument("--batch-size", type=int, default=8, help="prompts per PPO update")
+    run.add_argument("--response-length", type=int, default=24)
+    run.add_argument("--num-ppo-epochs", type=int, default=2)
+    run.add_argument("--num-mini-batches", type=int, default=1)
+    run.add_argument("--temperature", type=float, default=0.7)
+    run.add_argument("--learning-rate", type=float, default=1e-5)
+    run.add_argument("--kl-coef", type=float, default=0.05)
+    run.add_argument("--lora-r", type=int, default=16)
+    run.add_argument("--lora-alpha", type=int, default=32)
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--out", default=None)
+    mem = jobs.add_parser("kl-memory", help="peak extra memory of full-vocabulary KL")
+    mem.add_argument("--variant", choices=["chunked", "dense", "naive"], required=True)
+    mem.add_argument("--positions", type=int, default=64)
+    mem.add_argument("--vocab", type=int, default=49152)
+    mem.add_argument("--chunk-size", type=int, default=4)
+    mem.add_argument("--out", default=None)
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    result = train(args) if args.job == "train" else kl_memory(args)
+    emit(result, args.out)
+
+
+if __name__ == "__main__":
+    main()

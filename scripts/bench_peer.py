@@ -1,0 +1,359 @@
+"""The peer side of `scripts/bench.py`: TRL 1.12's `trl.experimental.ppo.PPOTrainer`, timed.
+
+Runs inside the peer's own virtual environment (trl==1.12.0, the last TRL with a PPO trainer) and
+imports nothing from klppo. `scripts/bench.py` creates that environment and calls this script; to
+run it by hand:
+
+    ~/.cache/klppo/bench-peer-venv/bin/python scripts/bench_peer.py \
+        --model-path MODEL_DIR --prompts prompts.json --workload a --warmup 1 --updates 3
+
+It trains `warmup + updates` PPO updates and prints one JSON object (also written to `--out`):
+per-update wall times and phase times, their medians over the measured updates, tokens per second
+and peak memory.
+
+Workloads (the same architecture TRL was written for):
+  a: policy, frozen reference, value model and reward model, four separate models; the value and
+     reward models are `AutoModelForSequenceClassification(num_labels=1)` built from the base.
+  b: the most economical layout the peer has: a LoRA policy whose reference is the same model with
+     the adapter disabled (TRL's `peft_config` + `ref_model=None` path). The peer has no shared
+     value head and no reward-function path, so the value and reward models stay separate.
+
+Phases. TRL's `train()` is one long function, so phases are timed by wrapping the module-level
+functions it calls (`batch_generation`, `forward`, `selective_log_softmax`, `get_reward`) and the
+trainer's `log`; update boundaries come from the `on_step_end` callback.
+  time/generation     `batch_generation` (sampling, with per-step scores kept).
+  time/score_policy   log-probs of the sampled tokens from the generation scores (no extra forward).
+  time/score_ref      the reference forward (or the adapter-disabled policy) + its log-softmax.
+  time/score_value    `get_reward(value_model, ...)`: the critic's forward over the rollout.
+  time/reward         `get_reward(reward_model, ...)`.
+  time/kl_rewards_gae the inline code between the last reward call and the first training forward,
+                      less the `gc.collect()` TRL runs there: EOS filter, masks, the KL estimate and
+                      KL penalty, GAE, whitening. TRL's KL is a few inline tensor ops that cannot be
+                      timed alone: this window is an upper bound on the peer's KL cost.
+  time/gc             TRL's explicit `gc.collect()` calls (two per update).
+  time/optimise       from the first training forward of the update to its `log` call: the PPO
+                      epochs (forwards, losses, backward, optimizer steps) and the epoch statistics.
+  time/update         between consecutive `on_step_end` callbacks (the first from `on_train_begin`):
+                      the whole update, including data loading, logging and TRL's clean-up.
+
+Tokens per second: response positions per second of update, `batch * response_length / time`,
+the same definition `bench.py` uses for klppo (the peer generates exactly `response_length`
+tokens: no stop token is set on either side).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import resource
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+
+import torch
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-path", required=True, help="local HF folder of the base causal LM")
+    parser.add_argument("--prompts", required=True, help="JSON file: a list of prompt strings")
+    parser.add_argument("--workload", choices=["a", "b"], default="a")
+    parser.add_argument("--updates", type=int, default=3, help="measured PPO updates")
+    parser.add_argument("--warmup", type=int, default=1, help="PPO updates run first and not measured")
+    parser.add_argument("--batch-size", type=int, default=8, help="prompts per PPO update")
+    parser.add_argument("--response-length", type=int, default=24)
+    parser.add_argument("--num-ppo-epochs", type=int, default=2)
+    parser.add_argument("--num-mini-batches", type=int, default=1)
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--learning-rate", type=float, default=1e-5)
+    parser.add_argument("--kl-coef", type=float, default=0.05)
+    parser.add_argument("--lora-r", type=int, default=16)
+    parser.add_argument("--lora-alpha", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="also write the JSON here")
+    return parser.parse_args(argv)
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class PhaseClock:
+    """Accumulates wall time per phase for the current update; `end_update` closes one."""
+
+    def __init__(self):
+        self.updates: list[dict] = []
+        self.phases: dict[str, float] = defaultdict(float)
+        self.update_start = None
+        self.last_rollout_end = None  # end of the last reward-model call of this update
+        self.optimise_start = None
+        self.last_call = None  # name of the last rollout function timed
+        self.gc_in_window = 0.0  # gc.collect() time between the reward call and the first training forward
+        self.generated = 0
+        self.response_positions = 0
+
+    def add(self, name, seconds):
+        self.phases[name] += seconds
+
+    def start(self):
+        self.update_start = time.perf_counter()
+
+    def end_update(self):
+        now = time.perf_counter()
+        record = dict(self.phases)
+        record["time/update"] = now - self.update_start
+        record["generated_length"] = self.generated
+        record["response_positions"] = self.response_positions
+        self.updates.append(record)
+        self.phases = defaultdict(float)
+        self.update_start = now
+        self.last_rollout_end = self.optimise_start = self.last_call = None
+        self.gc_in_window = 0.0
+
+
+def install_timers(ppo_module, clock: PhaseClock, reward_model):
+    """Wrap the functions `PPOTrainer.train` looks up in its module, so each call is timed."""
+    batch_generation = ppo_module.batch_generation
+    forward = ppo_module.forward
+    selective_log_softmax = ppo_module.selective_log_softmax
+    get_reward = ppo_module.get_reward
+
+    def timed_batch_generation(model, queries, *args, **kwargs):
+        t0 = time.perf_counter()
+        query_responses, logits = batch_generation(model, queries, *args, **kwargs)
+        clock.add("time/generation", time.perf_counter() - t0)
+        clock.generated = query_responses.shape[1] - queries.shape[1]
+        clock.response_positions += query_responses.shape[0] * clock.generated
+        clock.last_call = "generation"
+        return query_responses, logits
+
+    def timed_forward(model, *args, **kwargs):
+        t0 = time.perf_counter()
+        if torch.is_grad_enabled():  # a PPO-epoch forward
+            if clock.optimise_start is None:
+                clock.optimise_start = t0
+                if clock.last_rollout_end is not None:
+                    window = t0 - clock.last_rollout_end - clock.gc_in_window
+                    clock.add("time/kl_rewards_gae", window)
+            return forward(model, *args, **kwargs)
+        out = forward(model, *args, **kwargs)  # the only no-grad `forward` in a rollout: the reference
+        clock.add("time/score_ref", time.perf_counter() - t0)
+        clock.last_call = "ref_forward"
+        return out
+
+    def timed_selective_log_softmax(logits, index):
+        if torch.is_grad_enabled():
+            return selective_log_softmax(logits, index)
+        t0 = time.perf_counter()
+        out = selective_log_softmax(logits, index)
+        phase = "time/score_policy" if clock.last_call == "generation" else "time/score_ref"
+        clock.add(phase, time.perf_counter() - t0)
+        return out
+
+    def timed_get_reward(model, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = get_reward(model, *args, **kwargs)
+        t1 = time.perf_counter()
+        if model is reward_model:
+            clock.add("time/reward", t1 - t0)
+            clock.last_rollout_end = t1
+        else:
+            clock.add("time/score_value", t1 - t0)
+        clock.last_call = "get_reward"
+        return out
+
+    class TimedGC:
+        """Stands in for the `gc` module inside TRL's trainer module: times `gc.collect()`."""
+
+        def __getattr__(self, name):
+            return getattr(gc, name)
+
+        def collect(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            out = gc.collect(*args, **kwargs)
+            seconds = time.perf_counter() - t0
+            clock.add("time/gc", seconds)
+            if clock.last_rollout_end is not None and clock.optimise_start is None:
+                clock.gc_in_window += seconds
+            return out
+
+    ppo_module.gc = TimedGC()
+    ppo_module.batch_generation = timed_batch_generation
+    ppo_module.forward = timed_forward
+    ppo_module.selective_log_softmax = timed_selective_log_softmax
+    ppo_module.get_reward = timed_get_reward
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import transformers
+    import trl
+    from datasets import Dataset
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        TrainerCallback,
+    )
+    from trl.experimental.ppo import PPOConfig, PPOTrainer
+    from trl.experimental.ppo import ppo_trainer as ppo_module
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(args.seed)
+    rss_start = peak_rss_mb()
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model_path, padding_side="left")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    with open(args.prompts) as f:
+        prompts = json.load(f)
+    total_updates = args.warmup + args.updates
+    n_prompts = args.batch_size * total_updates
+    prompts = (prompts * (n_prompts // len(prompts) + 1))[:n_prompts]
+    dataset = Dataset.from_dict({"input_ids": [tokenizer(p)["input_ids"] for p in prompts]})
+
+    def load_causal_lm():
+        return AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32)
+
+    def load_scalar_head():
+        model = AutoModelForSequenceClassification.from_pretrained(args.model_path, num_labels=1, dtype=torch.float32)
+        model.config.pad_token_id = tokenizer.pad_token_id
+        return model
+
+    policy = load_causal_lm()
+    value_model = load_scalar_head()
+    reward_model = load_scalar_head()
+    peft_config = None
+    if args.workload == "a":
+        ref_model = load_causal_lm()
+    else:
+        from peft import LoraConfig
+
+        ref_model = None
+        peft_config = LoraConfig(
+            r=args.lora_r,
+            lora_alpha=args.lora_alpha,
+            lora_dropout=0.0,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+            task_type="CAUSAL_LM",
+        )
+
+    output_dir = tempfile.mkdtemp(prefix="klppo-bench-peer-")
+    config = PPOConfig(
+        output_dir=output_dir,
+        per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=1,
+        num_mini_batches=args.num_mini_batches,
+        num_ppo_epochs=args.num_ppo_epochs,
+        response_length=args.response_length,
+        temperature=args.temperature,
+        learning_rate=args.learning_rate,
+        kl_coef=args.kl_coef,
+        total_episodes=n_prompts,
+        stop_token=None,
+        missing_eos_penalty=None,
+        num_sample_generations=0,
+        bf16=False,
+        fp16=False,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        seed=args.seed,
+    )
+
+    clock = PhaseClock()
+    install_timers(ppo_module, clock, reward_model)
+
+    class UpdateClock(TrainerCallback):
+        def on_train_begin(self, *a, **k):
+            clock.start()
+
+        def on_step_end(self, *a, **k):
+            clock.end_update()
+
+    trainer = PPOTrainer(
+        args=config,
+        processing_class=tokenizer,
+        model=policy,
+        ref_model=ref_model,
+        reward_model=reward_model,
+        value_model=value_model,
+        train_dataset=dataset,
+        eval_dataset=dataset,
+        callbacks=[UpdateClock()],
+        peft_config=peft_config,
+    )
+    log_call = trainer.log
+
+    def timed_log(logs, *a, **k):
+        if clock.optimise_start is not None:
+            clock.add("time/optimise", time.perf_counter() - clock.optimise_start)
+        return log_call(logs, *a, **k)
+
+    trainer.log = timed_log
+    rss_setup = peak_rss_mb()
+    trainer.train()
+
+    measured = clock.updates[args.warmup :]
+    keys = sorted({k for u in measured for k in u if k.startswith("time/")})
+    phases = {k: statistics.median(u.get(k, 0.0) for u in measured) for k in keys}
+    time_per_update = phases["time/update"]
+    response_positions = args.batch_size * args.response_length
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    result = {
+        "side": "peer",
+        "implementation": f"trl {trl.__version__} trl.experimental.ppo.PPOTrainer",
+        "workload": args.workload,
+        "layout": (
+            "separate policy, reference, value and reward models"
+            if args.workload == "a"
+            else "LoRA policy, adapter-disabled reference, separate value and reward models"
+        ),
+        "warmup": args.warmup,
+        "updates": args.updates,
+        "time_per_update_s": time_per_update,
+        "phases_s": phases,
+        "tokens_per_s": response_positions / time_per_update,
+        "tokens_per_s_definition": "batch_size * response_length / median time per update",
+        "generated_length": [u["generated_length"] for u in clock.updates],
+        "per_update_s": [u["time/update"] for u in clock.updates],
+        "per_update": clock.updates,
+        "peak_rss_mb": peak_rss_mb(),
+        "rss_at_start_mb": rss_start,
+        "rss_after_setup_mb": rss_setup,
+        "cuda_peak_mb": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
+        "trainable_parameters": trainable,
+        "settings": {
+            "batch_size": args.batch_size,
+            "response_length": args.response_length,
+            "num_ppo_epochs": args.num_ppo_epochs,
+            "num_mini_batches": args.num_mini_batches,
+            "temperature": args.temperature,
+            "learning_rate": args.learning_rate,
+            "kl_coef": args.kl_coef,
+            "dtype": "float32",
+            "lora": {"r": args.lora_r, "alpha": args.lora_alpha} if peft_config is not None else None,
+        },
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "trl": trl.__version__,
+            "torch_threads": torch.get_num_threads(),
+        },
+    }
+    text = json.dumps(result, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    print(text)
+    return result
+
+
+if __name__ == "__main__":
+    main()
