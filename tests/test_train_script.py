@@ -97,3 +97,21 @@ def test_readme_python_example_runs(tmp_path, monkeypatch):
     code = code.replace("response_length=24", "response_length=4").replace('output_dir="out"', f'output_dir="{tmp_path}"')
     monkeypatch.chdir(tmp_path)
     exec(compile(code, "README example", "exec"), {})
+
+
+@pytest.mark.slow
+def test_tiny_config_under_torchrun_two_processes(tmp_path):
+    """The same script under `torchrun --nproc_per_node 2` (gloo on CPU) runs and exits cleanly."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port), SCRIPT,
+           "--config", TINY, "--output_dir", str(tmp_path / "out"), "--per_device_train_batch_size", "2"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.count("klppo run summary") == 1  # printed by the main process only
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["updates"] == 2

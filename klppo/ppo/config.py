@@ -200,6 +200,9 @@ class KLPPOConfig(TrainingArguments):
     learning_rate: float = field(default=3e-6, metadata={"help": "Learning rate."})
     logging_steps: float = field(default=1, metadata={"help": "Log every N PPO updates."})
     remove_unused_columns: bool = field(default=False, metadata={"help": "Keep dataset columns for rewards."})
+    ddp_find_unused_parameters: bool | None = field(
+        default=False, metadata={"help": "Every trainable parameter takes part in each PPO loss."}
+    )
 
     def __post_init__(self):
         self._validate_kl_fields()
