@@ -93,6 +93,7 @@ def parse_args(argv=None):
     parser.add_argument("--kl-vocab", type=int, default=49152)
     parser.add_argument("--kl-chunk-size", type=int, default=4)
     parser.add_argument("--out", default=str(REPO_ROOT / "results" / "bench"))
+    parser.add_argument("--render", metavar="JSON", help="only rebuild a saved report's summaries, .json and .md")
     args = parser.parse_args(argv)
     if args.quick:
         args.model, args.warmup, args.updates, args.repeats = "tiny", 1, 1, 1
@@ -123,6 +124,20 @@ def machine() -> dict:
 
 
 THREADS = {"n": 1}
+
+
+def git_revision() -> str | None:
+    """The checkout's commit (with `-dirty` when tracked klppo files are modified)."""
+    try:
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "klppo"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return rev + ("-dirty" if dirty else "")
 
 
 def run_json(cmd: list[str], log_path: Path, **extra_env: str) -> dict:
@@ -181,6 +196,7 @@ def summarise_side(runs: list[dict], side: str) -> dict:
         "tokens_per_s": settings["batch_size"] * settings["response_length"] / time_per_update,
         "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in runs),
         "peak_rss_per_repeat_mb": [r["peak_rss_mb"] for r in runs],
+        "peak_rss_above_start_mb": statistics.median(r["peak_rss_mb"] - r["rss_at_start_mb"] for r in runs),
         "cuda_peak_mb": runs[0].get("cuda_peak_mb"),
         "trainable_parameters": runs[0]["trainable_parameters"],
         "measured_updates": len(measured),
@@ -200,6 +216,8 @@ def compare(klppo: dict, peer: dict) -> dict:
         "time_ratio_per_repeat": paired,
         "throughput_ratio_peer_time_over_klppo_time": peer["time_per_update_s"] / klppo["time_per_update_s"],
         "peak_rss_ratio_klppo_over_peer": klppo["peak_rss_mb"] / peer["peak_rss_mb"],
+        "peak_rss_above_start_ratio_klppo_over_peer": klppo["peak_rss_above_start_mb"]
+        / peer["peak_rss_above_start_mb"],
     }
 
 
@@ -263,6 +281,12 @@ def workload_table(name: str, result: dict) -> list[str]:
     row("tokens / s (batch x response_length / time)", k["tokens_per_s"], p and p["tokens_per_s"],
         p and k["tokens_per_s"] / p["tokens_per_s"])  # fmt: skip
     row("peak RSS (MB, median)", k["peak_rss_mb"], p and p["peak_rss_mb"], ratio.get("peak_rss_ratio_klppo_over_peer"))
+    row(
+        "peak RSS above the process after imports (MB): models + training",
+        k["peak_rss_above_start_mb"],
+        p and p["peak_rss_above_start_mb"],
+        ratio.get("peak_rss_above_start_ratio_klppo_over_peer"),
+    )
     row("trainable parameters", k["trainable_parameters"], p and p["trainable_parameters"])
     if p:
         lines.append(
@@ -291,7 +315,7 @@ def markdown(report: dict) -> str:
     lines = [
         f"# klppo vs TRL 1.12 PPO: {report['model']}",
         "",
-        f"Command: `{report['command']}`",
+        f"Command: `{report['command']}` (klppo at `{report['klppo_revision']}`)",
         "",
         f"Machine: {m['cpu_count']} CPUs ({m['processor']}), {m.get('mem_total_gb', '?')} GiB RAM, "
         f"torch {m['torch']}, {m['platform']}, Python {m['python']}"
@@ -387,6 +411,8 @@ def print_table(report: dict) -> None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.render:
+        return render(Path(args.render))
     THREADS["n"] = args.threads
     command = "python scripts/bench.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     out_dir = Path(args.out)
@@ -398,7 +424,7 @@ def main(argv=None) -> dict:
     prompts = bench_assets.write_prompts(workdir / "prompts.json", args.batch_size * (args.warmup + args.updates))
     sides = ["klppo", "peer"] if args.with_peer else ["klppo"]
 
-    started = time.time()
+    started, revision = time.time(), git_revision()  # each run imports klppo afresh: note the code it starts from
     workloads = {}
     for workload in args.workloads:
         runs = {side: [] for side in sides}
@@ -408,11 +434,7 @@ def main(argv=None) -> dict:
                 log = workdir / f"{workload}-{side}-{repeat}.log"
                 print(f"[bench] workload {workload}, repeat {repeat + 1}/{args.repeats}: {side}", flush=True)
                 runs[side].append(run_json(train_cmd(side, args, workload, model_path, prompts), log))
-        result = {side: summarise_side(runs[side], side) for side in sides}
-        if "peer" in result:
-            result["ratios"] = compare(result["klppo"], result["peer"])
-        result["runs"] = runs
-        workloads[workload] = result
+        workloads[workload] = summarise_workload(runs)
     print("[bench] full-vocabulary KL memory check", flush=True)
     kl = kl_memory_check(args, workdir)
 
@@ -420,6 +442,7 @@ def main(argv=None) -> dict:
         "model": args.model,
         "model_path": model_path,
         "command": command,
+        "klppo_revision": revision,
         "machine": machine(),
         "settings": {
             "batch_size": args.batch_size,
@@ -439,11 +462,32 @@ def main(argv=None) -> dict:
         "notes": NOTES,
         "wall_seconds": time.time() - started,
     }
-    stem = f"{args.model}-quick" if args.quick else args.model
-    (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out_dir / f"{stem}.md").write_text(markdown(report))
+    write_report(report, out_dir / (f"{args.model}-quick" if args.quick else args.model))
+    return report
+
+
+def summarise_workload(runs: dict[str, list[dict]]) -> dict:
+    result = {side: summarise_side(side_runs, side) for side, side_runs in runs.items()}
+    if "peer" in result:
+        result["ratios"] = compare(result["klppo"], result["peer"])
+    result["runs"] = runs
+    return result
+
+
+def write_report(report: dict, stem: Path) -> None:
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+    stem.with_suffix(".md").write_text(markdown(report))
     print_table(report)
-    print(f"\nwrote {out_dir / (stem + '.json')} and {out_dir / (stem + '.md')}")
+    print(f"\nwrote {stem.with_suffix('.json')} and {stem.with_suffix('.md')}")
+
+
+def render(path: Path) -> dict:
+    """Recompute the summaries of a saved report from its raw runs and rewrite its .json and .md."""
+    report = json.loads(path.read_text())
+    for name, workload in report["workloads"].items():
+        report["workloads"][name] = summarise_workload(workload["runs"])
+    report["notes"] = NOTES
+    write_report(report, path.with_suffix(""))
     return report
 
 
