@@ -376,6 +376,15 @@ NOTES = [
         "still holds a separate value model and reward model."
     ),
     "klppo clips gradients (`max_grad_norm=1.0`, the TrainingArguments default); TRL's PPO does not.",
+    (
+        "Each run uses one torch thread (`--threads`, default 1): on a shared 2-core machine two OpenMP "
+        "threads stall whenever one is descheduled, and timings then swing several-fold from run to run."
+    ),
+    (
+        "Peak RSS includes the imported libraries (about 430 MB of torch, transformers and the trainer "
+        "code on either side); the row 'above the process after imports' counts models and training only. "
+        "On the tiny model (vocabulary 1,024) that baseline dominates."
+    ),
 ]
 
 
