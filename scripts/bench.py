@@ -358,9 +358,10 @@ NOTES = [
         "(klppo's own `time/update` leaves out logging; it is listed in the JSON as `time/update`)."
     ),
     (
-        'klppo phases are its `time/*` metrics. With `critic="shared"` (workload b) the values come out '
-        "of the policy's scoring forward, so `time/score_value` is 0 there and the head's cost sits in "
-        "`score: policy log-probs`."
+        "klppo phases are its `time/*` metrics. Like the peer, klppo reads the old log-probs from the "
+        "generation's own logits (no scoring forward, so `score: policy log-probs` is about 0); with "
+        '`critic="shared"` (workload b) the values come from the generation\'s last hidden states too, so '
+        "`time/score_value` is 0 there and the head's cost sits in `generation`."
     ),
     (
         "Peer phases come from wrapping the functions TRL 1.12's `PPOTrainer.train` calls "

@@ -146,7 +146,7 @@ def main(parsed) -> dict:
         summary_file = script_args.summary_file or os.path.join(training_args.output_dir, "summary.json")
         with open(summary_file, "w") as f:
             json.dump(summary, f, indent=2)
-    trainer.accelerator.end_training()  # finish trackers, destroy the process group (clean exit under torchrun)
+    trainer.shutdown()  # a clean exit under torchrun / accelerate launch
     return summary
 
 

@@ -92,7 +92,7 @@ def run_update(rollout_path: str, out_dir: str, grad_accum: int) -> dict:
         json.dump(result, f)
     if acc.is_main_process:
         torch.save(deltas, os.path.join(out_dir, f"deltas_world{acc.num_processes}.pt"))
-    acc.end_training()  # destroys the process group before the interpreter exits
+    trainer.shutdown()
     return result
 
 
@@ -104,7 +104,7 @@ def run_train(out_dir: str) -> None:
     rank = trainer.accelerator.process_index
     with open(os.path.join(out_dir, f"train_rank{rank}.json"), "w") as f:
         json.dump({"rank": rank, "world": trainer.accelerator.num_processes, "coefs": coefs, "kl": values}, f)
-    trainer.accelerator.end_training()
+    trainer.shutdown()
 
 
 if __name__ == "__main__":

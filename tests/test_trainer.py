@@ -225,3 +225,19 @@ def test_biased_combination_warns_once(tmp_path, caplog):
         make_args(tmp_path, kl_mode="loss", kl_estimator="k1")
     messages = [r.getMessage() for r in caplog.records if "KL configuration" in r.getMessage()]
     assert len(messages) == 1
+
+
+@pytest.mark.parametrize("critic", ["shared", "separate"])
+def test_generation_logprobs_and_values_match_a_scoring_forward(tiny_path, prompts, tmp_path, critic):
+    """Old log-probs (and a shared critic's values) are read from generation; they must equal what a
+    separate forward pass over the finished sequences gives."""
+    trainer = make_trainer(tiny_path, prompts, make_args(tmp_path, critic=critic, temperature=0.7, response_length=8))
+    batch = trainer._collate([{"prompt": p} for p in prompts["prompt"][:6]])
+    torch.manual_seed(1)
+    rollout = trainer._rollout(batch)
+    mask = rollout["response_mask"].bool()
+    plain = {k: rollout[k] for k in ("query_responses", "attention_mask", "responses", "response_mask", "context_length")}
+    scored = trainer._score(plain, {})
+    torch.testing.assert_close(rollout["logp"][mask], scored["logp"][mask], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(rollout["values"][mask], scored["values"][mask], rtol=1e-4, atol=1e-4)
+    assert rollout["logp"][mask].abs().sum() > 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import GenerationConfig
 from trl.trainer.utils import selective_log_softmax
@@ -64,24 +66,55 @@ def make_generation_config(args, tokenizer, stop_token_id: int | None) -> Genera
 
 @torch.no_grad()
 def generate_responses(
-    policy, input_ids: torch.Tensor, attention_mask: torch.Tensor, generation_config: GenerationConfig, chunk: int
-) -> torch.Tensor:
+    policy,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    generation_config: GenerationConfig,
+    chunk: int,
+    temperature: float | None = None,
+    value_head=None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Sample responses for left-padded prompts in chunks of `chunk` sequences.
 
-    Returns `[B, R]` response ids (R <= `max_new_tokens`), right-padded with the pad token.
+    With `temperature`, the log-probs of the sampled tokens under `softmax(logits / temperature)` are read
+    from the generation's own logits, so scoring needs no second policy forward pass; with `value_head` too,
+    the values of the states before each token come from the generation's last hidden states (a shared
+    critic). Full-vocabulary logits exist for one chunk at a time.
+
+    Returns:
+        `(responses [B, R], logp [B, R] or None, values [B, R] or None)`, right-padded (pad token / 0),
+        R <= `max_new_tokens`.
     """
     pad = generation_config.pad_token_id
-    pieces = []
+    with_scores = temperature is not None
+    generation_config = copy.deepcopy(generation_config)
+    generation_config.return_dict_in_generate = True
+    generation_config.output_logits = with_scores
+    generation_config.output_hidden_states = with_scores and value_head is not None
+    pieces, logps, values = [], [], []
     for start in range(0, input_ids.shape[0], chunk):
         out = policy.generate(
             input_ids=input_ids[start : start + chunk],
             attention_mask=attention_mask[start : start + chunk],
             generation_config=generation_config,
         )
-        pieces.append(out[:, input_ids.shape[1] :])
-    width = max(p.shape[1] for p in pieces)
-    pieces = [torch.nn.functional.pad(p, (0, width - p.shape[1]), value=pad) for p in pieces]
-    return torch.cat(pieces, dim=0)
+        tokens = out.sequences[:, input_ids.shape[1] :]
+        pieces.append(tokens)
+        if with_scores:
+            step_logits = torch.stack(out.logits, dim=1)  # [b, R, V], unprocessed
+            logps.append(response_logprobs(step_logits / temperature, tokens))
+            del step_logits
+            if value_head is not None:
+                # the last layer's state at the last position of every step: the state before each token
+                last = torch.stack([step[-1][:, -1] for step in out.hidden_states], dim=1)
+                values.append(value_head(last).float())
+        del out
+
+    def cat(parts, value):
+        width = max(p.shape[1] for p in parts)
+        return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=value) for p in parts], dim=0)
+
+    return cat(pieces, pad), cat(logps, 0.0) if logps else None, cat(values, 0.0) if values else None
 
 
 def response_logits(logits: torch.Tensor, response_length: int, temperature: float) -> torch.Tensor:

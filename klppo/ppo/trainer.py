@@ -441,11 +441,19 @@ class KLPPOTrainer(Trainer):
         attention_mask = batch["attention_mask"].to(device)
         context_length = input_ids.shape[1]
 
-        # 1. generate
+        # 1. generate; the sampling policy's log-probs (and a shared critic's values) come with it, except
+        # for full-vocabulary KL, which needs the policy's logits beside the reference's
+        reuse = args.kl_estimator != FULL_KL
         with _timed(timings, "time/generation", acc):
             with unwrap_model_for_generation(self.model_wrapped, acc) as unwrapped:
-                responses = generate_responses(
-                    unwrapped.policy, input_ids, attention_mask, self.generation_config, args.rollout_forward_batch_size
+                responses, logp, values = generate_responses(
+                    unwrapped.policy,
+                    input_ids,
+                    attention_mask,
+                    self.generation_config,
+                    args.rollout_forward_batch_size,
+                    temperature=args.temperature if reuse else None,
+                    value_head=unwrapped.value_head if reuse else None,
                 )
         # 2. truncate at the stop token
         responses, response_mask = truncate_at_stop(responses, self.stop_token_id, self.processing_class.pad_token_id)
@@ -458,14 +466,21 @@ class KLPPOTrainer(Trainer):
             "response_mask": response_mask,
             "context_length": context_length,
         }
-        # 3. score: old log-probs, values, reference log-probs (full-vocab KL in the same chunk)
+        if logp is not None:
+            rollout["logp"] = logp
+        if values is not None:
+            rollout["values"] = values
+        # 3. score: what generation did not give (old log-probs, values), reference log-probs, full-vocab KL
         rollout.update(self._score(rollout, timings))
         return rollout
 
     @torch.no_grad()
     def _score(self, rollout: dict, timings: dict) -> dict:
+        """Forward passes in chunks of `rollout_forward_batch_size` sequences: the policy (unless generation
+        already gave its log-probs), the critic (unless generation gave the values), the reference."""
         args, acc = self.args, self.accelerator
         chunk, ctx = args.rollout_forward_batch_size, rollout["context_length"]
+        need_policy, need_values = "logp" not in rollout, "values" not in rollout
         out = defaultdict(list)
         unwrapped = acc.unwrap_model(self.model_wrapped)
         for start in range(0, rollout["responses"].shape[0], chunk):
@@ -474,17 +489,21 @@ class KLPPOTrainer(Trainer):
             resp = rollout["responses"][start : start + chunk]
             pos = position_ids_from_mask(attn)
             keep = resp.shape[1] + 1  # the LM head runs on response positions only
-            with _timed(timings, "time/score_policy", acc):
-                # a shared critic's values come out of this same forward pass
-                logits, values = self.model_wrapped(
-                    qr, attention_mask=attn, position_ids=pos, compute_values=unwrapped.shared, logits_to_keep=keep
-                )
-                logits = response_logits(logits, resp.shape[1], args.temperature)
-                out["logp"].append(response_logprobs(logits, resp))
-            if not unwrapped.shared:
-                with _timed(timings, "time/score_value", acc):
-                    values = unwrapped.critic(qr, attention_mask=attn, position_ids=pos)
-            out["values"].append(values[:, ctx - 1 : -1].float())
+            values, logits = None, None
+            if need_policy:
+                with _timed(timings, "time/score_policy", acc):
+                    # a shared critic's values come out of this same forward pass
+                    logits, values = self.model_wrapped(
+                        qr, attention_mask=attn, position_ids=pos, compute_values=need_values and unwrapped.shared,
+                        logits_to_keep=keep,
+                    )  # fmt: skip
+                    logits = response_logits(logits, resp.shape[1], args.temperature)
+                    out["logp"].append(response_logprobs(logits, resp))
+            if need_values:
+                if values is None:
+                    with _timed(timings, "time/score_value", acc):
+                        values = unwrapped.critic(qr, attention_mask=attn, position_ids=pos)
+                out["values"].append(values[:, ctx - 1 : -1].float())
             with _timed(timings, "time/score_ref", acc):
                 ref_logits = self._reference_logits(unwrapped, qr, attn, pos, resp.shape[1])
                 out["ref_logp"].append(response_logprobs(ref_logits, resp))
@@ -737,6 +756,17 @@ class KLPPOTrainer(Trainer):
             loss = loss + kl_term
             parts["loss/kl"] = (kl_term.detach(), share)
         return loss, parts
+
+    def shutdown(self) -> None:
+        """End a (distributed) run cleanly; call it last. Waits for every rank, drops the data-parallel
+        wrapper (it holds the process group: left to interpreter exit, gloo can abort the process), finishes
+        trackers and destroys the process group. The unwrapped models (`trainer.model`) stay usable."""
+        acc = self.accelerator
+        acc.wait_for_everyone()
+        self.model_wrapped = self.model
+        self.optimizer = self.lr_scheduler = None
+        acc.free_memory()
+        acc.end_training()
 
     # ------------------------------------------------------------------ non-finite handling
     def _record_nonfinite(self, what: str) -> dict[str, float]:
