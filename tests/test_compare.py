@@ -1,0 +1,107 @@
+"""scripts/compare.py: the metrics on a hand-made record, and `--quick` end to end on the tiny model."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "compare.py")
+PLOTS = ("reward.png", "kl.png", "coef.png", "perplexity.png", "eval_reward.png")
+
+
+def load_compare():
+    spec = importlib.util.spec_from_file_location("klppo_compare_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def fake_record(kl_values, scores, ppl=(10.0, 12.0), coef_final=0.3):
+    return {
+        "seed": 0,
+        "kl_coef_final": coef_final,
+        "updates": [
+            {"step": i + 1, "kl/value": kl, "objective/scores": s, "time/update": 1.0}
+            for i, (kl, s) in enumerate(zip(kl_values, scores))
+        ],
+        "evals": [
+            {"step": 0, "eval/perplexity": ppl[0], "eval/scores": 0.1},
+            {"step": len(kl_values), "eval/perplexity": ppl[1], "eval/scores": 0.4},
+        ],
+    }
+
+
+def test_run_metrics_by_hand():
+    compare = load_compare()
+    # target 4, band 20% = [3.2, 4.8]; second half = the last 3 of 6 updates
+    record = fake_record([0.0, 2.0, 4.0, 4.4, 8.0, 3.0], [0.0, 0.1, 0.2, 0.3, 0.4, 0.5])
+    m = compare.run_metrics(record, target=4.0, band=0.2, window=2)
+    assert m["final_reward"] == pytest.approx(0.45)
+    assert m["final_kl"] == pytest.approx(5.5)
+    assert m["tracking_error"] == pytest.approx((0.1 + 1.0 + 0.25) / 3)
+    assert m["in_band_second_half"] == pytest.approx(1 / 3)
+    assert m["in_band_all"] == pytest.approx(2 / 6)
+    assert m["perplexity_change_pct"] == pytest.approx(20.0)
+    assert m["final_coef"] == 0.3
+    # a NaN reading (skipped update) is left out, not propagated
+    record = fake_record([4.0, float("nan"), 4.0, 4.0], [0.0] * 4)
+    m = compare.run_metrics(record, target=4.0, band=0.2, window=2)
+    assert m["tracking_error"] == 0.0 and m["in_band_all"] == 1.0
+
+
+def test_spread():
+    compare = load_compare()
+    s = compare.spread([1.0, 3.0, float("nan")])
+    assert s == {"mean": 2.0, "std": pytest.approx(math.sqrt(2.0)), "min": 1.0, "max": 3.0, "n": 2}
+    assert compare.spread([float("nan")])["mean"] is None
+
+
+def run_quick(out) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "disabled"}
+    return subprocess.run(
+        [sys.executable, SCRIPT, "--quick", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT,
+    )
+
+
+@pytest.mark.slow
+def test_quick_end_to_end_and_resume(tmp_path):
+    out = tmp_path / "compare"
+    proc = run_quick(out)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["arms"]) == {"fixed-0.05", "adaptive"}
+    for arm, entry in summary["arms"].items():
+        assert entry["seeds"] == [0]
+        for name in ("final_reward", "tracking_error", "in_band_second_half", "in_band_all",
+                     "perplexity_change_pct", "final_coef", "final_kl"):
+            stat = entry["metrics"][name]
+            for key in ("mean", "std", "min", "max"):
+                assert stat[key] is not None and math.isfinite(stat[key]), (arm, name, key, stat)
+    for name in PLOTS:
+        assert (out / name).stat().st_size > 1000, name
+    assert "| adaptive |" in (out / "summary.md").read_text()
+
+    record = json.loads((out / "runs" / "adaptive-seed0.json").read_text())
+    assert [u["step"] for u in record["updates"]] == [1, 2]
+    assert [e["step"] for e in record["evals"]] == [0, 1, 2]  # step 0 included
+    assert all(math.isfinite(u["kl/coef"]) for u in record["updates"])
+    assert record["kl_controller"] == "adaptive"
+
+    # findings written into summary.md survive; finished runs are not trained again
+    text = (out / "summary.md").read_text().replace("(not written yet)", "hand-written reading")
+    (out / "summary.md").write_text(text)
+    mtime = (out / "runs" / "adaptive-seed0.json").stat().st_mtime_ns
+    proc = run_quick(out)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "already done" in proc.stdout and "started" not in proc.stdout
+    assert (out / "runs" / "adaptive-seed0.json").stat().st_mtime_ns == mtime
+    assert "hand-written reading" in (out / "summary.md").read_text()
