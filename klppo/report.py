@@ -24,13 +24,11 @@ def _edge_mean(series: list[tuple[int, float]], first: bool, n: int = 3) -> floa
 def sample_completions(trainer, prompts: list, seed: int = 0) -> list[str]:
     """Completions of `prompts` by the current policy, sampled as in training with a fixed seed."""
     batch = trainer._collate([{"prompt": p} for p in prompts])
-    state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
+    device = trainer.accelerator.device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
         rollout = trainer._rollout(batch)
         trainer._compute_scores(rollout)
-    finally:
-        torch.random.set_rng_state(state)
     return [f"{c!r} (reward {s:+.3f})" for c, s in zip(rollout["completions"], rollout["scores"].tolist())]
 
 

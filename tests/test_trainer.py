@@ -241,3 +241,23 @@ def test_generation_logprobs_and_values_match_a_scoring_forward(tiny_path, promp
     torch.testing.assert_close(rollout["logp"][mask], scored["logp"][mask], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(rollout["values"][mask], scored["values"][mask], rtol=1e-4, atol=1e-4)
     assert rollout["logp"][mask].abs().sum() > 0
+
+
+def test_evaluation_does_not_change_the_training_run(tiny_path, prompts, tmp_path):
+    kw = dict(heldout_texts=["some held-out words"] * 2, eval_dataset=prompts.select(range(4)))
+    plain = make_trainer(tiny_path, prompts, make_args(tmp_path, max_steps=2), **kw)
+    plain.train()
+    evaluated = make_trainer(tiny_path, prompts, make_args(tmp_path, max_steps=2), **kw)
+    evaluated.evaluate_policy()  # samples eval completions before training
+    evaluated.train()
+    keys = ("kl/value", "objective/scores", "loss/policy")
+    logs = [[[h[k] for k in keys] for h in t.state.log_history if "kl/value" in h] for t in (plain, evaluated)]
+    assert logs[0] == logs[1]
+
+
+def test_pid_anti_windup_fields_reach_the_controller(tmp_path):
+    from klppo.kl import build_kl_controller
+
+    args = make_args(tmp_path, kl_controller="pid", kl_target=1.0, kl_pid_integral_limit=3.0, kl_pid_error_clip=0.5)
+    state = build_kl_controller(args).state_dict()["hparams"]
+    assert state["integral_limit"] == 3.0 and state["error_clip"] == 0.5

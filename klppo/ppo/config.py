@@ -75,6 +75,8 @@ class KLPPOConfig(TrainingArguments):
             Rate `k_p` of the exponential controller.
         kl_pid_kp, kl_pid_ki, kl_pid_kd (`float` or `None`, *optional*):
             Gains of the PID controller on log beta; `None` keeps the controller's defaults.
+        kl_pid_integral_limit, kl_pid_error_clip (`float` or `None`, *optional*):
+            Anti-windup bound of the PID integral and clip of its relative error; `None` keeps the defaults.
         kl_coef_min (`float`, *optional*, defaults to `1e-4`), kl_coef_max (`float`, *optional*, defaults to `10.0`):
             Bounds on beta for the adaptive, exponential and PID controllers.
         kl_log_ratio_clamp (`float` or `None`, *optional*, defaults to `40.0`):
@@ -160,6 +162,8 @@ class KLPPOConfig(TrainingArguments):
     kl_pid_kp: float | None = field(default=None, metadata={"help": "PID proportional gain (log beta)."})
     kl_pid_ki: float | None = field(default=None, metadata={"help": "PID integral gain (log beta)."})
     kl_pid_kd: float | None = field(default=None, metadata={"help": "PID derivative gain (log beta)."})
+    kl_pid_integral_limit: float | None = field(default=None, metadata={"help": "PID integral bound."})
+    kl_pid_error_clip: float | None = field(default=None, metadata={"help": "PID relative-error clip."})
     kl_coef_min: float = field(default=1e-4, metadata={"help": "Lower bound of beta (adaptive kinds)."})
     kl_coef_max: float = field(default=10.0, metadata={"help": "Upper bound of beta (adaptive kinds)."})
     kl_log_ratio_clamp: float | None = field(default=40.0, metadata={"help": "Clamp of |log ratio| before exp."})

@@ -829,7 +829,11 @@ class KLPPOTrainer(Trainer):
             rank, world = self.accelerator.process_index, self.accelerator.num_processes
             rows = [self.eval_prompts[i] for i in range(rank, n * world, world) if i < len(self.eval_prompts)]
             if rows:
-                rollout = self._rollout(self._collate(rows))
+                # a private random stream: evaluating must not change the training run's later rollouts
+                devices = [self.accelerator.device] if self.accelerator.device.type == "cuda" else []
+                with torch.random.fork_rng(devices=devices):
+                    torch.manual_seed(self.args.seed + self.state.global_step)
+                    rollout = self._rollout(self._collate(rows))
                 metrics["eval/scores"] = self._compute_scores(rollout)["objective/scores"]
         return metrics
 
