@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_workload import add_workload_arguments  # this script's folder is on sys.path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # klppo from this checkout
 
@@ -315,22 +316,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     jobs = parser.add_subparsers(dest="job", required=True)
     run = jobs.add_parser("train", help="time PPO updates of KLPPOTrainer")
-    run.add_argument("--model-path", required=True, help="local HF folder of the base causal LM")
-    run.add_argument("--prompts", required=True, help="JSON file: a list of prompt strings")
-    run.add_argument("--workload", choices=["a", "b"], default="a")
-    run.add_argument("--updates", type=int, default=3, help="measured PPO updates")
-    run.add_argument("--warmup", type=int, default=1, help="PPO updates run first and not measured")
-    run.add_argument("--batch-size", type=int, default=8, help="prompts per PPO update")
-    run.add_argument("--response-length", type=int, default=24)
-    run.add_argument("--num-ppo-epochs", type=int, default=2)
-    run.add_argument("--num-mini-batches", type=int, default=1)
-    run.add_argument("--temperature", type=float, default=0.7)
-    run.add_argument("--learning-rate", type=float, default=1e-5)
-    run.add_argument("--kl-coef", type=float, default=0.05)
-    run.add_argument("--lora-r", type=int, default=16)
-    run.add_argument("--lora-alpha", type=int, default=32)
-    run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--out", default=None)
+    add_workload_arguments(run)
     mem = jobs.add_parser("kl-memory", help="peak extra memory of full-vocabulary KL")
     mem.add_argument("--variant", choices=["chunked", "dense", "naive"], required=True)
     mem.add_argument("--positions", type=int, default=64)
