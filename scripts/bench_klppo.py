@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import resource
 import statistics
 import sys
 import tempfile
@@ -40,7 +39,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_workload import add_workload_arguments  # this script's folder is on sys.path
+from bench_workload import add_workload_arguments, peak_rss_mb, workload_settings  # this script's folder is on sys.path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # klppo from this checkout
 
@@ -54,11 +53,6 @@ PHASES = (
     "time/optimise",
     "time/update",
 )
-
-
-def peak_rss_mb() -> float:
-    """Peak resident set size of this process (Linux reports ru_maxrss in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def status_mb(field: str) -> float:
@@ -242,20 +236,7 @@ def train(args) -> dict:
         "rss_after_setup_mb": rss_setup,
         "cuda_peak_mb": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
         "trainable_parameters": trainable,
-        "settings": {
-            "batch_size": args.batch_size,
-            "response_length": args.response_length,
-            "num_ppo_epochs": args.num_ppo_epochs,
-            "num_mini_batches": args.num_mini_batches,
-            "temperature": args.temperature,
-            "learning_rate": args.learning_rate,
-            "kl_coef": args.kl_coef,
-            "kl_estimator": "k1",
-            "kl_controller": "fixed",
-            "critic": critic,
-            "dtype": "float32",
-            "lora": {"r": args.lora_r, "alpha": args.lora_alpha} if args.workload == "b" else None,
-        },
+        "settings": workload_settings(args, lora=args.workload == "b", kl_estimator="k1", kl_controller="fixed", critic=critic),
         "versions": versions(),
     }
 

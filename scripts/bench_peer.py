@@ -47,25 +47,19 @@ import argparse
 import gc
 import json
 import platform
-import resource
 import statistics
 import tempfile
 import time
 from collections import defaultdict
 
 import torch
-from bench_workload import add_workload_arguments  # this script's folder is on sys.path
+from bench_workload import add_workload_arguments, peak_rss_mb, workload_settings  # this script's folder is on sys.path
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_workload_arguments(parser)
     return parser.parse_args(argv)
-
-
-def peak_rss_mb() -> float:
-    """Peak resident set size of this process (Linux reports ru_maxrss in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 class PhaseClock:
@@ -314,17 +308,7 @@ def main(argv=None):
         "rss_after_setup_mb": rss_setup,
         "cuda_peak_mb": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
         "trainable_parameters": trainable,
-        "settings": {
-            "batch_size": args.batch_size,
-            "response_length": args.response_length,
-            "num_ppo_epochs": args.num_ppo_epochs,
-            "num_mini_batches": args.num_mini_batches,
-            "temperature": args.temperature,
-            "learning_rate": args.learning_rate,
-            "kl_coef": args.kl_coef,
-            "dtype": "float32",
-            "lora": {"r": args.lora_r, "alpha": args.lora_alpha} if peft_config is not None else None,
-        },
+        "settings": workload_settings(args, lora=peft_config is not None),
         "versions": {
             "python": platform.python_version(),
             "torch": torch.__version__,

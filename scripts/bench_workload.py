@@ -4,6 +4,7 @@ environment by `bench_klppo.py` and in the peer's by `bench_peer.py`, so both re
 from __future__ import annotations
 
 import argparse
+import resource
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -24,3 +25,24 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="also write the JSON here")
     return parser
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def workload_settings(args, lora: bool, **extra) -> dict:
+    """The settings record both runners write, so that their reports can be compared field by field."""
+    return {
+        "batch_size": args.batch_size,
+        "response_length": args.response_length,
+        "num_ppo_epochs": args.num_ppo_epochs,
+        "num_mini_batches": args.num_mini_batches,
+        "temperature": args.temperature,
+        "learning_rate": args.learning_rate,
+        "kl_coef": args.kl_coef,
+        **extra,
+        "dtype": "float32",
+        "lora": {"r": args.lora_r, "alpha": args.lora_alpha} if lora else None,
+    }
