@@ -438,23 +438,14 @@ def make_plots(records: dict[str, list[dict]], target: float, band: float, unit:
 
 
 # ---------------------------------------------------------------------------- summary.md
-def _fmt(stat: dict, digits: int = 3, pct: bool = False) -> str:
+def _fmt(stat: dict, spec: str, pct: bool = False, std_spec: str | None = None) -> str:
+    """`mean ± std` of a per-arm statistic, formatted with `spec` (e.g. ".2f", ".3g"; `std_spec` for the std)."""
     if stat["mean"] is None:
         return "n/a"
     scale = 100.0 if pct else 1.0
-    text = f"{stat['mean'] * scale:.{digits}g}"
+    text = format(stat["mean"] * scale, spec)
     if stat["n"] > 1:
-        text += f" ± {stat['std'] * scale:.{digits - 1 if digits > 1 else 1}g}"
-    return text
-
-
-def _fixed(stat: dict, decimals: int, pct: bool = False) -> str:
-    if stat["mean"] is None:
-        return "n/a"
-    scale = 100.0 if pct else 1.0
-    text = f"{stat['mean'] * scale:.{decimals}f}"
-    if stat["n"] > 1:
-        text += f" ± {stat['std'] * scale:.{decimals}f}"
+        text += " ± " + format(stat["std"] * scale, std_spec or spec)
     return text
 
 
@@ -497,11 +488,11 @@ def write_markdown(summary: dict, out: Path) -> None:
         m = entry["metrics"]
         fields = ", ".join(f"{k}={v}" for k, v in entry["fields"].items())
         lines.append(
-            f"| {arm} | {fields} | {_fixed(m['initial_reward'], 3)} → {_fixed(m['final_reward'], 3)} "
-            f"| {_fixed(m['final_kl'], 2)} "
-            f"| {_fixed(m['tracking_error'], 2)} | {_fixed(m['in_band_second_half'], 2)} "
-            f"| {_fixed(m['in_band_all'], 2)} | {_fixed(m['perplexity_change_pct'], 2)} "
-            f"| {_fixed(m['eval_reward_final'], 3)} | {_fmt(m['final_coef'], 3)} |"
+            f"| {arm} | {fields} | {_fmt(m['initial_reward'], '.3f')} → {_fmt(m['final_reward'], '.3f')} "
+            f"| {_fmt(m['final_kl'], '.2f')} "
+            f"| {_fmt(m['tracking_error'], '.2f')} | {_fmt(m['in_band_second_half'], '.2f')} "
+            f"| {_fmt(m['in_band_all'], '.2f')} | {_fmt(m['perplexity_change_pct'], '.2f')} "
+            f"| {_fmt(m['eval_reward_final'], '.3f')} | {_fmt(m['final_coef'], '.3g', std_spec='.2g')} |"
         )
     ranked = sorted(
         (a for a in arms if arms[a]["metrics"]["tracking_error"]["mean"] is not None),
