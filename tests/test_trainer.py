@@ -261,3 +261,19 @@ def test_pid_anti_windup_fields_reach_the_controller(tmp_path):
     args = make_args(tmp_path, kl_controller="pid", kl_target=1.0, kl_pid_integral_limit=3.0, kl_pid_error_clip=0.5)
     state = build_kl_controller(args).state_dict()["hparams"]
     assert state["integral_limit"] == 3.0 and state["error_clip"] == 0.5
+
+
+def test_nonfinite_loss_skips_the_optimizer_step(tiny_path, prompts, tmp_path, monkeypatch):
+    trainer = make_trainer(tiny_path, prompts, make_args(tmp_path, max_steps=2, max_nonfinite_updates=5))
+    original = trainer._micro_batch_loss
+
+    def nan_loss(*args, **kwargs):
+        loss, parts = original(*args, **kwargs)
+        return loss * float("nan"), parts
+
+    monkeypatch.setattr(trainer, "_micro_batch_loss", nan_loss)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert trainer.nonfinite_skips == 2
+    for name, param in trainer.model.named_parameters():
+        assert torch.equal(before[name], param), f"{name} changed by a non-finite loss"

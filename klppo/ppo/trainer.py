@@ -672,25 +672,24 @@ class KLPPOTrainer(Trainer):
                     acc,
                 )
                 counts = dict(num_tokens=tokens, num_seqs=seqs)
-                mb_skipped = False
+                nonfinite = torch.zeros((), dtype=torch.float64, device=acc.device)
                 for micro_start in range(0, mb_size, micro):
                     idx = mb_idx[micro_start : micro_start + micro]
                     last_micro = micro_start + micro >= mb_size
                     sync = nullcontext() if last_micro or world == 1 else acc.no_sync(model)
                     with sync:
                         loss, parts = self._micro_batch_loss(rollout, idx, counts, coef, loss_modes)
-                        # one collective: does any rank hold a non-finite loss?
-                        bad, _ = reduce_sum_count(
-                            (~torch.isfinite(loss.detach())).double(), torch.ones((), dtype=torch.float64), acc
-                        )
-                        if bad.item() > 0:
-                            mb_skipped = True
-                        else:
-                            # DDP averages gradients over ranks; the loss is normalised by global counts
-                            scale = world * (args.gradient_accumulation_steps if self.is_deepspeed_enabled else 1)
-                            acc.backward(loss * scale)
+                        nonfinite += (~torch.isfinite(loss.detach())).double()
+                        # DDP averages gradients over ranks; the loss is normalised by global counts. A non-finite
+                        # loss still goes through backward on every rank (DDP stays in step); its gradients are
+                        # dropped below, before they reach the weights.
+                        scale = world * (args.gradient_accumulation_steps if self.is_deepspeed_enabled else 1)
+                        acc.backward(loss * scale)
                     for name, (total, count) in parts.items():
                         stats.add(name, total, count)
+                # one collective (and one host sync) per optimizer step: did any rank see a non-finite loss?
+                bad, _ = reduce_sum_count(nonfinite, 1.0, acc)
+                mb_skipped = bad.item() > 0
                 grad_norm = None
                 if args.max_grad_norm and args.max_grad_norm > 0 and not mb_skipped:
                     grad_norm = acc.clip_grad_norm_(model.parameters(), args.max_grad_norm)
