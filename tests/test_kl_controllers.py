@@ -8,13 +8,20 @@ from types import SimpleNamespace
 import pytest
 
 from klppo.kl import (
-    KL_CONTROLLERS,
     AdaptiveKLController,
     ExponentialKLController,
     FixedKLController,
+    KLController,
     PIDKLController,
+    TrackingKLController,
     build_kl_controller,
+    get_kl_controller,
+    kl_controllers,
+    register_kl_controller,
+    unregister_kl_controller,
 )
+
+KL_CONTROLLERS = ("fixed", "adaptive", "exponential", "pid", "tracking")
 
 
 def _all_kinds():
@@ -23,12 +30,43 @@ def _all_kinds():
         AdaptiveKLController(0.1, target=6.0, horizon=10000),
         ExponentialKLController(0.1, target=0.05),
         PIDKLController(0.1, target=0.05),
+        TrackingKLController(0.1, target=0.05),
     ]
 
 
 def test_names():
-    assert KL_CONTROLLERS == ("fixed", "adaptive", "exponential", "pid")
+    assert kl_controllers() == KL_CONTROLLERS
     assert tuple(c.name for c in _all_kinds()) == KL_CONTROLLERS
+
+
+def test_register_and_unregister_a_controller_through_the_public_api():
+    @register_kl_controller("halving", fields={"target": "kl_target", "factor": "my_factor"})
+    class Halving(KLController):
+        """beta *= factor whenever kl exceeds target."""
+
+        def __init__(self, kl_coef, target, factor=0.5):
+            super().__init__(kl_coef)
+            self.target, self.factor = target, factor
+
+        def _step(self, kl, n_steps):
+            return self._value / self.factor if kl > self.target else self._value
+
+    try:
+        assert "halving" in kl_controllers() and get_kl_controller("halving") is Halving
+        c = build_kl_controller(SimpleNamespace(kl_controller="halving", kl_coef=0.1, kl_target=1.0, my_factor=0.25))
+        assert c.update(2.0, 8) == pytest.approx(0.4) and c.name == "halving"
+        with pytest.raises(ValueError, match="already registered"):
+            register_kl_controller("halving")(Halving)
+        # the config accepts it by name and builds it
+        from klppo import KLPPOConfig
+
+        args = KLPPOConfig(output_dir="/tmp/unused", kl_controller="halving", kl_target=1.0, report_to="none")
+        assert isinstance(build_kl_controller(args), Halving)
+    finally:
+        unregister_kl_controller("halving")
+    assert "halving" not in kl_controllers()
+    with pytest.raises(ValueError, match="halving"):
+        get_kl_controller("halving")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,6 +223,7 @@ def _drive(ctrl, readings):
     lambda: AdaptiveKLController(0.1, target=0.3, horizon=100),
     lambda: ExponentialKLController(0.1, target=0.3, rate=0.5),
     lambda: PIDKLController(0.1, target=0.3, kd=0.1),
+    lambda: TrackingKLController(0.1, target=0.3, window=5),
 ], ids=KL_CONTROLLERS)
 def test_state_dict_json_round_trip_continues_identically(make):
     rng = random.Random(1)
@@ -240,6 +279,13 @@ def test_load_into_wrong_kind_raises():
     (lambda: PIDKLController(0.1, 1.0, kd=-0.1), "kd"),
     (lambda: PIDKLController(0.1, 1.0, integral_limit=0.0), "integral_limit"),
     (lambda: PIDKLController(0.1, 1.0, coef_min=1.0, coef_max=0.1), "coef_min"),
+    (lambda: TrackingKLController(0.0, 1.0), "kl_coef"),
+    (lambda: TrackingKLController(0.1, 0.0), "target"),
+    (lambda: TrackingKLController(0.1, 1.0, ki=-1.0), "ki"),
+    (lambda: TrackingKLController(0.1, 1.0, smoothing=0.0), "smoothing"),
+    (lambda: TrackingKLController(0.1, 1.0, smoothing=1.5), "smoothing"),
+    (lambda: TrackingKLController(0.1, 1.0, window=2), "window"),
+    (lambda: TrackingKLController(0.1, 1.0, lookahead=-1.0), "lookahead"),
 ])
 def test_constructor_rejects_bad_values(make, param):
     with pytest.raises(ValueError, match=param):
@@ -262,7 +308,9 @@ def test_build_kl_controller():
     assert isinstance(c, ExponentialKLController) and (c.rate, c.coef_min, c.coef_max) == (0.2, 1e-3, 5.0)
     c = build_kl_controller(SimpleNamespace(kl_controller="pid", kl_pid_kp=0.5, kl_pid_ki=None, kl_pid_kd=0.01, **base))
     assert isinstance(c, PIDKLController) and (c.kp, c.ki, c.kd) == (0.5, 0.3, 0.01)
-    with pytest.raises(ValueError, match="fixed, adaptive, exponential, pid"):
+    c = build_kl_controller(SimpleNamespace(kl_controller="tracking", kl_track_ki=0.2, kl_track_window=None, **base))
+    assert isinstance(c, TrackingKLController) and (c.ki, c.kp, c.window) == (0.2, 0.3, 20)
+    with pytest.raises(ValueError, match="fixed, adaptive, exponential, pid, tracking"):
         build_kl_controller(SimpleNamespace(kl_controller="lagrangian", **base))
     with pytest.raises(ValueError, match="kl_target"):
         build_kl_controller(SimpleNamespace(kl_controller="pid", kl_coef=0.05, kl_target=None))
@@ -321,3 +369,80 @@ def test_pid_and_exponential_on_a_per_sequence_target():
         exp_mean, exp_rms = _tracking(_simulate(ExponentialKLController(beta_star * start, target), c), target)
         assert abs(pid_mean - 1) < 0.1 and pid_rms < 0.1
         assert abs(exp_mean - 1) < 0.1 and exp_rms < 0.15
+
+
+# ---------------------------------------------------------------------------------------------
+# the tracking controller
+
+
+def test_tracking_single_steps_closed_form():
+    c = TrackingKLController(0.1, target=2.0, kp=0.3, ki=0.1, lookahead=2.0, smoothing=0.5, window=5)
+    # first reading: the policy is still the reference; e = clip(log(max(0, 2/e) / 2)) = -1, held
+    assert c.update(0.0, 8) == pytest.approx(0.1 * math.exp(-0.3))
+    assert c.integral == 0.0 and c.holding
+    # a reading above: m = 0 + 0.5 * (10 - 0) = 5; no trend from fewer than 3 readings, so p = 5 and
+    # e = log(5 / 2): I = 0.1 e, log beta = log 0.1 + 0.3 e + 0.1 e
+    e = math.log(2.5)
+    assert c.update(10.0, 8) == pytest.approx(0.1 * math.exp(0.4 * e))
+    assert c.smoothed == pytest.approx(5.0) and c.slope == 0.0 and c.integral == pytest.approx(0.1 * e)
+    # third reading: slope of [0, 10, 10] is 5 -> p = m + 2 * 5 = 7.5 + 10, e = min(log(17.5 / 2), 1) = 1
+    c.update(10.0, 8)
+    assert c.slope == pytest.approx(5.0) and c.last_error == 1.0
+    assert c.value == pytest.approx(0.1 * math.exp(0.3 + 0.1 * e + 0.1))
+    # at the target with a flat trend: e = 0, beta = beta0 * exp(I)
+    c = TrackingKLController(0.1, target=2.0, smoothing=1.0, lookahead=0.0)
+    for _ in range(5):
+        c.update(2.0, 8)
+    assert c.last_error == 0.0 and c.value == pytest.approx(0.1)
+
+
+def test_tracking_start_up_hold_tells_rising_from_levelled_off():
+    target = 4.0
+    # rising steadily toward the target: the integral never falls, beta only dips by the P term
+    rising = TrackingKLController(0.1, target=target)  # window 20: 20 x 0.25 > 4
+    for t in range(15):
+        rising.update(0.25 * t, 8)  # reaches 3.5 after 14 updates
+        assert rising.integral >= 0.0
+    assert rising.value >= 0.1 * math.exp(-rising.kp) * 0.999
+    # levelled off at a tenth of the target: once the trend shows it, the integral falls and beta with it
+    flat = TrackingKLController(0.1, target=target, window=10)
+    for t in range(30):
+        flat.update(0.4 * (1 - math.exp(-t)), 8)
+    assert not flat.holding and flat.integral < -1.0 and flat.value < 0.1 * math.exp(-1.3)
+    # a raw integrator (the PID controller) cuts beta while the KL is still rising
+    pid = PIDKLController(0.1, target=target)
+    for t in range(15):
+        pid.update(0.25 * t, 8)
+    assert pid.value < rising.value / 3
+
+
+def test_tracking_hold_ends_once_the_target_was_approached():
+    c = TrackingKLController(0.1, target=1.0, window=10)
+    for kl in [0.2, 0.5, 0.9, 1.0, 1.0, 1.0]:  # the EMA passes 0.8 at the sixth reading
+        c.update(kl, 8)
+    assert c.armed and not c.holding
+    before = c.integral
+    c.update(0.5, 8)  # now a low reading is integrated, whatever the trend
+    assert c.integral < before
+
+
+def test_tracking_anti_windup_keeps_output_on_the_bound():
+    c = TrackingKLController(1.0, target=1.0, coef_max=2.0, smoothing=1.0, lookahead=0.0)
+    for _ in range(50):
+        c.update(100.0, 8)
+    assert c.value == 2.0
+    # the integral sits where the output is exactly on the bound (I = log 2 - kp * 1): it has not wound
+    # up, so a reading at the target (e = 0, no P term) gives beta = 2 * exp(-kp) at once
+    assert c.integral == pytest.approx(math.log(2.0) - 0.3)
+    c.update(1.0, 8)
+    assert c.value == pytest.approx(2.0 * math.exp(-0.3))
+
+
+@pytest.mark.parametrize("lag", [1.0, 0.3])
+@pytest.mark.parametrize("start", [0.2, 5.0])
+def test_tracking_on_simulated_plants(lag, start):
+    target, beta_star = 4.0, 0.1
+    c = target * beta_star
+    history = _simulate(TrackingKLController(beta_star * start, target), c, lag=lag)
+    mean, rms = _tracking(history, target)
+    assert abs(mean - 1) < 0.05 and rms < 0.1

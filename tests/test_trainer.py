@@ -227,11 +227,13 @@ def test_biased_combination_warns_once(tmp_path, caplog):
     assert len(messages) == 1
 
 
-@pytest.mark.parametrize("critic", ["shared", "separate"])
-def test_generation_logprobs_and_values_match_a_scoring_forward(tiny_path, prompts, tmp_path, critic):
+@pytest.mark.parametrize("critic, stop_token", [("shared", "eos"), ("separate", "eos"), ("shared", None)])
+def test_generation_logprobs_and_values_match_a_scoring_forward(tiny_path, prompts, tmp_path, critic, stop_token):
     """Old log-probs (and a shared critic's values) are read from generation; they must equal what a
-    separate forward pass over the finished sequences gives."""
-    trainer = make_trainer(tiny_path, prompts, make_args(tmp_path, critic=critic, temperature=0.7, response_length=8))
+    separate forward pass over the finished sequences gives. With fixed-length responses (stop_token None)
+    both mask the suppressed end-of-sequence token."""
+    args = make_args(tmp_path, critic=critic, temperature=0.7, response_length=8, stop_token=stop_token)
+    trainer = make_trainer(tiny_path, prompts, args)
     batch = trainer._collate([{"prompt": p} for p in prompts["prompt"][:6]])
     torch.manual_seed(1)
     rollout = trainer._rollout(batch)

@@ -1,7 +1,7 @@
 """KL control for klppo: pure tensor functions and small classes (torch and the stdlib only).
 
 - ``estimators``: per-token estimators behind a registry, ``compute_kl``, exact ``full_kl``.
-- ``controllers``: Fixed / Adaptive / Exponential / PID coefficient controllers.
+- ``controllers``: coefficient controllers behind a registry (fixed, adaptive, exponential, PID, tracking).
 - ``penalty``: KL into per-token rewards or into the loss; loss aggregation modes.
 - ``reduce``: token-weighted global statistics across ranks (one collective each).
 - ``divergence``: which divergence a configuration follows; the README estimator table
@@ -9,13 +9,17 @@
 """
 
 from .controllers import (
-    KL_CONTROLLERS,
     AdaptiveKLController,
     ExponentialKLController,
     FixedKLController,
     KLController,
     PIDKLController,
+    TrackingKLController,
     build_kl_controller,
+    get_kl_controller,
+    kl_controllers,
+    register_kl_controller,
+    unregister_kl_controller,
 )
 from .estimators import (
     BUILTIN_KL_ESTIMATORS,
@@ -47,8 +51,12 @@ __all__ = [
     "AdaptiveKLController",
     "ExponentialKLController",
     "PIDKLController",
+    "TrackingKLController",
     "build_kl_controller",
-    "KL_CONTROLLERS",
+    "register_kl_controller",
+    "unregister_kl_controller",
+    "get_kl_controller",
+    "kl_controllers",
     "kl_reward",
     "kl_loss",
     "aggregate_loss",

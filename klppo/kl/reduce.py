@@ -124,13 +124,16 @@ def global_masked_whiten(
     accelerator=None,
     shift_mean: bool = True,
     eps: float = 1e-8,
-) -> torch.Tensor:
+    return_std: bool = False,
+):
     """Whiten with the mean and unbiased variance of the masked tokens of ALL ranks. ``[B, T] -> [B, T]``.
 
     ``(v - mean) / sqrt(var + eps)`` (plus ``mean`` again if not ``shift_mean``, as in verl /
     TRL), zero outside the mask, in ``values``' dtype. One collective of (sum, sum of squares,
     count), accumulated in float64. With fewer than two tokens in total the variance is taken as 0.
     The statistics are constants: a gradient through ``values`` (if any) sees only the affine map.
+    With ``return_std``, returns ``(whitened, std)`` where ``std = sqrt(var + eps)`` is the 0-dim float64
+    divisor that was used (identical on every rank).
     """
     v, m = _masked(values, mask)
     packed = all_reduce_sum(torch.stack([v.sum(), v.square().sum(), m.sum()]), accelerator)
@@ -143,4 +146,5 @@ def global_masked_whiten(
     whitened = (values - mean_t) * torch.rsqrt(var + eps).to(values.dtype)
     if not shift_mean:
         whitened = whitened + mean_t
-    return torch.where(mask.bool(), whitened, torch.zeros((), dtype=values.dtype, device=values.device))
+    whitened = torch.where(mask.bool(), whitened, torch.zeros((), dtype=values.dtype, device=values.device))
+    return (whitened, torch.sqrt(var + eps)) if return_std else whitened

@@ -8,12 +8,13 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from ..kl import KL_CONTROLLERS, LOSS_AGG_MODES, divergence_followed, kl_estimators
+from ..kl import LOSS_AGG_MODES, divergence_followed, get_kl_controller, kl_controllers, kl_estimators
 
 logger = logging.getLogger(__name__)
 
 KL_MODES = ("reward", "loss", "both", "none")
 KL_TARGET_UNITS = ("token", "sequence")
+KL_LOSS_SCALES = ("advantage_std", "none")
 CRITIC_KINDS = ("separate", "shared")
 FULL_KL = "full"
 
@@ -57,9 +58,12 @@ class KLPPOConfig(TrainingArguments):
             naming the divergence they follow (see the README's estimator table).
         kl_coef (`float`, *optional*, defaults to `0.05`):
             Initial KL coefficient beta.
-        kl_controller (`str`, *optional*, defaults to `"fixed"`):
-            How beta changes between updates: `"fixed"`, `"adaptive"` (Ziegler et al. 2019, Sec. 2.2),
-            `"exponential"` (`beta <- beta * exp(rate * (kl - target))`) or `"pid"` (PID on log beta).
+        kl_controller (`str` or `None`, *optional*, defaults to `None`):
+            How beta changes between updates: `"fixed"`, `"tracking"` (PI control of log beta on a smoothed,
+            predicted KL with a start-up hold; holds a target best, see `TrackingKLController`), `"adaptive"`
+            (Ziegler et al. 2019, Sec. 2.2), `"exponential"` (`beta <- beta * exp(rate * (kl - target))`),
+            `"pid"` (PID on log beta), or a name registered with `klppo.kl.register_kl_controller`. `None`:
+            `"tracking"` when `kl_target` is set, else `"fixed"`.
         kl_target (`float` or `None`, *optional*, defaults to `None`):
             Target of the controller statistic, in the unit given by `kl_target_unit`. Required by every
             controller but `"fixed"`. Typical: 6 nats per sequence (trlx) or 0.1 per token (verl).
@@ -77,6 +81,11 @@ class KLPPOConfig(TrainingArguments):
             Gains of the PID controller on log beta; `None` keeps the controller's defaults.
         kl_pid_integral_limit, kl_pid_error_clip (`float` or `None`, *optional*):
             Anti-windup bound of the PID integral and clip of its relative error; `None` keeps the defaults.
+        kl_track_kp, kl_track_ki, kl_track_lookahead, kl_track_smoothing, kl_track_window (`float`/`int` or `None`, *optional*):
+            Settings of the `"tracking"` controller (`klppo.kl.TrackingKLController`): gains on log beta (0.3,
+            0.1), updates of lookahead on a rising KL (2), EMA weight of the reading (0.3), and the number of
+            recent updates whose trend decides whether the KL is still rising (20; the integral does not
+            fall while it is). `None` keeps the default.
         kl_coef_min (`float`, *optional*, defaults to `1e-4`), kl_coef_max (`float`, *optional*, defaults to `10.0`):
             Bounds on beta for the adaptive, exponential and PID controllers.
         kl_log_ratio_clamp (`float` or `None`, *optional*, defaults to `40.0`):
@@ -88,6 +97,13 @@ class KLPPOConfig(TrainingArguments):
             Aggregation of the KL loss term: `token-mean`, `seq-mean-token-sum`, `seq-mean-token-mean` or
             `seq-mean-token-sum-norm`. Counts are global (all processes, whole mini-batch), so results do not
             depend on how a batch is split across processes and accumulation steps.
+        kl_loss_scale (`str`, *optional*, defaults to `"advantage_std"`):
+            How the loss-mode coefficient relates to `kl_coef`. With whitened advantages the policy-gradient
+            term is divided by the advantages' standard deviation `s`, so adding `beta * KL` to the loss
+            maximises `E[r] - beta * s * KL`, not `E[r] - beta * KL`. `"advantage_std"` uses `beta / s` in the
+            loss (`s` reduced over all processes, logged as `policy/advantage_std`), so `kl_coef` names the
+            same objective `E[r] - beta * KL` in every `kl_mode`. `"none"` uses `beta` as is: the convention of
+            TRL's GRPO and verl, where beta weighs KL against the normalised advantage.
         kl_drift_patience (`int`, *optional*, defaults to `5`):
             Warn when the controller statistic stays above 2x or below 0.5x the target for this many
             consecutive updates.
@@ -145,6 +161,10 @@ class KLPPOConfig(TrainingArguments):
             How many times over training a table of sample completions is logged (0 disables).
         heldout_eval_texts (`int`, *optional*, defaults to `32`):
             Number of held-out texts for `eval/perplexity`.
+        health_patience (`int`, *optional*, defaults to `3`):
+            Warn, naming the fix, when `policy/approxkl` (> 0.02), `policy/clipfrac` (> 0.2), `policy/entropy`
+            (< half its first value) or `val/clipfrac` (> 0.5) stays outside its healthy range for this many
+            consecutive updates (`klppo.ppo.health`).
         max_nonfinite_updates (`int`, *optional*, defaults to `3`):
             Updates with a non-finite loss or KL are skipped; this many in a row abort training.
     """
@@ -153,7 +173,11 @@ class KLPPOConfig(TrainingArguments):
     kl_mode: str = field(default="reward", metadata={"help": f"Where KL acts: {', '.join(KL_MODES)}."})
     kl_estimator: str = field(default="k1", metadata={"help": "Per-token KL estimator (see the README table)."})
     kl_coef: float = field(default=0.05, metadata={"help": "Initial KL coefficient beta."})
-    kl_controller: str = field(default="fixed", metadata={"help": f"One of {', '.join(KL_CONTROLLERS)}."})
+    kl_controller: str | None = field(
+        default=None,
+        metadata={"help": "fixed, tracking, adaptive, exponential, pid, or a registered name (default: tracking "
+                  "with kl_target, else fixed)."},
+    )
     kl_target: float | None = field(default=None, metadata={"help": "Target of the controller statistic."})
     kl_target_unit: str = field(default="sequence", metadata={"help": "'sequence' or 'token'."})
     kl_horizon: int = field(default=10000, metadata={"help": "Adaptive controller horizon (sequences)."})
@@ -164,11 +188,19 @@ class KLPPOConfig(TrainingArguments):
     kl_pid_kd: float | None = field(default=None, metadata={"help": "PID derivative gain (log beta)."})
     kl_pid_integral_limit: float | None = field(default=None, metadata={"help": "PID integral bound."})
     kl_pid_error_clip: float | None = field(default=None, metadata={"help": "PID relative-error clip."})
+    kl_track_kp: float | None = field(default=None, metadata={"help": "Tracking controller proportional gain."})
+    kl_track_ki: float | None = field(default=None, metadata={"help": "Tracking controller integral gain."})
+    kl_track_lookahead: float | None = field(default=None, metadata={"help": "Tracking controller lookahead."})
+    kl_track_smoothing: float | None = field(default=None, metadata={"help": "Tracking controller EMA weight."})
+    kl_track_window: int | None = field(default=None, metadata={"help": "Tracking controller trend window."})
     kl_coef_min: float = field(default=1e-4, metadata={"help": "Lower bound of beta (adaptive kinds)."})
     kl_coef_max: float = field(default=10.0, metadata={"help": "Upper bound of beta (adaptive kinds)."})
     kl_log_ratio_clamp: float | None = field(default=40.0, metadata={"help": "Clamp of |log ratio| before exp."})
     kl_value_clamp: float | None = field(default=None, metadata={"help": "Opt-in clamp of estimator outputs."})
     kl_loss_agg_mode: str = field(default="token-mean", metadata={"help": "Aggregation of the KL loss term."})
+    kl_loss_scale: str = field(
+        default="advantage_std", metadata={"help": f"Loss-mode coefficient scaling: {', '.join(KL_LOSS_SCALES)}."}
+    )
     kl_drift_patience: int = field(default=5, metadata={"help": "Updates out of band before a drift warning."})
     full_kl_chunk_size: int = field(default=1024, metadata={"help": "Chunk size of full-vocabulary KL."})
 
@@ -198,6 +230,7 @@ class KLPPOConfig(TrainingArguments):
     # Diagnostics
     num_sample_generations: int = field(default=10, metadata={"help": "Sample-completion tables over training."})
     heldout_eval_texts: int = field(default=32, metadata={"help": "Held-out texts for eval/perplexity."})
+    health_patience: int = field(default=3, metadata={"help": "Updates out of a healthy range before a warning."})
     max_nonfinite_updates: int = field(default=3, metadata={"help": "Non-finite updates in a row before abort."})
 
     # Defaults that differ from TrainingArguments
@@ -220,13 +253,17 @@ class KLPPOConfig(TrainingArguments):
             raise _choice_error("kl_mode", self.kl_mode, KL_MODES)
         if self.kl_estimator not in kl_estimator_choices():
             raise _choice_error("kl_estimator", self.kl_estimator, kl_estimator_choices())
-        if self.kl_controller not in KL_CONTROLLERS:
-            raise _choice_error("kl_controller", self.kl_controller, KL_CONTROLLERS)
+        if self.kl_controller is None:
+            self.kl_controller = "tracking" if self.kl_target is not None else "fixed"
+        if self.kl_controller not in kl_controllers():
+            raise _choice_error("kl_controller", self.kl_controller, kl_controllers())
         if self.kl_target_unit not in KL_TARGET_UNITS:
             raise _choice_error("kl_target_unit", self.kl_target_unit, KL_TARGET_UNITS)
         if self.kl_loss_agg_mode not in LOSS_AGG_MODES:
             raise _choice_error("kl_loss_agg_mode", self.kl_loss_agg_mode, LOSS_AGG_MODES)
-        if self.kl_controller == "fixed":
+        if self.kl_loss_scale not in KL_LOSS_SCALES:
+            raise _choice_error("kl_loss_scale", self.kl_loss_scale, KL_LOSS_SCALES)
+        if not get_kl_controller(self.kl_controller).needs_target:
             if self.kl_coef < 0:
                 raise ValueError(f"`kl_coef` must be >= 0, got {self.kl_coef}.")
         else:
@@ -284,6 +321,8 @@ class KLPPOConfig(TrainingArguments):
                     f"`{name}='epoch'` is not supported: klppo counts PPO updates, not epochs. Use "
                     f"`{name}='steps'` with `{name.split('_')[0]}_steps` (in PPO updates)."
                 )
+        if self.health_patience < 1:
+            raise ValueError(f"`health_patience` must be >= 1, got {self.health_patience}.")
         if self.max_nonfinite_updates < 1:
             raise ValueError(f"`max_nonfinite_updates` must be >= 1, got {self.max_nonfinite_updates}.")
 

@@ -45,9 +45,28 @@ def ends_with_stop(responses: torch.Tensor, mask: torch.Tensor, stop_token_id: i
     return responses.gather(1, last.unsqueeze(1)).squeeze(1) == stop_token_id
 
 
-def make_generation_config(args, tokenizer, stop_token_id: int | None) -> GenerationConfig:
+def suppressed_token_ids(stop_token_id: int | None, tokenizer, model_generation_config=None) -> list[int]:
+    """Token ids that generation never samples: the end-of-sequence ids when responses have a fixed length
+    (`stop_token_id` None), else none.
+
+    Responses of fixed length must not end early, so the end-of-sequence tokens (the tokenizer's and the
+    model's generation config's) are suppressed while sampling. The same ids are masked out of every
+    log-softmax that is scored (`response_logits`), so the trained distribution is exactly the sampled one;
+    scoring the raw logits instead would let the suppressed tokens' probability drift unseen, and the model
+    would later emit them whenever they are allowed.
+    """
+    if stop_token_id is not None:
+        return []
+    ids = {tokenizer.eos_token_id}
+    model_eos = getattr(model_generation_config, "eos_token_id", None)
+    ids.update(model_eos if isinstance(model_eos, (list, tuple)) else [model_eos])
+    return sorted(i for i in ids if i is not None)
+
+
+def make_generation_config(args, tokenizer, stop_token_id: int | None, suppressed: list[int] = ()) -> GenerationConfig:
     """Sampling configuration of the rollout: pure temperature sampling (no top-k / top-p), so that the
-    sampling distribution is exactly `softmax(logits / T)`, the one that is scored."""
+    sampling distribution is exactly `softmax(logits / T)` over the tokens not in `suppressed`, the one
+    that is scored (`response_logits` with the same `suppressed`)."""
     kwargs = dict(
         max_new_tokens=args.response_length,
         do_sample=True,
@@ -58,7 +77,9 @@ def make_generation_config(args, tokenizer, stop_token_id: int | None) -> Genera
         use_cache=True,
     )
     if stop_token_id is None:
-        kwargs["min_new_tokens"] = args.response_length
+        # fixed length: never sample an end-of-sequence token (so generation never stops early)
+        if suppressed:
+            kwargs["suppress_tokens"] = list(suppressed)
     else:
         kwargs["eos_token_id"] = stop_token_id
     return GenerationConfig(**kwargs)
@@ -73,13 +94,15 @@ def generate_responses(
     chunk: int,
     temperature: float | None = None,
     value_head=None,
+    suppressed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Sample responses for left-padded prompts in chunks of `chunk` sequences.
 
     With `temperature`, the log-probs of the sampled tokens under `softmax(logits / temperature)` are read
     from the generation's own logits, so scoring needs no second policy forward pass; with `value_head` too,
     the values of the states before each token come from the generation's last hidden states (a shared
-    critic). Full-vocabulary logits exist for one chunk at a time.
+    critic). `suppressed` token ids are masked out of the scored log-softmax, as in `response_logits`.
+    Full-vocabulary logits exist for one chunk at a time.
 
     Returns:
         `(responses [B, R], logp [B, R] or None, values [B, R] or None)`, right-padded (pad token / 0),
@@ -102,7 +125,7 @@ def generate_responses(
         pieces.append(tokens)
         if with_scores:
             step_logits = torch.stack(out.logits, dim=1)  # [b, R, V], unprocessed
-            logps.append(response_logprobs(step_logits / temperature, tokens))
+            logps.append(response_logprobs(mask_suppressed(step_logits / temperature, suppressed), tokens))
             del step_logits
             if value_head is not None:
                 # the last layer's state at the last position of every step: the state before each token
@@ -117,14 +140,26 @@ def generate_responses(
     return cat(pieces, pad), cat(logps, 0.0) if logps else None, cat(values, 0.0) if values else None
 
 
-def response_logits(logits: torch.Tensor, response_length: int, temperature: float) -> torch.Tensor:
-    """Logits that predict the `response_length` response tokens, scaled by the sampling temperature.
+def response_logits(
+    logits: torch.Tensor, response_length: int, temperature: float, suppressed: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Logits that predict the `response_length` response tokens, scaled by the sampling temperature, with
+    the `suppressed` token ids (never sampled) masked out.
 
     `logits` is `[B, L, V]` for the whole sequence or `[B, K, V]` with `K >= response_length + 1` (a forward
     pass with `logits_to_keep=response_length + 1`, which skips the LM head on prompt positions); either way
     the result is `[B, response_length, V]`.
     """
-    return logits[:, -(response_length + 1) : -1] / temperature
+    return mask_suppressed(logits[:, -(response_length + 1) : -1] / temperature, suppressed)
+
+
+def mask_suppressed(scaled_logits: torch.Tensor, suppressed: torch.Tensor | None) -> torch.Tensor:
+    """`scaled_logits [..., V]` with the `suppressed` ids set to the dtype's lowest finite value: their
+    probability is exactly 0 after softmax, and entropy / full-vocabulary KL stay finite (a `-inf` would
+    give `0 * inf`). Out of place and differentiable; no-op when `suppressed` is None or empty."""
+    if suppressed is None or suppressed.numel() == 0:
+        return scaled_logits
+    return scaled_logits.index_fill(-1, suppressed.to(scaled_logits.device), torch.finfo(scaled_logits.dtype).min)
 
 
 def response_logprobs(scaled_logits: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:

@@ -56,8 +56,10 @@ from .rollout import (
     position_ids_from_mask,
     response_logits,
     response_logprobs,
+    suppressed_token_ids,
     truncate_at_stop,
 )
+from .health import PPOHealthMonitor
 from .value import ActorCritic, CriticModel, ValueHead, hidden_size_of
 
 logger = logging.getLogger(__name__)
@@ -246,6 +248,7 @@ class KLPPOTrainer(Trainer):
         from ..evaluation import KLDriftMonitor
 
         self.drift_monitor = KLDriftMonitor(args.kl_target, patience=args.kl_drift_patience) if args.kl_target else None
+        self.health_monitor = PPOHealthMonitor(patience=args.health_patience)
         self.nonfinite_skips = 0
         self.consecutive_nonfinite = 0
         self.completion_samples: list[dict] = []
@@ -259,7 +262,11 @@ class KLPPOTrainer(Trainer):
         self.stop_token_id = args.stop_token_id
         if self.stop_token_id is None and args.stop_token == "eos":
             self.stop_token_id = processing_class.eos_token_id
-        self.generation_config = make_generation_config(args, processing_class, self.stop_token_id)
+        suppressed = suppressed_token_ids(
+            self.stop_token_id, processing_class, getattr(self.model.policy, "generation_config", None)
+        )
+        self.suppressed_ids = torch.tensor(suppressed, dtype=torch.long) if suppressed else None
+        self.generation_config = make_generation_config(args, processing_class, self.stop_token_id, suppressed)
         logger.info(
             "KL applied in: %s (estimator %s, controller %s, statistic unit: %s)",
             args.kl_mode,
@@ -416,9 +423,10 @@ class KLPPOTrainer(Trainer):
         if not finite:
             metrics = {**reward_metrics, **kl_metrics, **self._record_nonfinite("rollout scores or KL")}
         else:
-            self._compute_advantages(rollout)  # step 7
+            advantage_metrics = self._compute_advantages(rollout)  # step 7
             with _timed(timings, "time/optimise", self.accelerator):
                 train_metrics = self._optimise(rollout)  # step 8
+            train_metrics.update(advantage_metrics)
             if train_metrics.pop("_skipped"):
                 train_metrics.update(self._record_nonfinite("the loss or its gradient"))
             else:
@@ -428,6 +436,9 @@ class KLPPOTrainer(Trainer):
         metrics.update(timings)
         metrics["train/nonfinite_skips"] = float(self.nonfinite_skips)
         metrics["lr"] = lr
+        for message in self.health_monitor.update(metrics):
+            if self.is_world_process_zero():
+                logger.warning(message)
         self._maybe_record_samples(rollout)
         return metrics
 
@@ -454,6 +465,7 @@ class KLPPOTrainer(Trainer):
                     args.rollout_forward_batch_size,
                     temperature=args.temperature if reuse else None,
                     value_head=unwrapped.value_head if reuse else None,
+                    suppressed=self.suppressed_ids,
                 )
         # 2. truncate at the stop token
         responses, response_mask = truncate_at_stop(responses, self.stop_token_id, self.processing_class.pad_token_id)
@@ -497,7 +509,7 @@ class KLPPOTrainer(Trainer):
                         qr, attention_mask=attn, position_ids=pos, compute_values=need_values and unwrapped.shared,
                         logits_to_keep=keep,
                     )  # fmt: skip
-                    logits = response_logits(logits, resp.shape[1], args.temperature)
+                    logits = response_logits(logits, resp.shape[1], args.temperature, self.suppressed_ids)
                     out["logp"].append(response_logprobs(logits, resp))
             if need_values:
                 if values is None:
@@ -523,7 +535,7 @@ class KLPPOTrainer(Trainer):
                 logits = unwrapped.policy(**kwargs).logits
         else:
             logits = self.ref_model(**kwargs).logits
-        return response_logits(logits, response_length, self.args.temperature)
+        return response_logits(logits, response_length, self.args.temperature, self.suppressed_ids)
 
     # ------------------------------------------------------------------ step 4: rewards
     @torch.no_grad()
@@ -636,16 +648,24 @@ class KLPPOTrainer(Trainer):
 
     # ------------------------------------------------------------------ step 7: advantages
     @torch.no_grad()
-    def _compute_advantages(self, rollout: dict) -> None:
+    def _compute_advantages(self, rollout: dict) -> dict[str, float]:
         args, acc = self.args, self.accelerator
         mask = rollout["response_mask"]
         rewards = rollout["rewards"]
         if args.whiten_rewards:
             rewards = global_masked_whiten(rewards, mask, accelerator=acc, shift_mean=False)
         advantages, returns = gae_advantages(rewards, rollout["values"], mask, args.gamma, args.lam)
+        advantage_scale = 1.0
         if args.whiten_advantages:
-            advantages = global_masked_whiten(advantages, mask, accelerator=acc)
+            advantages, std = global_masked_whiten(advantages, mask, accelerator=acc, return_std=True)
+            advantage_scale = std.item()
         rollout["advantages"], rollout["returns"] = advantages, returns
+        # Whitening divides the policy-gradient term by std(A), so the loss E[A]/std - c * KL maximises
+        # E[r] - c * std * KL: a loss-mode coefficient beta / std keeps beta's meaning that of reward mode.
+        rollout["kl_loss_coef"] = rollout["kl_coef"]
+        if args.kl_loss_scale == "advantage_std":
+            rollout["kl_loss_coef"] = rollout["kl_coef"] / advantage_scale
+        return {"policy/advantage_std": advantage_scale}
 
     # ------------------------------------------------------------------ step 8: optimisation
     def _optimise(self, rollout: dict) -> dict:
@@ -657,7 +677,7 @@ class KLPPOTrainer(Trainer):
         if n_local % mb_size:
             raise ValueError(f"Rollout batch {n_local} is not a multiple of the mini-batch size {mb_size}.")
         world = acc.num_processes
-        coef = rollout["kl_coef"]
+        coef = rollout["kl_loss_coef"]
         loss_modes = "loss" in args.kl_modes_applied
         stats = _GlobalSums()
         skipped = False
@@ -720,7 +740,7 @@ class KLPPOTrainer(Trainer):
         pos = position_ids_from_mask(attn)
 
         logits, values = self.model_wrapped(qr, attention_mask=attn, position_ids=pos, logits_to_keep=resp.shape[1] + 1)
-        logits = response_logits(logits, resp.shape[1], args.temperature)
+        logits = response_logits(logits, resp.shape[1], args.temperature, self.suppressed_ids)
         values = values[:, ctx - 1 : -1].float()
         logp = response_logprobs(logits, resp)
 
@@ -868,6 +888,7 @@ class KLPPOTrainer(Trainer):
             state = {
                 "kl_controller": self.kl_controller.state_dict(),
                 "drift_monitor": self.drift_monitor.state_dict() if self.drift_monitor is not None else None,
+                "health_monitor": self.health_monitor.state_dict(),
                 "nonfinite_skips": self.nonfinite_skips,
                 "consecutive_nonfinite": self.consecutive_nonfinite,
             }
@@ -900,6 +921,7 @@ class KLPPOTrainer(Trainer):
         self.kl_controller.load_state_dict(state["kl_controller"])
         if self.drift_monitor is not None and state.get("drift_monitor"):
             self.drift_monitor.load_state_dict(state["drift_monitor"])
+        self.health_monitor.load_state_dict(state.get("health_monitor") or {})
         self.nonfinite_skips = state.get("nonfinite_skips", 0)
         self.consecutive_nonfinite = state.get("consecutive_nonfinite", 0)
         logger.info(

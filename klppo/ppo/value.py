@@ -24,12 +24,18 @@ def hidden_size_of(config) -> int:
 
 
 class ValueHead(nn.Module):
-    """Linear map from the last hidden state to a scalar value per position."""
+    """Linear map from the last hidden state to a scalar value per position.
+
+    Initialised to zero (weight and bias), so the first advantages are the rewards-to-go themselves: a
+    random head gives per-token values of std ~1, which at the start of training outweigh the reward signal
+    and which advantage whitening passes on to the policy at full strength ("The N Implementation Details of
+    RLHF with PPO", Huang et al. 2023, initialise the value head to zero for the same reason).
+    """
 
     def __init__(self, hidden_size: int):
         super().__init__()
         self.summary = nn.Linear(hidden_size, 1)
-        nn.init.normal_(self.summary.weight, std=1.0 / (hidden_size + 1) ** 0.5)
+        nn.init.zeros_(self.summary.weight)
         nn.init.zeros_(self.summary.bias)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
