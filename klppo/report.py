@@ -32,6 +32,83 @@ def sample_completions(trainer, prompts: list, seed: int = 0) -> list[str]:
     return [f"{c!r} (reward {s:+.3f})" for c, s in zip(rollout["completions"], rollout["scores"].tolist())]
 
 
+def _mean_se(values: list[float]) -> tuple[float, float]:
+    """Mean and its standard error (sample std / sqrt(n); 0 for a single value)."""
+    n = len(values)
+    if n == 0:
+        return float("nan"), float("nan")
+    mean = sum(values) / n
+    if n == 1:
+        return mean, 0.0
+    var = sum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, math.sqrt(var / n)
+
+
+def learning_verdict(
+    rewards: list[float],
+    kls: list[float],
+    kl_target: float | None,
+    perplexity_before: float | None,
+    perplexity_after: float | None,
+    window: int = 5,
+    min_standard_errors: float = 3.0,
+    kl_tolerance: float = 0.25,
+    max_perplexity_rise: float = 0.15,
+) -> dict:
+    """Did the run learn while KL held? The figures the default job is judged by.
+
+    - reward: mean of the last `window` updates minus the first `window`, in standard errors of that
+      difference (`sqrt(se_first^2 + se_last^2)`, each from the spread of the per-update means); the rise
+      counts when it exceeds `min_standard_errors`;
+    - KL: mean of the controller statistic over the second half of the updates relative to the target, and
+      the tracking error (mean of `|kl - target| / target` over the second half) and the share of
+      second-half updates within +-20% of the target; held when the mean is within `kl_tolerance`;
+    - held-out perplexity change, relative; kept when it rose by at most `max_perplexity_rise`.
+    """
+    out: dict = {}
+    first, last = _mean_se(rewards[:window]), _mean_se(rewards[-window:])
+    rise = last[0] - first[0]
+    se = math.sqrt(first[1] ** 2 + last[1] ** 2)
+    out["reward_first"], out["reward_last"], out["reward_rise"] = first[0], last[0], rise
+    out["reward_rise_se"] = rise / se if se > 0 else (math.inf if rise > 0 else float("nan"))
+    out["learned"] = len(rewards) >= 2 * window and out["reward_rise_se"] > min_standard_errors
+    if kl_target and kls:
+        second = [k for k in kls[len(kls) // 2 :] if math.isfinite(k)]
+        if second:
+            mean = sum(second) / len(second)
+            out["kl_second_half_mean"] = mean
+            out["kl_second_half_ratio"] = mean / kl_target
+            out["kl_tracking_error"] = sum(abs(k - kl_target) for k in second) / len(second) / kl_target
+            out["kl_in_band"] = sum(abs(k - kl_target) <= 0.2 * kl_target for k in second) / len(second)
+            out["kl_held"] = abs(mean / kl_target - 1) <= kl_tolerance
+    if perplexity_before and perplexity_after is not None and math.isfinite(perplexity_before):
+        change = perplexity_after / perplexity_before - 1
+        out["perplexity_change"] = change
+        out["perplexity_kept"] = change <= max_perplexity_rise
+    return out
+
+
+def format_verdict(verdict: dict) -> str:
+    """One line: the figures of `learning_verdict` and whether each criterion was met."""
+    parts = [
+        f"reward {verdict['reward_first']:+.3f} -> {verdict['reward_last']:+.3f} "
+        f"({verdict['reward_rise_se']:.1f} SE, {'rose' if verdict['learned'] else 'did not rise'} by > 3 SE)"
+    ]
+    if "kl_held" in verdict:
+        parts.append(
+            f"KL 2nd half {100 * verdict['kl_second_half_ratio']:.0f}% of target "
+            f"(tracking error {verdict['kl_tracking_error']:.2f}, {100 * verdict['kl_in_band']:.0f}% in +-20%; "
+            f"{'held' if verdict['kl_held'] else 'not held'} within +-25%)"
+        )
+    if "perplexity_kept" in verdict:
+        parts.append(
+            f"perplexity {100 * verdict['perplexity_change']:+.1f}% "
+            f"({'<=' if verdict['perplexity_kept'] else '>'} +15%)"
+        )
+    met = all(verdict.get(k, True) for k in ("learned", "kl_held", "perplexity_kept"))
+    return f"verdict: {'PASS' if met else 'FAIL'}: " + "; ".join(parts)
+
+
 def run_summary(trainer, before: dict, after: dict) -> dict:
     """Numbers for the summary: reward, KL and coefficient at the start and the end, perplexity change.
 
@@ -44,7 +121,11 @@ def run_summary(trainer, before: dict, after: dict) -> dict:
     scores = metric_series(history, "objective/scores")
     kl = metric_series(history, "kl/value")
     coef = metric_series(history, "kl/coef")
+    verdict = learning_verdict(
+        [v for _, v in scores], [v for _, v in kl], args.kl_target, before.get("perplexity"), after.get("perplexity")
+    )
     return {
+        "verdict": verdict,
         "updates": trainer.state.global_step,
         "reward_first": _edge_mean(scores, True),
         "reward_last": _edge_mean(scores, False),
@@ -83,6 +164,8 @@ def format_summary(summary: dict, wall_seconds: float | None = None) -> str:
     pb, pa = summary["perplexity_before"], summary["perplexity_after"]
     if pb is not None and pa is not None:
         lines.append(f"held-out perplexity: {pb:.3f} -> {pa:.3f} ({100 * (pa - pb) / pb:+.2f}%)")
+    if summary.get("verdict"):
+        lines.append(format_verdict(summary["verdict"]))
     for i, prompt in enumerate(summary["prompts"]):
         lines.append(f"prompt {i + 1}: {prompt!r}")
         if i < len(summary["samples_before"]):

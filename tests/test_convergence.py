@@ -8,7 +8,9 @@ Tolerances come from the noise measured on these runs (3 seeds each unless said;
   (full); the reward term's sampling noise does not vanish at the optimum in loss mode, so these land
   less tightly than reward mode, where the rewarded KL makes the total reward constant at pi*;
 - the raw loss-mode convention (`kl_loss_scale="none"`) lands 0.17 away: the tolerances sit between;
-- k3 in the loss lands on its own forward-KL optimum: 0.015 from it, 0.093 from pi*.
+- k3 in the loss (constant learning rate, 240 updates) lands on its own forward-KL optimum: 0.015 from
+  it, 0.093 from pi*;
+- two tokens, k1 in the reward, 300 updates with decay: KL(pi || pi*) over sequences falls tenfold.
 """
 
 from __future__ import annotations
@@ -103,9 +105,7 @@ def test_raw_loss_convention_weighs_kl_against_the_normalised_reward(tiny_path, 
 def test_k3_loss_lands_on_the_forward_kl_optimum(tiny_path, tmp_path):
     """k3 as a loss follows grad KL(ref || pi): the run lands on argmax E[r] - beta * KL(ref || pi), not on
     pi*. A rarer rewarded set (ids divisible by 16) makes the two optima far apart."""
-    trainer = bandit_trainer(
-        tiny_path, tmp_path, modulus=16, kl_mode="loss", kl_estimator="k3", max_steps=240, lr_scheduler_type="linear"
-    )
+    trainer = bandit_trainer(tiny_path, tmp_path, modulus=16, kl_mode="loss", kl_estimator="k3", max_steps=240)
     trainer.train()
     end = one_token_state(trainer, modulus=16)
     forward = forward_kl_optimum(end["ref"], end["reward"], BETA, end["keep"])

@@ -279,3 +279,39 @@ def test_nonfinite_loss_skips_the_optimizer_step(tiny_path, prompts, tmp_path, m
     assert trainer.nonfinite_skips == 2
     for name, param in trainer.model.named_parameters():
         assert torch.equal(before[name], param), f"{name} changed by a non-finite loss"
+
+
+def test_learning_rate_defaults_differ_for_lora_and_full_fine_tuning(tiny_path, prompts, tmp_path):
+    from peft import LoraConfig
+
+    from klppo.ppo.config import DEFAULT_FULL_LEARNING_RATE, DEFAULT_LORA_LEARNING_RATE
+
+    full = make_trainer(tiny_path, prompts, make_args(tmp_path, learning_rate=None))
+    assert full.args.learning_rate == DEFAULT_FULL_LEARNING_RATE == 3e-6
+    lora = make_trainer(
+        tiny_path, prompts, make_args(tmp_path, learning_rate=None), peft_config=LoraConfig(r=4, target_modules="all-linear")
+    )
+    assert lora.args.learning_rate == DEFAULT_LORA_LEARNING_RATE == 5e-4
+    lora.train()
+    assert lora.state.log_history[0]["lr"] == 5e-4
+    assert make_trainer(tiny_path, prompts, make_args(tmp_path, learning_rate=1e-2)).args.learning_rate == 1e-2
+
+
+def test_a_model_object_trains_with_the_default_config(tiny_model_and_tokenizer, prompts, tmp_path):
+    """The common pattern `KLPPOTrainer(model=AutoModelForCausalLM.from_pretrained(...))` with every default,
+    including a separate critic initialised from the policy: the critic copies the object's weights."""
+    model, tokenizer = tiny_model_and_tokenizer
+    model.config._name_or_path = ""  # as for a model built in memory: no path to reload from
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(1.5)  # weights that differ from anything on disk
+    args = KLPPOConfig(
+        output_dir=str(tmp_path / "obj"), max_steps=1, per_device_train_batch_size=2, response_length=4,
+        report_to="none", save_strategy="no", disable_tqdm=True, use_cpu=True, num_sample_generations=0,
+    )  # fmt: skip
+    trainer = KLPPOTrainer(
+        model=model, args=args, processing_class=tokenizer, train_dataset=prompts, reward_funcs=length_reward
+    )
+    critic_embed = trainer.model.critic.backbone.embed_tokens.weight
+    assert torch.equal(critic_embed, model.model.embed_tokens.weight) and critic_embed is not model.model.embed_tokens.weight
+    trainer.train()
+    assert trainer.state.global_step == 1

@@ -15,6 +15,11 @@ logger = logging.getLogger(__name__)
 KL_MODES = ("reward", "loss", "both", "none")
 KL_TARGET_UNITS = ("token", "sequence")
 KL_LOSS_SCALES = ("advantage_std", "none")
+# Learning-rate defaults when `learning_rate` is not set. LoRA: measured on the default job (SmolLM2-135M,
+# 32 sequences per update, one epoch): 5e-4 kept policy/approxkl <= 0.007 and learned within 15 updates.
+# Full fine-tuning: the value of TRL's former PPO examples, not re-measured here.
+DEFAULT_LORA_LEARNING_RATE = 5e-4
+DEFAULT_FULL_LEARNING_RATE = 3e-6
 CRITIC_KINDS = ("separate", "shared")
 FULL_KL = "full"
 
@@ -131,6 +136,10 @@ class KLPPOConfig(TrainingArguments):
         critic (`str`, *optional*, defaults to `"separate"`):
             `"separate"`: a value model of its own (initialised per `critic_init`); `"shared"`: a value head on
             the policy backbone, one forward pass for both.
+        shared_critic_detach (`bool`, *optional*, defaults to `False`):
+            With `critic="shared"`: the value loss trains the value head only, not the policy's trunk (the head
+            reads a detached last hidden state). Keeps the value loss from pulling the policy when the returns
+            are large; the head is then a linear probe of the policy's features.
         critic_init (`str`, *optional*, defaults to `"policy"`):
             Where a separate critic's backbone comes from: `"policy"`, `"reward"` (the first reward model) or
             a model path / hub id.
@@ -154,6 +163,13 @@ class KLPPOConfig(TrainingArguments):
             this many sequences at once.
         max_prompt_length (`int` or `None`, *optional*, defaults to `256`):
             Prompts are truncated (from the left) to this many tokens.
+
+        > Optimisation
+
+        learning_rate (`float` or `None`, *optional*, defaults to `None`):
+            Peak learning rate. `None`: 5e-4 when the policy is trained through a LoRA adapter (measured on the
+            default job: `policy/approxkl` <= 0.007 at 32 sequences per update), 3e-6 for full fine-tuning (TRL's
+            former PPO default; full fine-tuning moves every weight, so it needs a rate about 100x smaller).
 
         > Diagnostics
 
@@ -215,6 +231,7 @@ class KLPPOConfig(TrainingArguments):
     whiten_rewards: bool = field(default=False, metadata={"help": "Whiten rewards before GAE."})
     whiten_advantages: bool = field(default=True, metadata={"help": "Whiten advantages (global statistics)."})
     critic: str = field(default="separate", metadata={"help": "'separate' value model or 'shared' value head."})
+    shared_critic_detach: bool = field(default=False, metadata={"help": "Shared critic: value loss trains the head only."})
     critic_init: str = field(default="policy", metadata={"help": "'policy', 'reward' or a model path."})
 
     # Rollout
@@ -234,7 +251,9 @@ class KLPPOConfig(TrainingArguments):
     max_nonfinite_updates: int = field(default=3, metadata={"help": "Non-finite updates in a row before abort."})
 
     # Defaults that differ from TrainingArguments
-    learning_rate: float = field(default=3e-6, metadata={"help": "Learning rate."})
+    learning_rate: float | None = field(
+        default=None, metadata={"help": "Learning rate (default: 5e-4 with LoRA, 3e-6 for full fine-tuning)."}
+    )
     logging_steps: float = field(default=1, metadata={"help": "Log every N PPO updates."})
     remove_unused_columns: bool = field(default=False, metadata={"help": "Keep dataset columns for rewards."})
     ddp_find_unused_parameters: bool | None = field(

@@ -47,7 +47,7 @@ from ..kl import (
 from ..kl.penalty import aggregate_loss
 from ..kl.reduce import all_reduce_sum
 from .advantages import gae_advantages
-from .config import FULL_KL, KLPPOConfig
+from .config import DEFAULT_FULL_LEARNING_RATE, DEFAULT_LORA_LEARNING_RATE, FULL_KL, KLPPOConfig
 from .losses import clipped_policy_loss, clipped_value_loss
 from .rollout import (
     ends_with_stop,
@@ -175,7 +175,8 @@ class KLPPOTrainer(Trainer):
         _maybe_offline_wandb(args)
 
         # Policy and tokenizer
-        model_path = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
+        model_given_as_path = isinstance(model, str)
+        model_path = model if model_given_as_path else getattr(getattr(model, "config", None), "_name_or_path", None)
         if isinstance(model, str):
             model = _load_causal_lm(model)
         if processing_class is None:
@@ -193,6 +194,16 @@ class KLPPOTrainer(Trainer):
             reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs], args.reward_weights
         )
         self.reward_func_names = [reward_func_name(f) for f in self.reward_funcs]
+
+        if args.learning_rate is None:
+            args.learning_rate = default_learning_rate(model, peft_config)
+            logger.info("learning_rate not set: %g (the default for this kind of fine-tuning)", args.learning_rate)
+
+        # A separate critic initialised from the policy starts from the weights passed in (a copy taken
+        # before any adapter is added), or from the policy's path when the policy was given as one
+        critic_start = None
+        if args.critic == "separate" and value_model is None and args.critic_init == "policy":
+            critic_start = model_path if model_given_as_path else copy.deepcopy(model)
 
         # Reference: a frozen copy, or the policy with its adapter disabled
         self.use_adapter_reference = False
@@ -214,9 +225,11 @@ class KLPPOTrainer(Trainer):
         if args.critic == "shared":
             if value_model is not None:
                 raise ValueError("`value_model` is for critic='separate'; critic='shared' puts a head on the policy.")
-            actor_critic = ActorCritic(model, value_head=ValueHead(hidden_size_of(model.config)))
+            actor_critic = ActorCritic(
+                model, value_head=ValueHead(hidden_size_of(model.config)), detach_value_input=args.shared_critic_detach
+            )
         else:
-            actor_critic = ActorCritic(model, critic=self._build_critic(value_model, args, model_path))
+            actor_critic = ActorCritic(model, critic=self._build_critic(value_model, args, critic_start))
         for module in (actor_critic, self.ref_model):
             if module is not None:
                 disable_dropout_in_model(module)
@@ -276,14 +289,16 @@ class KLPPOTrainer(Trainer):
         )
 
     # ------------------------------------------------------------------ construction helpers
-    def _build_critic(self, value_model, args: KLPPOConfig, model_path: str | None) -> nn.Module:
+    def _build_critic(self, value_model, args: KLPPOConfig, policy_start) -> nn.Module:
+        """A separate critic: `value_model` (a module or a path), else per `critic_init`; `policy_start` is the
+        policy's path or a copy of its initial weights (for `critic_init="policy"`)."""
         if isinstance(value_model, nn.Module):
             return value_model if isinstance(value_model, CriticModel) else CriticModel.from_model(value_model)
         source = value_model or args.critic_init
         if source == "policy":
-            if not model_path:
-                raise ValueError("critic_init='policy' needs the policy's path; pass `value_model` explicitly.")
-            source = model_path
+            if isinstance(policy_start, nn.Module):
+                return CriticModel.from_model(policy_start)
+            source = policy_start
         elif source == "reward":
             reward_model = next((f.model for f in self.reward_funcs if hasattr(f, "model")), None)
             if reward_model is None:
@@ -946,6 +961,13 @@ def _timed(timings: dict, key: str, accelerator):
         yield
     finally:
         timings[key] = timings.get(key, 0.0) + _now(accelerator) - start
+
+
+def default_learning_rate(model, peft_config=None) -> float:
+    """The learning rate used when none is set: LoRA's (a `peft_config`, or a model that is already a PEFT
+    model) or full fine-tuning's."""
+    lora = peft_config is not None or hasattr(model, "peft_config")
+    return DEFAULT_LORA_LEARNING_RATE if lora else DEFAULT_FULL_LEARNING_RATE
 
 
 def _load_causal_lm(path: str):

@@ -85,13 +85,21 @@ class ActorCritic(nn.Module):
     the critic is skipped; `logits_to_keep=K` computes logits for the last K positions only.
     """
 
-    def __init__(self, policy: nn.Module, critic: nn.Module | None = None, value_head: nn.Module | None = None):
+    def __init__(
+        self,
+        policy: nn.Module,
+        critic: nn.Module | None = None,
+        value_head: nn.Module | None = None,
+        detach_value_input: bool = False,
+    ):
         super().__init__()
         if (critic is None) == (value_head is None):
             raise ValueError("ActorCritic needs exactly one of `critic` (separate) or `value_head` (shared).")
         self.policy = policy
         self.critic = critic
         self.value_head = value_head
+        # shared critic: with True, the value loss trains the head only, never the policy's trunk
+        self.detach_value_input = detach_value_input
 
     @property
     def shared(self) -> bool:
@@ -115,7 +123,8 @@ class ActorCritic(nn.Module):
         values = None
         if compute_values:
             if self.shared:
-                values = self.value_head(out.hidden_states[-1])
+                hidden = out.hidden_states[-1]
+                values = self.value_head(hidden.detach() if self.detach_value_input else hidden)
             else:
                 values = self.critic(input_ids, attention_mask=attention_mask, position_ids=position_ids)
         return out.logits, values
