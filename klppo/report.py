@@ -65,7 +65,7 @@ def learning_verdict(
       second-half updates within +-20% of the target; held when the mean is within `kl_tolerance`;
     - held-out perplexity change, relative; kept when it rose by at most `max_perplexity_rise`.
     """
-    out: dict = {}
+    out: dict = {"updates": len(rewards), "judged": len(rewards) >= 2 * window}
     first, last = _mean_se(rewards[:window]), _mean_se(rewards[-window:])
     rise = last[0] - first[0]
     se = math.sqrt(first[1] ** 2 + last[1] ** 2)
@@ -90,6 +90,8 @@ def learning_verdict(
 
 def format_verdict(verdict: dict) -> str:
     """One line: the figures of `learning_verdict` and whether each criterion was met."""
+    if not verdict.get("judged", True):
+        return f"verdict: not judged: {verdict.get('updates')} updates (at least 10 are needed to compare the first and last 5)"
     parts = [
         f"reward {verdict['reward_first']:+.3f} -> {verdict['reward_last']:+.3f} "
         f"({verdict['reward_rise_se']:.1f} SE, {'rose' if verdict['learned'] else 'did not rise'} by > 3 SE)"

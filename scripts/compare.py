@@ -1,6 +1,6 @@
 """Compare KL controllers on one task: every arm x seed is a separate PPO run in its own process.
 
-    python scripts/compare.py --config configs/compare_smollm2.yaml --seeds 0 1 --out results/compare_smollm2
+    python scripts/compare.py --config configs/compare_default.yaml --seeds 0 1 2 --parallel 2 --out results/compare_default
     python scripts/compare.py --quick --out /tmp/compare-quick     # tiny model, 2 arms, 1 seed, 2 updates
     python scripts/compare.py --config ... --out ... --summarize   # redo summary and plots from the runs
 
@@ -529,7 +529,7 @@ def machine_text() -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, help="experiment YAML with a `compare:` block")
-    parser.add_argument("--out", type=Path, required=False, help="results folder, e.g. results/compare_smollm2")
+    parser.add_argument("--out", type=Path, required=False, help="results folder, e.g. results/compare_default")
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds (default 0 1; --quick: 0)")
     parser.add_argument("--arms", nargs="+", default=None, help="run only these arms (default: all)")
     parser.add_argument("--parallel", type=int, default=None,

@@ -67,7 +67,6 @@ def bandit_trainer(tiny_path, tmp_path, response_length: int = 1, modulus: int =
         temperature=1.0,
         learning_rate=1e-3,
         lr_scheduler_type="constant",
-        kl_controller="fixed",
         kl_coef=0.5,
         critic="shared",
         lam=1.0,  # unbiased advantages whatever the critic: the fixed point is the closed form's
@@ -82,7 +81,7 @@ def bandit_trainer(tiny_path, tmp_path, response_length: int = 1, modulus: int =
         rollout_forward_batch_size=64,
     )
     base.update(overrides)
-    prompts = Dataset.from_dict({"prompt": [PROMPT] * 64})
+    prompts = Dataset.from_dict({"prompt": [PROMPT] * base["per_device_train_batch_size"]})
     return KLPPOTrainer(model=tiny_path, args=KLPPOConfig(**base), train_dataset=prompts, reward_funcs=reward)
 
 
@@ -173,3 +172,16 @@ def two_token_kl_to_optimum(trainer: KLPPOTrainer, beta: float) -> tuple[float, 
         kl_opt += float(p1[a]) * kl(logp2[a], opt2[a])
         kl_ref += float(p1[a]) * kl(logp2[a], ref2[a])
     return kl_opt, kl_ref
+
+
+def coefficient_for_target(ref_logp: torch.Tensor, reward: torch.Tensor, target: float) -> float:
+    """The beta* whose optimum pi*_beta has KL(pi*_beta || ref) = target, by bisection on log beta (that KL
+    falls monotonically as beta grows)."""
+    lo, hi = math.log(1e-4), math.log(1e4)
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if kl(tilted(ref_logp, reward, math.exp(mid)), ref_logp) > target:
+            lo = mid
+        else:
+            hi = mid
+    return math.exp(0.5 * (lo + hi))

@@ -309,7 +309,7 @@ def test_build_kl_controller():
     c = build_kl_controller(SimpleNamespace(kl_controller="pid", kl_pid_kp=0.5, kl_pid_ki=None, kl_pid_kd=0.01, **base))
     assert isinstance(c, PIDKLController) and (c.kp, c.ki, c.kd) == (0.5, 0.3, 0.01)
     c = build_kl_controller(SimpleNamespace(kl_controller="tracking", kl_track_ki=0.2, kl_track_window=None, **base))
-    assert isinstance(c, TrackingKLController) and (c.ki, c.kp, c.window) == (0.2, 0.3, 20)
+    assert isinstance(c, TrackingKLController) and (c.ki, c.kp, c.window) == (0.2, 0.3, 10)
     with pytest.raises(ValueError, match="fixed, adaptive, exponential, pid, tracking"):
         build_kl_controller(SimpleNamespace(kl_controller="lagrangian", **base))
     with pytest.raises(ValueError, match="kl_target"):
@@ -404,11 +404,13 @@ def test_tracking_start_up_hold_tells_rising_from_levelled_off():
         rising.update(0.25 * t, 8)  # reaches 3.5 after 14 updates
         assert rising.integral >= 0.0
     assert rising.value >= 0.1 * math.exp(-rising.kp) * 0.999
-    # levelled off at a tenth of the target: once the trend shows it, the integral falls and beta with it
+    # levelled off at a tenth of the target: once the trend shows it, the integral falls and beta with it,
+    # at startup_rate * ki = 0.025 per update (e = -1) until the KL has first come near the target
     flat = TrackingKLController(0.1, target=target, window=10)
-    for t in range(30):
+    for t in range(60):
         flat.update(0.4 * (1 - math.exp(-t)), 8)
-    assert not flat.holding and flat.integral < -1.0 and flat.value < 0.1 * math.exp(-1.3)
+    assert not flat.holding and not flat.armed
+    assert -0.025 * 60 <= flat.integral < -1.0 and flat.value < 0.1 * math.exp(-1.3)
     # a raw integrator (the PID controller) cuts beta while the KL is still rising
     pid = PIDKLController(0.1, target=target)
     for t in range(15):

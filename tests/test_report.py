@@ -37,6 +37,7 @@ def test_learning_verdict_fails_on_a_flat_reward_and_a_drifting_kl():
     assert format_verdict(v).startswith("verdict: FAIL")
     short = learning_verdict([0.1, 0.9], [1.0, 1.0], None, None, None)
     assert not short["learned"] and "kl_held" not in short  # too few updates to judge
+    assert format_verdict(short).startswith("verdict: not judged: 2 updates")
 
 
 def test_health_monitor_warns_once_per_excursion_naming_the_fix():

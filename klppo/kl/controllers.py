@@ -458,8 +458,10 @@ class TrackingKLController(_LogSpaceController):
         p  =  m + lookahead * max(s, 0)                where the KL is heading
         e  =  clip(log(max(p, target / e) / target), -1, 1)
         I  <- I + ki * e; I never takes the output past a bound. Start-up hold: until m first reaches
-              arm_fraction * target, a negative e is not integrated while m + window * (s + 2 se)
-              >= target (the KL may still get there by itself; always with fewer than 3 readings)
+              arm_fraction * target, a negative e is not integrated while the window's readings rise
+              (s > 2 se and s > target / 200), or their mean is not above zero by twice its
+              standard error (the policy has not moved yet), or there are fewer than 3 of them;
+              otherwise it is integrated at startup_rate * ki
         log beta = log beta0 + kp * e + I,             clamped to [log coef_min, log coef_max]
 
     Why each piece (Stooke, Achiam & Abbeel, ICML 2020, "Responsive Safety in RL by PID Lagrangian
@@ -469,11 +471,13 @@ class TrackingKLController(_LogSpaceController):
       is. Integral control on that reading cuts beta while nothing has happened yet (start-up
       windup), and the KL then overshoots. The distinction that matters is whether the KL is still
       on its way: until the KL first comes near the target, the integral does not fall while the
-      trend of the last ``window`` readings (its slope plus twice the slope's standard error: a
-      noise-aware, optimistic extrapolation) could still carry the KL to the target within
-      ``window`` updates. The only cut meanwhile is the proportional term, which undoes itself as
-      the KL rises. When the KL levels off well below the target (beta too high), the extrapolation
-      falls short and beta falls.
+      last ``window`` readings rise significantly (a least-squares slope above twice its standard
+      error: a noise-aware test), nor while their mean is indistinguishable from zero (the policy
+      has not started to move). The only cut meanwhile is the proportional term, which undoes
+      itself as the KL rises. When the KL levels off below the target, neither test holds and beta
+      falls, at ``startup_rate`` times the integral gain: a policy that moves late (a dead time
+      before its KL rises) reads exactly like one held back too hard, so until the KL has first come
+      near the target a cut is made slowly. After that, the integral acts at full gain both ways.
     - The error is taken on the predicted KL: beta rises while the KL is still climbing toward an
       overshoot, before it happens. Only a rise counts (derivative on rising KL only, as Stooke et
       al.): a falling KL does not cut beta early.
@@ -497,14 +501,16 @@ class TrackingKLController(_LogSpaceController):
         ki: float = 0.1,
         lookahead: float = 2.0,
         smoothing: float = 0.3,
-        window: int = 20,
+        window: int = 10,
         coef_min: float = 1e-4,
         coef_max: float = 10.0,
         arm_fraction: float = 0.8,
+        startup_rate: float = 0.25,
     ):
         kl_coef = _check_positive(kl_coef, "kl_coef", "an adaptive controller needs an initial coefficient > 0 (e.g. 0.05)")
         self.target = _check_positive(target, "target", "set kl_target to the KL you want, e.g. 4 (nats/sequence)")
         self.arm_fraction = _check_positive(arm_fraction, "arm_fraction", "the start-up hold ends at this fraction of the target, e.g. 0.8")
+        self.startup_rate = _check_nonnegative(startup_rate, "startup_rate", "the share of ki used to lower beta before the KL first nears the target, e.g. 0.25")
         self.kp = _check_nonnegative(kp, "kp", "gains must be >= 0 (defaults: kp=0.3, ki=0.1)")
         self.ki = _check_nonnegative(ki, "ki", "gains must be >= 0 (defaults: kp=0.3, ki=0.1)")
         self.lookahead = _check_nonnegative(lookahead, "lookahead", "it is a number of updates, e.g. 2 (0 disables)")
@@ -538,20 +544,37 @@ class TrackingKLController(_LogSpaceController):
         residual = sum((y - mean_y - slope * (i - mean_x)) ** 2 for i, y in enumerate(self.readings))
         return slope, math.sqrt(residual / (n - 2) / sxx)
 
+    def _rising(self, stderr: float) -> bool:
+        """The readings in the window rise significantly (slope above twice its standard error) and at a
+        rate that matters (at least target / 200 per update)."""
+        return len(self.readings) < 3 or self.slope > max(2.0 * stderr, self.target / 200)
+
+    def _moved(self) -> bool:
+        """The mean reading of the window is significantly above zero (by twice its standard error)."""
+        n = len(self.readings)
+        if n < 3:
+            return False
+        mean = sum(self.readings) / n
+        std = math.sqrt(sum((y - mean) ** 2 for y in self.readings) / (n - 1))
+        return mean > 2.0 * std / math.sqrt(n)
+
     def _step(self, kl: float, n_steps: int) -> float:
         self.smoothed = kl if self.smoothed is None else self.smoothed + self.smoothing * (kl - self.smoothed)
         self.readings = (self.readings + [kl])[-self.window :]
         self.slope, stderr = self._trend()
         if self.smoothed >= self.arm_fraction * self.target:
             self.armed = True
-        # start-up hold: until the KL first comes near the target, the integral does not fall while
-        # the KL could still get there within `window` updates at the upper edge of its trend
-        self.holding = not self.armed and self.smoothed + self.window * (self.slope + 2.0 * stderr) >= self.target
+        # start-up hold: until the KL first comes near the target, the integral does not fall while the
+        # KL is still rising, or while the policy has not measurably moved from the reference
+        self.holding = not self.armed and (self._rising(stderr) or not self._moved())
         self.predicted = self.smoothed + self.lookahead * max(self.slope, 0.0)
         error = math.log(max(self.predicted, self.target / math.e) / self.target)
         error = min(max(error, -1.0), 1.0)
         self.last_error = error
-        integrate = 0.0 if (error < 0 and self.holding) else error
+        integrate = error
+        if error < 0 and not self.armed:
+            # start-up: the KL cannot yet tell "not moved yet" from "held back too hard"
+            integrate = 0.0 if self.holding else self.startup_rate * error
         lo, hi = self._log_bounds()
         rest = self.log_beta0 + self.kp * error
         # anti-windup: the integral never takes the output past a bound
@@ -560,7 +583,8 @@ class TrackingKLController(_LogSpaceController):
 
     def _hparams(self) -> dict:
         return dict(target=self.target, kp=self.kp, ki=self.ki, lookahead=self.lookahead, smoothing=self.smoothing,
-                    window=self.window, arm_fraction=self.arm_fraction, coef_min=self.coef_min,
+                    window=self.window, arm_fraction=self.arm_fraction, startup_rate=self.startup_rate,
+                    coef_min=self.coef_min,
                     coef_max=self.coef_max)
 
     def _dynamic_state(self) -> dict:

@@ -233,9 +233,10 @@ class KLPPOTrainer(Trainer):
         for module in (actor_critic, self.ref_model):
             if module is not None:
                 disable_dropout_in_model(module)
-        if args.gradient_checkpointing:
-            actor_critic.gradient_checkpointing_enable(args.gradient_checkpointing_kwargs)
-            args.gradient_checkpointing = False  # done here; Trainer would look for it on the wrapper
+        if args.activation_checkpointing:
+            actor_critic.activation_checkpointing_enable(args.activation_checkpointing_kwargs)
+            # done here; Trainer would look for it on the wrapper
+            args.activation_checkpointing = args.gradient_checkpointing = False
 
         self.heldout_texts = heldout_texts
         self.eval_prompts = eval_dataset

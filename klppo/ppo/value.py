@@ -130,17 +130,36 @@ class ActorCritic(nn.Module):
         return out.logits, values
 
     @property
-    def is_gradient_checkpointing(self) -> bool:
-        return bool(getattr(self.policy, "is_gradient_checkpointing", False))
+    def is_activation_checkpointing(self) -> bool:
+        """Whether activation (gradient) checkpointing is on in any part of the actor-critic."""
+        return any(getattr(m, "gradient_checkpointing", False) is True for m in self.modules())
 
-    def gradient_checkpointing_disable(self):
-        self.policy.gradient_checkpointing_disable()
-        if self.critic is not None and hasattr(self.critic.backbone, "gradient_checkpointing_disable"):
-            self.critic.backbone.gradient_checkpointing_disable()
+    is_gradient_checkpointing = is_activation_checkpointing  # the name transformers < 5.20 reads
 
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
-        self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
-        if self.critic is not None and hasattr(self.critic.backbone, "gradient_checkpointing_enable"):
-            self.critic.backbone.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs=gradient_checkpointing_kwargs
-            )
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None):
+        for module in self._backbones():
+            _checkpointing(module, True, activation_checkpointing_kwargs)
+
+    def activation_checkpointing_disable(self):
+        for module in self._backbones():
+            _checkpointing(module, False)
+
+    gradient_checkpointing_enable = activation_checkpointing_enable
+    gradient_checkpointing_disable = activation_checkpointing_disable
+
+    def _backbones(self) -> list[nn.Module]:
+        return [self.policy] + ([self.critic.backbone] if self.critic is not None else [])
+
+
+def _checkpointing(module: nn.Module, enable: bool, kwargs=None) -> None:
+    """Turn activation checkpointing on or off through the model's current API (transformers >= 5.20 names it
+    `activation_checkpointing_*`; older versions and other modules `gradient_checkpointing_*`)."""
+    if enable:
+        if hasattr(module, "activation_checkpointing_enable"):
+            module.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        elif hasattr(module, "gradient_checkpointing_enable"):
+            module.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    elif hasattr(module, "activation_checkpointing_disable"):
+        module.activation_checkpointing_disable()
+    elif hasattr(module, "gradient_checkpointing_disable"):
+        module.gradient_checkpointing_disable()
