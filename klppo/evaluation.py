@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Sequence
 
 import torch
@@ -90,7 +91,15 @@ def heldout_perplexity(
     total, count = reduce_sum_count(total, count, accelerator)
     if count.item() == 0:
         raise ValueError("heldout_perplexity found no token to predict: use texts longer than one token.")
-    return math.exp(total.item() / count.item())
+    mean_nll = total.item() / count.item()
+    if not mean_nll < 709.0:  # exp overflows float64 above ~709.78; NaN fails this test too
+        warnings.warn(
+            f"Held-out perplexity is not finite (mean negative log-likelihood {mean_nll:.4g}): the policy has "
+            "diverged. Logged as inf; lower the learning rate or raise the KL coefficient.",
+            stacklevel=2,
+        )
+        return math.inf
+    return math.exp(mean_nll)
 
 
 class KLDriftMonitor:

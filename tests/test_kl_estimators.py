@@ -11,9 +11,8 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from klppo.kl import compute_kl, divergence_followed, full_kl, get_kl_estimator, kl_estimators
-from klppo.kl import estimators as est_mod
 from klppo.kl.divergence import FORWARD, NONE, REVERSE
-from klppo.kl.estimators import BUILTIN_KL_ESTIMATORS, register_kl_estimator
+from klppo.kl.estimators import BUILTIN_KL_ESTIMATORS, register_kl_estimator, unregister_kl_estimator
 
 F64 = torch.float64
 BASES = ("k1", "k2", "k3", "low_var_kl", "abs", "corrected_k3")
@@ -60,9 +59,10 @@ def test_register_custom_estimator_and_twin():
         with pytest.raises(ValueError, match="already registered"):
             register_kl_estimator("half_k1", formula="x")(half)
     finally:
-        est_mod._KL_ESTIMATORS.pop("half_k1", None)
-        est_mod._KL_ESTIMATORS.pop("half_k1+", None)
+        unregister_kl_estimator("half_k1")
     assert kl_estimators() == list(ALL)
+    with pytest.raises(KeyError):
+        unregister_kl_estimator("half_k1")
 
 
 def test_get_kl_estimator_matches_compute_kl():

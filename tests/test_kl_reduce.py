@@ -1,5 +1,6 @@
 """Token-weighted global statistics: simulated ranks in threads, and a real two-process run."""
 
+import math
 import json
 import os
 import socket
@@ -215,3 +216,16 @@ def test_two_process_reduction(tmp_path):
             assert got["sum_count"] == pytest.approx([values[mask].sum().item(), float(mask.sum())], rel=1e-12)
             assert torch.allclose(torch.tensor(got["whiten"], dtype=F64), whiten[rows], atol=1e-10), (rank, path)
             assert torch.allclose(torch.tensor(got["whiten_noshift"], dtype=F64), whiten_noshift[rows], atol=1e-10)
+
+
+def test_whiten_returns_the_divisor_it_used():
+    """return_std gives sqrt(unbiased var + eps) of the masked values: the scale the loss-mode KL coefficient
+    is divided by (kl_loss_scale='advantage_std')."""
+    values = torch.tensor([[1.0, 2.0, 4.0, 9.0], [3.0, -1.0, 0.0, 7.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    kept = torch.tensor([1.0, 2.0, 4.0, 3.0, -1.0], dtype=torch.float64)
+    whitened, std = global_masked_whiten(values, mask, return_std=True)
+    assert float(std) == pytest.approx(math.sqrt(float(kept.var(unbiased=True)) + 1e-8), rel=1e-12)
+    expected = (kept - kept.mean()) / std
+    assert torch.allclose(whitened[mask.bool()], expected, rtol=1e-12)
+    assert torch.equal(global_masked_whiten(values, mask), whitened)

@@ -149,3 +149,33 @@ def test_reward_func_name():
     assert reward_func_name(functools.partial(scorer, scale=2)) == "scorer"
     assert reward_func_name(Scorer()) == "Scorer"
     assert reward_func_name(positive_sentiment_reward) == "positive_sentiment_reward"
+
+
+# ---------------------------------------------------------------------------------------------
+# what the trainer accepts from a reward function
+
+
+@pytest.mark.parametrize("returned, message", [
+    ([1.0, 2.0], "returned 2 values for 4 completions"),
+    ("great", "returned str"),
+    (0.5, "returned float"),
+    (None, "returned NoneType"),
+    (["a", 1.0, 2.0, 3.0], "returned str 'a' for completion 0"),
+    ([1.0, [2.0], 3.0, 4.0], "returned list [2.0] for completion 1"),
+])
+def test_wrong_reward_results_name_the_function(returned, message):
+    from klppo.ppo.trainer import reward_values
+
+    with pytest.raises(ValueError, match="my_reward") as err:
+        reward_values(returned, 4, "my_reward")
+    assert message in str(err.value) and "return a list of 4 numbers" in str(err.value)
+
+
+def test_reward_values_accept_numbers_tensors_and_none():
+    import numpy as np
+    import torch
+
+    from klppo.ppo.trainer import reward_values
+
+    assert reward_values([1, True, np.float32(0.5), torch.tensor(2.0), None], 5, "f") == [1.0, 1.0, 0.5, 2.0, None]
+    assert reward_values(torch.tensor([0.5, 1.5]), 2, "f") == [0.5, 1.5]

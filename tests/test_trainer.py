@@ -315,3 +315,49 @@ def test_a_model_object_trains_with_the_default_config(tiny_model_and_tokenizer,
     assert torch.equal(critic_embed, model.model.embed_tokens.weight) and critic_embed is not model.model.embed_tokens.weight
     trainer.train()
     assert trainer.state.global_step == 1
+
+
+def test_none_rewards_are_not_applicable_as_in_trl(tiny_path, prompts, tmp_path, caplog):
+    """None: that function does not apply to the sample; the others combine by their weights; a sample that
+    no function applies to gets score 0, no policy gradient (advantage 0) and a warning."""
+
+    def odd_only(prompts, completions, completion_ids=None, **kwargs):
+        return [None if i % 2 == 0 else 1.0 for i in range(len(completions))]
+
+    def first_only(prompts, completions, completion_ids=None, **kwargs):
+        return [2.0 if i == 0 else None for i in range(len(completions))]
+
+    trainer = make_trainer(
+        tiny_path, prompts, make_args(tmp_path, reward_weights=[1.0, 0.5]), reward_funcs=[odd_only, first_only]
+    )
+    rollout = trainer._rollout(trainer._collate([{"prompt": p} for p in prompts["prompt"][:4]]))
+    with caplog.at_level("WARNING"):
+        metrics = trainer._compute_scores(rollout)
+    assert rollout["scores"].tolist() == [1.0, 1.0, 0.0, 1.0]  # 0.5 * 2; 1; nothing; 1
+    assert rollout["scorable"].tolist() == [True, True, False, True]
+    assert metrics["rewards/odd_only"] == 1.0 and metrics["rewards/first_only"] == 2.0  # applicable values only
+    assert any("1 of 4 completions got None from every reward function" in r.getMessage() for r in caplog.records)
+    trainer._apply_kl(rollout)
+    trainer._compute_advantages(rollout)
+    assert torch.all(rollout["advantages"][2] == 0)
+    trainer.train()  # no abort: None is not a non-finite value
+    assert trainer.nonfinite_skips == 0
+
+
+def test_a_wrong_reward_result_stops_with_the_function_named(tiny_path, prompts, tmp_path):
+    def short(prompts, completions, completion_ids=None, **kwargs):
+        return [1.0]
+
+    trainer = make_trainer(tiny_path, prompts, make_args(tmp_path), reward_funcs=short)
+    with pytest.raises(ValueError, match="'short' returned 1 values for 4 completions"):
+        trainer.train()
+
+
+def test_perplexity_of_a_diverged_model_is_inf_not_an_error(tiny_model_and_tokenizer):
+    from klppo.evaluation import heldout_perplexity
+
+    model, tokenizer = tiny_model_and_tokenizer
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1e6)  # logits so large that the mean NLL overflows exp
+    with pytest.warns(UserWarning, match="not finite"):
+        assert heldout_perplexity(model, tokenizer, ["some held-out words here"] * 2) == math.inf

@@ -28,6 +28,7 @@ from .estimators import (
     get_kl_estimator,
     kl_estimators,
     register_kl_estimator,
+    unregister_kl_estimator,
 )
 from .penalty import LOSS_AGG_MODES, aggregate_loss, kl_loss, kl_reward
 from .reduce import (
@@ -45,6 +46,7 @@ __all__ = [
     "compute_kl",
     "full_kl",
     "register_kl_estimator",
+    "unregister_kl_estimator",
     "BUILTIN_KL_ESTIMATORS",
     "KLController",
     "FixedKLController",

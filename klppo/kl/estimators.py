@@ -55,6 +55,7 @@ __all__ = [
     "compute_kl",
     "full_kl",
     "BUILTIN_KL_ESTIMATORS",
+    "unregister_kl_estimator",
     "LOW_VAR_KL_CLAMP",
 ]
 
@@ -117,6 +118,13 @@ def register_kl_estimator(
         return fn
 
     return decorator
+
+
+def unregister_kl_estimator(name: str) -> None:
+    """Remove a registered estimator and its ``X+`` twin (for tests and plug-ins); ``KeyError`` if unknown."""
+    spec = _KL_ESTIMATORS.pop(name)
+    if not spec.straight_through:
+        _KL_ESTIMATORS.pop(name + "+", None)
 
 
 def _unknown_estimator_error(name) -> ValueError:

@@ -567,12 +567,24 @@ class KLPPOTrainer(Trainer):
             completions_arg = completions
         rollout["completions"] = completions
         stats = _GlobalSums()
-        scores = torch.zeros(len(completions), device=device)
+        scores = torch.zeros(len(completions), device=device, dtype=torch.float64)
+        applicable = torch.zeros(len(completions), device=device, dtype=torch.bool)
         for fn, weight, name in zip(self.reward_funcs, self.reward_weights, self.reward_func_names):
-            values = fn(prompts=prompts, completions=completions_arg, completion_ids=completion_ids, **rollout["extra"])
-            values = torch.tensor([float("nan") if v is None else float(v) for v in values], device=device)
-            stats.add(f"rewards/{name}", values.sum(), values.numel())
-            scores += weight * values
+            raw = fn(prompts=prompts, completions=completions_arg, completion_ids=completion_ids, **rollout["extra"])
+            checked = reward_values(raw, len(completions), name)
+            known = torch.tensor([v is not None for v in checked], device=device)  # None: not applicable (TRL)
+            values = torch.tensor([0.0 if v is None else v for v in checked], device=device, dtype=torch.float64)
+            stats.add(f"rewards/{name}", values.sum(), known.sum())
+            scores += weight * values  # a NaN or inf value stays: the non-finite guard skips the update
+            applicable |= known
+        if not bool(applicable.all()) and self.is_world_process_zero():
+            logger.warning(
+                "%d of %d completions got None from every reward function: they get score 0 and no policy "
+                "gradient (advantage 0), as in TRL. Make sure at least one reward function scores every sample.",
+                int((~applicable).sum()), len(completions),
+            )
+        rollout["scorable"] = applicable
+        scores = scores.float()
         has_stop = ends_with_stop(responses, mask, self.stop_token_id)
         if self.args.missing_eos_penalty is not None:
             scores = torch.where(has_stop, scores, scores - self.args.missing_eos_penalty)
@@ -671,9 +683,12 @@ class KLPPOTrainer(Trainer):
         if args.whiten_rewards:
             rewards = global_masked_whiten(rewards, mask, accelerator=acc, shift_mean=False)
         advantages, returns = gae_advantages(rewards, rollout["values"], mask, args.gamma, args.lam)
+        # samples no reward function applied to carry no policy gradient (and stay out of the whitening)
+        scorable = rollout["scorable"].to(advantages.dtype)[:, None]
+        advantages = advantages * scorable
         advantage_scale = 1.0
         if args.whiten_advantages:
-            advantages, std = global_masked_whiten(advantages, mask, accelerator=acc, return_std=True)
+            advantages, std = global_masked_whiten(advantages, mask * scorable, accelerator=acc, return_std=True)
             advantage_scale = std.item()
         rollout["advantages"], rollout["returns"] = advantages, returns
         # Whitening divides the policy-gradient term by std(A), so the loss E[A]/std - c * KL maximises
@@ -962,6 +977,35 @@ def _timed(timings: dict, key: str, accelerator):
         yield
     finally:
         timings[key] = timings.get(key, 0.0) + _now(accelerator) - start
+
+
+def reward_values(raw, expected: int, name: str) -> list[float | None]:
+    """Check one reward function's result and turn it into floats (None stays None: "not applicable").
+
+    A reward function returns one number (or None) per completion; anything else is a bug in it, reported
+    with its name, the expected length and what it returned.
+    """
+    fix = f"return a list of {expected} numbers (None for samples the function does not apply to)"
+    if raw is None or isinstance(raw, (str, bytes, dict)) or not hasattr(raw, "__len__"):
+        raise ValueError(f"Reward function {name!r} returned {type(raw).__name__} {raw!r:.80}; {fix}.")
+    if torch.is_tensor(raw):
+        raw = raw.detach().flatten().tolist()
+    if len(raw) != expected:
+        raise ValueError(f"Reward function {name!r} returned {len(raw)} values for {expected} completions; {fix}.")
+    out: list[float | None] = []
+    for i, v in enumerate(raw):
+        if v is None:
+            out.append(None)
+            continue
+        if isinstance(v, (str, bytes)) or (torch.is_tensor(v) and v.numel() != 1):
+            raise ValueError(f"Reward function {name!r} returned {type(v).__name__} {v!r:.60} for completion {i}; {fix}.")
+        try:
+            out.append(float(v))
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"Reward function {name!r} returned {type(v).__name__} {v!r:.60} for completion {i}; {fix}."
+            ) from None
+    return out
 
 
 def default_learning_rate(model, peft_config=None) -> float:
