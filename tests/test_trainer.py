@@ -361,3 +361,26 @@ def test_perplexity_of_a_diverged_model_is_inf_not_an_error(tiny_model_and_token
         model.lm_head.weight.mul_(1e6)  # logits so large that the mean NLL overflows exp
     with pytest.warns(UserWarning, match="not finite"):
         assert heldout_perplexity(model, tokenizer, ["some held-out words here"] * 2) == math.inf
+
+
+def test_a_diverging_update_is_undone_and_the_log_says_so(tiny_path, prompts, tmp_path, caplog):
+    """lr 1e20: the first optimizer step of an update goes through and a later one is non-finite. The whole
+    update is rolled back (weights and optimizer state), so "restored" in the log is true, and checkpoints
+    hold finite weights."""
+    args = make_args(
+        tmp_path, learning_rate=1e20, max_grad_norm=0.0, max_steps=2, num_ppo_epochs=3, num_mini_batches=2,
+        gradient_accumulation_steps=1, save_strategy="steps", save_steps=1, max_nonfinite_updates=5,
+    )  # fmt: skip
+    trainer = make_trainer(tiny_path, prompts, args)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    with caplog.at_level("WARNING"):
+        trainer.train()
+    assert trainer.nonfinite_skips == 2
+    assert sum("restored to the start of the update" in r.getMessage() for r in caplog.records) == 2
+    for name, param in trainer.model.named_parameters():
+        if name in before:
+            assert torch.equal(before[name], param), f"{name} changed by an undone update"
+    from safetensors.torch import load_file
+
+    saved = load_file(os.path.join(args.output_dir, "checkpoint-2", "klppo_trainable.safetensors"))
+    assert all(torch.isfinite(v).all() for v in saved.values())

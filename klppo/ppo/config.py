@@ -177,6 +177,12 @@ class KLPPOConfig(TrainingArguments):
             How many times over training a table of sample completions is logged (0 disables).
         heldout_eval_texts (`int`, *optional*, defaults to `32`):
             Number of held-out texts for `eval/perplexity`.
+        nonfinite_rollback (`bool`, *optional*, defaults to `True`):
+            When a loss or gradient of an update is non-finite, undo the whole update: the trainable weights, the
+            optimizer state and the scheduler are restored to the start of the update, so a skipped update
+            changed nothing. Costs one copy of the trainable weights and of the optimizer state per update
+            (small with LoRA; for full fine-tuning, turn it off if that memory is short: the log then says how
+            many optimizer steps of the skipped update had already been applied).
         health_patience (`int`, *optional*, defaults to `3`):
             Warn, naming the fix, when `policy/approxkl` (> 0.02), `policy/clipfrac` (> 0.2), `policy/entropy`
             (< half its first value) or `val/clipfrac` (> 0.5) stays outside its healthy range for this many
@@ -247,6 +253,7 @@ class KLPPOConfig(TrainingArguments):
     # Diagnostics
     num_sample_generations: int = field(default=10, metadata={"help": "Sample-completion tables over training."})
     heldout_eval_texts: int = field(default=32, metadata={"help": "Held-out texts for eval/perplexity."})
+    nonfinite_rollback: bool = field(default=True, metadata={"help": "Undo the whole update on a non-finite step."})
     health_patience: int = field(default=3, metadata={"help": "Updates out of a healthy range before a warning."})
     max_nonfinite_updates: int = field(default=3, metadata={"help": "Non-finite updates in a row before abort."})
 

@@ -437,14 +437,22 @@ class KLPPOTrainer(Trainer):
             kl_metrics = self._apply_kl(rollout)  # steps 5-6
         finite = kl_metrics.pop("_finite")
         if not finite:
-            metrics = {**reward_metrics, **kl_metrics, **self._record_nonfinite("rollout scores or KL")}
+            skip = self._record_nonfinite("rollout scores or KL", "no optimizer step was taken")
+            metrics = {**reward_metrics, **kl_metrics, **skip}
         else:
             advantage_metrics = self._compute_advantages(rollout)  # step 7
+            snapshot = self._snapshot_optimisation() if self.args.nonfinite_rollback else None
             with _timed(timings, "time/optimise", self.accelerator):
                 train_metrics = self._optimise(rollout)  # step 8
             train_metrics.update(advantage_metrics)
+            applied = train_metrics.pop("_applied_steps")
             if train_metrics.pop("_skipped"):
-                train_metrics.update(self._record_nonfinite("the loss or its gradient"))
+                if snapshot is not None:
+                    self._restore_optimisation(snapshot)
+                    outcome = "the weights and optimizer state were restored to the start of the update"
+                else:
+                    outcome = f"{applied} optimizer step(s) of this update had already been applied"
+                train_metrics.update(self._record_nonfinite("the loss or its gradient", outcome))
             else:
                 self.consecutive_nonfinite = 0
             metrics = {**reward_metrics, **kl_metrics, **train_metrics}
@@ -472,7 +480,7 @@ class KLPPOTrainer(Trainer):
         # for full-vocabulary KL, which needs the policy's logits beside the reference's
         reuse = args.kl_estimator != FULL_KL
         with _timed(timings, "time/generation", acc):
-            with unwrap_model_for_generation(self.model_wrapped, acc) as unwrapped:
+            with unwrap_model_for_generation(self.model_wrapped, acc) as unwrapped, _clear_sampling_errors():
                 responses, logp, values = generate_responses(
                     unwrapped.policy,
                     input_ids,
@@ -711,8 +719,10 @@ class KLPPOTrainer(Trainer):
         coef = rollout["kl_loss_coef"]
         loss_modes = "loss" in args.kl_modes_applied
         stats = _GlobalSums()
-        skipped = False
+        skipped, applied = False, 0
         for _epoch in range(args.num_ppo_epochs):
+            if skipped and args.nonfinite_rollback:
+                break  # the whole update is undone: no point in more steps
             order = torch.randperm(n_local, device=rollout["responses"].device)
             for mb_start in range(0, n_local, mb_size):
                 mb_idx = order[mb_start : mb_start + mb_size]
@@ -749,16 +759,39 @@ class KLPPOTrainer(Trainer):
                 if mb_skipped:
                     skipped = True
                     self.optimizer.zero_grad(set_to_none=True)
+                    if args.nonfinite_rollback:
+                        break
                     continue
                 self.optimizer.step()
+                applied += 1
                 if self.lr_scheduler is not None:
                     self.lr_scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 if grad_norm is not None:
                     stats.add("train/grad_norm", torch.as_tensor(grad_norm, dtype=torch.float64) / world, 1.0 / world)
         metrics = stats.means(acc)
-        metrics["_skipped"] = skipped
+        metrics["_skipped"], metrics["_applied_steps"] = skipped, applied
         return metrics
+
+    def _snapshot_optimisation(self) -> dict:
+        """Copies of the trainable weights, the optimizer state and the scheduler state (for a rollback). With
+        LoRA this is small; for full fine-tuning it is one more copy of the weights and of the optimizer state."""
+        unwrapped = self.accelerator.unwrap_model(self.model_wrapped)
+        return {
+            "params": {n: p.detach().clone() for n, p in unwrapped.named_parameters() if p.requires_grad},
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "scheduler": copy.deepcopy(self.lr_scheduler.state_dict()) if self.lr_scheduler is not None else None,
+        }
+
+    @torch.no_grad()
+    def _restore_optimisation(self, snapshot: dict) -> None:
+        unwrapped = self.accelerator.unwrap_model(self.model_wrapped)
+        params = dict(unwrapped.named_parameters())
+        for name, value in snapshot["params"].items():
+            params[name].copy_(value)
+        self.optimizer.load_state_dict(snapshot["optimizer"])
+        if snapshot["scheduler"] is not None:
+            self.lr_scheduler.load_state_dict(snapshot["scheduler"])
 
     def _micro_batch_loss(self, rollout: dict, idx: torch.Tensor, counts: dict, coef: float, loss_modes: bool):
         """Loss of one micro-batch, normalised by the mini-batch's GLOBAL counts, and its logging parts."""
@@ -819,16 +852,17 @@ class KLPPOTrainer(Trainer):
         acc.end_training()
 
     # ------------------------------------------------------------------ non-finite handling
-    def _record_nonfinite(self, what: str) -> dict[str, float]:
+    def _record_nonfinite(self, what: str, outcome: str) -> dict[str, float]:
         self.nonfinite_skips += 1
         self.consecutive_nonfinite += 1
         self.optimizer.zero_grad(set_to_none=True)
         if self.is_world_process_zero():
             logger.warning(
-                "Skipped PPO update %d: non-finite values in %s (%d skipped so far). Weights were not changed.",
+                "Skipped PPO update %d: non-finite values in %s (%d skipped so far); %s.",
                 self.state.global_step + 1,
                 what,
                 self.nonfinite_skips,
+                outcome,
             )
         if self.consecutive_nonfinite >= self.args.max_nonfinite_updates:
             raise RuntimeError(
@@ -977,6 +1011,22 @@ def _timed(timings: dict, key: str, accelerator):
         yield
     finally:
         timings[key] = timings.get(key, 0.0) + _now(accelerator) - start
+
+
+@contextmanager
+def _clear_sampling_errors():
+    """Sampling from a policy whose logits are NaN or inf fails deep inside torch; say what it means."""
+    try:
+        yield
+    except RuntimeError as err:
+        text = str(err).lower()
+        if "inf" in text or "nan" in text:
+            raise RuntimeError(
+                "The policy's logits are not finite, so no response can be sampled: its weights have diverged. "
+                "Lower the learning rate or max_grad_norm, raise the KL coefficient, or use bf16/fp32 instead of "
+                "fp16; resume from the last checkpoint (checkpoints written so far are intact)."
+            ) from err
+        raise
 
 
 def reward_values(raw, expected: int, name: str) -> list[float | None]:
