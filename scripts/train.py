@@ -73,6 +73,11 @@ def build_trainer(script_args, training_args, model_args):
     from klppo.rewards.loading import load_reward_funcs
 
     name = model_args.model_name_or_path or OFFLINE_DEFAULT_MODEL
+    if _missing_local_folder(name):
+        raise UserError(
+            f"The model folder {name!r} does not exist. Pass an existing folder, a hub id such as "
+            "'HuggingFaceTB/SmolLM2-135M-Instruct', or the offline default 'klppo:smollm2-135m-instruct'."
+        )
     try:
         path = resolve_model_path(name)
         tokenizer = load_tokenizer(path)
@@ -121,6 +126,14 @@ def build_trainer(script_args, training_args, model_args):
     )
 
 
+def _missing_local_folder(name: str) -> bool:
+    """`name` is meant as a local folder (a path form that no hub id has) and does not exist."""
+    if name.startswith("klppo:") or os.path.isdir(os.path.expanduser(name)):
+        return False
+    parts = name.split("/")
+    return name.startswith((".", "/", "~")) or len(parts) > 2 or (len(parts) == 2 and os.path.isdir(parts[0]))
+
+
 def main(parsed) -> dict:
     from klppo.report import format_summary, run_summary, sample_completions
 
@@ -151,8 +164,13 @@ def main(parsed) -> dict:
 
 
 def cli(argv=None) -> int:
+    import yaml
+
     try:
         parsed = parse(argv)
+    except yaml.YAMLError as err:  # the message gives the line and column
+        print(f"error: the --config file is not valid YAML: {err}", file=sys.stderr)
+        return 2
     except FileNotFoundError as err:
         print(f"error: {err}. Check the path given to --config.", file=sys.stderr)
         return 2

@@ -115,3 +115,23 @@ def test_tiny_config_under_torchrun_two_processes(tmp_path):
     assert proc.stdout.count("klppo run summary") == 1  # printed by the main process only
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["updates"] == 2
+
+
+@pytest.mark.parametrize("case", ["yaml", "lr", "folder"])
+def test_more_user_errors_are_one_paragraph(tmp_path, case):
+    """Invalid YAML (with line and column), a negative learning rate, a missing local model folder: exit 2,
+    one `error:` paragraph, no traceback."""
+    args = ["--config", TINY, "--output_dir", str(tmp_path / "out")]
+    if case == "yaml":
+        bad = tmp_path / "bad.yaml"
+        bad.write_text("model_name_or_path: klppo:tiny-llama\nkl_coef: [0.1\n")
+        args = ["--config", str(bad)]
+    elif case == "lr":
+        args += ["--learning_rate", "-1e-4"]
+    else:
+        args += ["--model_name_or_path", str(tmp_path / "no" / "such" / "model")]
+    proc = run_script(*args, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and proc.stderr.count("error:") == 1
+    expected = {"yaml": "line", "lr": "learning_rate", "folder": "does not exist"}[case]
+    assert expected in proc.stderr

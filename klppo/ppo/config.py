@@ -341,6 +341,18 @@ class KLPPOConfig(TrainingArguments):
             raise ValueError(f"`gamma` and `lam` must lie in [0, 1], got gamma={self.gamma}, lam={self.lam}.")
         if self.cliprange <= 0 or self.cliprange_value <= 0:
             raise ValueError("`cliprange` and `cliprange_value` must be > 0.")
+        if self.learning_rate is not None and not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
+            raise ValueError(
+                f"`learning_rate` must be a positive finite number, got {self.learning_rate}; leave it unset for "
+                "the default (5e-4 with LoRA, 3e-6 for full fine-tuning)."
+            )
+        for name in ("vf_coef", "max_grad_norm", "weight_decay", "warmup_ratio"):
+            value = getattr(self, name, None)
+            if value is not None and not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"`{name}` must be a finite number >= 0, got {value}.")
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "heldout_eval_texts"):
+            if getattr(self, name) < (0 if name == "heldout_eval_texts" else 1):
+                raise ValueError(f"`{name}` must be >= {0 if name == 'heldout_eval_texts' else 1}, got {getattr(self, name)}.")
         for name in ("save_strategy", "eval_strategy", "logging_strategy"):
             if str(getattr(getattr(self, name), "value", getattr(self, name))) == "epoch":
                 raise ValueError(

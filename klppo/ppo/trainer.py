@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import time
 import warnings
 from collections import defaultdict
@@ -66,6 +67,9 @@ logger = logging.getLogger(__name__)
 
 CONTROLLER_STATE_NAME = "kl_controller.json"
 TRAINABLE_STATE_NAME = "klppo_trainable.safetensors"
+STAGING_DIR = ".checkpoint-staging"
+# what a complete klppo checkpoint holds (checked before resuming from "the latest")
+CHECKPOINT_FILES = (TRAINABLE_STATE_NAME, CONTROLLER_STATE_NAME, "trainer_state.json")
 LOGGED_ESTIMATORS = ("k1", "k2", "k3")
 
 
@@ -379,12 +383,15 @@ class KLPPOTrainer(Trainer):
         self.state.is_local_process_zero = self.is_local_process_zero()
         self.state.is_world_process_zero = self.is_world_process_zero()
 
+        if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.lower() in ("true", "false"):
+            resume_from_checkpoint = resume_from_checkpoint.lower() == "true"  # from a command line
         if resume_from_checkpoint is True:
-            from transformers.trainer_utils import get_last_checkpoint
-
-            resume_from_checkpoint = get_last_checkpoint(args.output_dir)
+            resume_from_checkpoint = self.latest_checkpoint()
             if resume_from_checkpoint is None:
-                raise ValueError(f"No checkpoint found in {args.output_dir} to resume from.")
+                raise ValueError(
+                    f"No complete checkpoint found in {args.output_dir} to resume from. Start without "
+                    "--resume_from_checkpoint, or pass the path of a checkpoint folder."
+                )
         if resume_from_checkpoint:
             self._resume(resume_from_checkpoint)
 
@@ -947,18 +954,68 @@ class KLPPOTrainer(Trainer):
         torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
 
     def _save_checkpoint(self, model, trial) -> None:
-        super()._save_checkpoint(model, trial)
+        """Write `checkpoint-N` atomically: every file (Trainer's and klppo's) goes into a staging folder that
+        is renamed into place only when complete, so a crash mid-save never leaves a partial `checkpoint-N`."""
+        run_dir = self._get_output_dir(trial)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        staging_root = os.path.join(run_dir, STAGING_DIR)
+        staged = os.path.join(staging_root, name)
+        if self.args.should_save and os.path.isdir(staged):
+            shutil.rmtree(staged)  # left by a save that was interrupted
+        self._get_output_dir = lambda trial=None: staging_root  # Trainer writes (and rotates) inside staging
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            del self._get_output_dir
         if self.args.should_save:
-            folder = os.path.join(self._get_output_dir(trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-            state = {
-                "kl_controller": self.kl_controller.state_dict(),
-                "drift_monitor": self.drift_monitor.state_dict() if self.drift_monitor is not None else None,
-                "health_monitor": self.health_monitor.state_dict(),
-                "nonfinite_skips": self.nonfinite_skips,
-                "consecutive_nonfinite": self.consecutive_nonfinite,
-            }
-            with open(os.path.join(folder, CONTROLLER_STATE_NAME), "w") as f:
-                json.dump(state, f, indent=2)
+            with open(os.path.join(staged, CONTROLLER_STATE_NAME), "w") as f:
+                json.dump(self._klppo_state(), f, indent=2)
+        self.accelerator.wait_for_everyone()  # every rank's files (RNG states) are in place
+        if self.args.should_save:
+            final = os.path.join(run_dir, name)
+            if os.path.isdir(final):
+                shutil.rmtree(final)
+            os.replace(staged, final)
+            shutil.rmtree(staging_root, ignore_errors=True)
+            from transformers.trainer_utils import rotate_checkpoints
+
+            rotate_checkpoints(
+                output_dir=run_dir,
+                save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=True,
+            )
+        self.accelerator.wait_for_everyone()
+
+    def _klppo_state(self) -> dict:
+        return {
+            "kl_controller": self.kl_controller.state_dict(),
+            "drift_monitor": self.drift_monitor.state_dict() if self.drift_monitor is not None else None,
+            "health_monitor": self.health_monitor.state_dict(),
+            "nonfinite_skips": self.nonfinite_skips,
+            "consecutive_nonfinite": self.consecutive_nonfinite,
+        }
+
+    def latest_checkpoint(self) -> str | None:
+        """The newest complete klppo checkpoint in `output_dir` (None if there is none). Incomplete folders,
+        such as one an older version left behind when it crashed while saving, are skipped with a warning."""
+        import re
+
+        root = self.args.output_dir
+        if not os.path.isdir(root):
+            return None
+        found = sorted(
+            (int(m.group(1)), entry)
+            for entry in os.listdir(root)
+            if (m := re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)", entry)) and os.path.isdir(os.path.join(root, entry))
+        )
+        for _, entry in reversed(found):
+            folder = os.path.join(root, entry)
+            missing = [f for f in CHECKPOINT_FILES if not os.path.isfile(os.path.join(folder, f))]
+            if not missing:
+                return folder
+            logger.warning("Skipping incomplete checkpoint %s (missing %s).", folder, ", ".join(missing))
+        return None
 
     def _resume(self, checkpoint: str) -> None:
         """Restore weights, optimizer, scheduler, trainer state, RNG and the KL controller."""

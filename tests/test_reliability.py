@@ -1,0 +1,81 @@
+"""Crash safety end to end: atomic checkpoints, resume from the latest complete one."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from klppo.ppo.trainer import CHECKPOINT_FILES, STAGING_DIR
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.yaml"
+
+
+def train_cmd(out: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable, str(ROOT / "scripts" / "train.py"), "--config", str(TINY), "--output_dir", str(out),
+        "--max_steps", "6", "--save_strategy", "steps", "--save_steps", "1", "--eval_strategy", "no",
+        "--disable_tqdm", "true", *extra,
+    ]  # fmt: skip
+
+
+def test_latest_checkpoint_skips_incomplete_folders(tiny_model_and_tokenizer, tmp_path, caplog):
+    from datasets import Dataset
+
+    from klppo import KLPPOConfig, KLPPOTrainer
+
+    model, tokenizer = tiny_model_and_tokenizer
+    out = tmp_path / "out"
+    for step, files in ((1, CHECKPOINT_FILES), (2, CHECKPOINT_FILES), (3, ("config.json",)), (10, ())):
+        folder = out / f"checkpoint-{step}"
+        folder.mkdir(parents=True)
+        for name in files:
+            (folder / name).write_text("{}")
+    args = KLPPOConfig(output_dir=str(out), report_to="none", use_cpu=True, disable_tqdm=True, critic="shared")
+    trainer = KLPPOTrainer(
+        model=model, args=args, processing_class=tokenizer,
+        reward_funcs=lambda prompts, completions, **kw: [0.0] * len(completions),
+        train_dataset=Dataset.from_dict({"prompt": ["a b"] * 4}),
+    )  # fmt: skip
+    with caplog.at_level("WARNING"):
+        assert trainer.latest_checkpoint() == str(out / "checkpoint-2")
+    skipped = [r.getMessage() for r in caplog.records if "incomplete checkpoint" in r.getMessage()]
+    assert len(skipped) == 2 and "checkpoint-10" in skipped[0] and "checkpoint-3" in skipped[1]
+
+
+@pytest.mark.slow
+def test_killed_at_random_moments_then_resumed_from_the_latest(tmp_path):
+    """Kill a training run (saving after every update) at several moments, including while it saves; every
+    checkpoint folder left behind is complete, and `--resume_from_checkpoint true` finishes the run."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    out = tmp_path / "out"
+    start = time.time()
+    proc = subprocess.Popen(train_cmd(out), cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc.wait(timeout=600)
+    full_run = time.time() - start
+    assert proc.returncode == 0
+    for i, fraction in enumerate((0.55, 0.7, 0.8, 0.9)):  # late in the run: saving happens after each update
+        target = tmp_path / f"killed{i}"
+        proc = subprocess.Popen(
+            train_cmd(target), cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        time.sleep(fraction * full_run)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        folders = [p for p in target.glob("checkpoint-*")] if target.exists() else []
+        for folder in folders:
+            missing = [f for f in CHECKPOINT_FILES if not (folder / f).is_file()]
+            assert not missing, f"{folder} is incomplete after a kill: {missing}"
+        if folders:
+            resumed = subprocess.run(
+                train_cmd(target, "--resume_from_checkpoint", "true"), cwd=tmp_path, env=env,
+                capture_output=True, text=True, timeout=600,
+            )  # fmt: skip
+            assert resumed.returncode == 0, resumed.stderr[-2000:]
+            assert (target / "checkpoint-6").is_dir() and not (target / STAGING_DIR).exists()
