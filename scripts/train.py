@@ -178,9 +178,12 @@ def cli(argv=None) -> int:
         # configuration mistakes (unknown YAML key, invalid KL field, ...) are caught at parse time
         print(f"error: {err}\nSee `python scripts/train.py --help` and the README's configuration reference.", file=sys.stderr)
         return 2
+    from klppo.ppo.lock import OutputDirInUse
+    from klppo.ppo.trainer import ResumeMismatch
+
     try:
         main(parsed)
-    except UserError as err:
+    except (UserError, OutputDirInUse, ResumeMismatch) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -79,3 +79,53 @@ def test_killed_at_random_moments_then_resumed_from_the_latest(tmp_path):
             )  # fmt: skip
             assert resumed.returncode == 0, resumed.stderr[-2000:]
             assert (target / "checkpoint-6").is_dir() and not (target / STAGING_DIR).exists()
+
+
+def test_a_second_run_on_the_same_output_dir_stops_at_once(tmp_path):
+    from klppo.ppo.lock import LOCK_NAME, OutputDirInUse, OutputDirLock
+
+    out = tmp_path / "out"
+    with OutputDirLock(str(out)):
+        with pytest.raises(OutputDirInUse, match=f"pid {os.getpid()}"):
+            with OutputDirLock(str(out)):
+                pass
+    assert not (out / LOCK_NAME).exists()
+    # a lock left by a process that no longer runs is taken over
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (out / LOCK_NAME).write_text(f'{{"pid": {dead.pid}, "host": "{__import__("socket").gethostname()}"}}')
+    with OutputDirLock(str(out)) as lock:
+        assert lock.held
+
+
+@pytest.mark.slow
+def test_two_cli_runs_racing_on_one_folder(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    out = tmp_path / "out"
+    first = subprocess.Popen(train_cmd(out), cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (out / ".klppo.lock").exists() and time.time() < deadline and first.poll() is None:
+        time.sleep(0.2)
+    second = subprocess.run(train_cmd(out), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    first.wait(timeout=600)
+    assert first.returncode == 0
+    assert second.returncode == 2 and "Another klppo run" in second.stderr and "Traceback" not in second.stderr
+
+
+@pytest.mark.slow
+def test_resume_with_changed_settings_says_what_it_does(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    out = tmp_path / "out"
+    assert subprocess.run(train_cmd(out, "--max_steps", "2"), cwd=tmp_path, env=env, capture_output=True).returncode == 0
+    resumed = subprocess.run(
+        train_cmd(out, "--max_steps", "3", "--kl_target", "2.0", "--resume_from_checkpoint", "true"),
+        cwd=tmp_path, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "kl_target changed from 1.0 to 2.0" in resumed.stderr
+    refused = subprocess.run(
+        train_cmd(out, "--max_steps", "4", "--kl_target_unit", "token", "--resume_from_checkpoint", "true"),
+        cwd=tmp_path, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert refused.returncode == 2 and "kl_target_unit: checkpoint 'sequence', now 'token'" in refused.stderr
+    assert "Traceback" not in refused.stderr

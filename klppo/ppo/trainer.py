@@ -61,6 +61,7 @@ from .rollout import (
     truncate_at_stop,
 )
 from .health import PPOHealthMonitor
+from .lock import OutputDirLock
 from .value import ActorCritic, CriticModel, ValueHead, hidden_size_of
 
 logger = logging.getLogger(__name__)
@@ -68,9 +69,17 @@ logger = logging.getLogger(__name__)
 CONTROLLER_STATE_NAME = "kl_controller.json"
 TRAINABLE_STATE_NAME = "klppo_trainable.safetensors"
 STAGING_DIR = ".checkpoint-staging"
+# settings compared on resume: refused if changed / combined with the saved state / ignored for it
+RESUME_REFUSED = ("kl_controller", "kl_target_unit", "kl_mode")
+RESUME_COMBINED = ("kl_target", "kl_estimator", "kl_horizon", "kl_loss_scale")
+RESUME_IGNORED = ("kl_coef", "learning_rate")
 # what a complete klppo checkpoint holds (checked before resuming from "the latest")
 CHECKPOINT_FILES = (TRAINABLE_STATE_NAME, CONTROLLER_STATE_NAME, "trainer_state.json")
 LOGGED_ESTIMATORS = ("k1", "k2", "k3")
+
+
+class ResumeMismatch(ValueError):
+    """A checkpoint's settings cannot be combined with the resuming run's."""
 
 
 class KLProgressCallback(TrainerCallback):
@@ -371,6 +380,12 @@ class KLPPOTrainer(Trainer):
 
     # ------------------------------------------------------------------ training loop
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        """Run the PPO updates. One run per `output_dir`: a second run on the same folder stops at once
+        (`OutputDirInUse`). `resume_from_checkpoint`: a checkpoint folder, or True for the latest complete one."""
+        with OutputDirLock(self.args.output_dir, enabled=self.is_world_process_zero() and self.args.should_save):
+            return self._train(resume_from_checkpoint)
+
+    def _train(self, resume_from_checkpoint: str | bool | None) -> TrainOutput:
         args, acc = self.args, self.accelerator
         self.is_in_train = True
         num_updates = args.num_updates(len(self.train_dataset), acc.num_processes)
@@ -994,7 +1009,31 @@ class KLPPOTrainer(Trainer):
             "health_monitor": self.health_monitor.state_dict(),
             "nonfinite_skips": self.nonfinite_skips,
             "consecutive_nonfinite": self.consecutive_nonfinite,
+            "settings": {name: getattr(self.args, name) for name in RESUME_REFUSED + RESUME_COMBINED + RESUME_IGNORED},
         }
+
+    def _check_resume_settings(self, saved: dict | None) -> None:
+        """Compare the checkpoint's KL and optimisation settings with this run's: refuse what cannot be combined,
+        warn (naming each field and both values) about what is combined or ignored."""
+        if not saved:
+            return
+        changed = {
+            k: (v, getattr(self.args, k)) for k, v in saved.items() if hasattr(self.args, k) and v != getattr(self.args, k)
+        }
+        refused = {k: v for k, v in changed.items() if k in RESUME_REFUSED}
+        if refused:
+            listed = "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in refused.items())
+            raise ResumeMismatch(
+                f"Cannot resume with changed settings ({listed}): the checkpoint's controller state and KL statistic "
+                "were built for the old ones. Resume with the checkpoint's values, or start a new run."
+            )
+        for key, (old, new) in changed.items():
+            if key in RESUME_COMBINED:
+                how = "the new value is used with the checkpoint's coefficient and controller state"
+            else:
+                how = "ignored: the checkpoint's saved state (coefficient, optimizer, scheduler) decides"
+            if self.is_world_process_zero():
+                logger.warning("Resuming with %s changed from %r to %r: %s.", key, old, new, how)
 
     def latest_checkpoint(self) -> str | None:
         """The newest complete klppo checkpoint in `output_dir` (None if there is none). Incomplete folders,
@@ -1025,6 +1064,9 @@ class KLPPOTrainer(Trainer):
         path = os.path.join(checkpoint, TRAINABLE_STATE_NAME)
         if not os.path.isfile(path):
             raise ValueError(f"{checkpoint} is not a klppo checkpoint ({TRAINABLE_STATE_NAME} is missing).")
+        with open(os.path.join(checkpoint, CONTROLLER_STATE_NAME)) as f:
+            state = json.load(f)
+        self._check_resume_settings(state.get("settings"))  # before anything is loaded
         unwrapped = self.accelerator.unwrap_model(self.model_wrapped)
         missing = {n for n, p in unwrapped.named_parameters() if p.requires_grad}
         weights = load_file(path, device="cpu")
@@ -1038,8 +1080,6 @@ class KLPPOTrainer(Trainer):
         self.state = TrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json"))
         self.state.max_steps = max_steps
         self.state.compute_steps(self.args, max_steps)
-        with open(os.path.join(checkpoint, CONTROLLER_STATE_NAME)) as f:
-            state = json.load(f)
         self.kl_controller.load_state_dict(state["kl_controller"])
         if self.drift_monitor is not None and state.get("drift_monitor"):
             self.drift_monitor.load_state_dict(state["drift_monitor"])
