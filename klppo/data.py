@@ -96,8 +96,13 @@ def load_prompt_dataset(
                 f"Prompt file {str(path)!r} does not exist: check the path (relative paths are "
                 f"resolved from {str(Path.cwd())!r}) or use the built-in set {OFFLINE_PROMPTS_ID!r}."
             )
+        if path.stat().st_size == 0:
+            raise ValueError(f"Prompt file {str(path)!r} is empty: it needs one prompt per row, in a column {prompt_column!r}.")
         builder = _FILE_BUILDERS[path.suffix.lower()]
-        dataset = datasets.load_dataset(builder, data_files=str(path), split="train")
+        try:
+            dataset = datasets.load_dataset(builder, data_files=str(path), split="train")
+        except (StopIteration, datasets.exceptions.DatasetGenerationError) as err:
+            raise ValueError(f"Could not read prompts from {str(path)!r} ({type(err).__name__}: {err}).") from None
     else:
         dataset = datasets.load_dataset(name_or_path, split=split)
 
@@ -105,6 +110,12 @@ def load_prompt_dataset(
         raise ValueError(
             f"{name_or_path!r} has no column {prompt_column!r} (columns: {dataset.column_names}): "
             "pass the name of the column holding the prompts as prompt_column."
+        )
+    texts = [p for p in dataset[prompt_column] if p]
+    if not texts:
+        raise ValueError(
+            f"{name_or_path!r} has no non-empty prompt in column {prompt_column!r} ({len(dataset)} rows): every "
+            "prompt is empty, so there is nothing to continue."
         )
     if prompt_column != "prompt":
         if "prompt" in dataset.column_names:

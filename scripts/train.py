@@ -21,6 +21,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 
 # Runnable from a checkout without installing the package.
@@ -135,9 +136,17 @@ def _missing_local_folder(name: str) -> bool:
 
 
 def main(parsed) -> dict:
+    script_args, training_args, model_args = parsed
+    from klppo.ppo.lock import OutputDirLock
+
+    # one run per output_dir, from the start (the trainer holds the same lock while it trains)
+    with OutputDirLock(training_args.output_dir, enabled=int(os.environ.get("RANK", "0")) == 0):
+        return _run(script_args, training_args, model_args)
+
+
+def _run(script_args, training_args, model_args) -> dict:
     from klppo.report import format_summary, run_summary, sample_completions
 
-    script_args, training_args, model_args = parsed
     start = time.time()
     trainer = build_trainer(script_args, training_args, model_args)
     source = trainer.eval_prompts if trainer.eval_prompts is not None else trainer.train_dataset
@@ -149,12 +158,18 @@ def main(parsed) -> dict:
 
     before = snapshot()
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    after = snapshot()
+    # the final state is written first: nothing after this point can lose it
     trainer.save_model(training_args.output_dir)
+    if trainer.is_world_process_zero():
+        trainer.state.save_to_json(os.path.join(training_args.output_dir, "trainer_state.json"))
+    try:
+        after = snapshot()
+    except (RuntimeError, ValueError, OverflowError) as err:  # diagnostics must not end the run
+        warnings.warn(f"End-of-run evaluation failed ({err}); the summary has no 'after' figures.", stacklevel=1)
+        after = {"perplexity": None, "samples": [], "prompts": prompts}
     summary = run_summary(trainer, before, after)
     summary["wall_seconds"] = time.time() - start
     if trainer.is_world_process_zero():
-        trainer.state.save_to_json(os.path.join(training_args.output_dir, "trainer_state.json"))
         print(format_summary(summary, summary["wall_seconds"]), flush=True)
         summary_file = script_args.summary_file or os.path.join(training_args.output_dir, "summary.json")
         with open(summary_file, "w") as f:

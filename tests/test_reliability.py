@@ -84,31 +84,49 @@ def test_killed_at_random_moments_then_resumed_from_the_latest(tmp_path):
 def test_a_second_run_on_the_same_output_dir_stops_at_once(tmp_path):
     from klppo.ppo.lock import LOCK_NAME, OutputDirInUse, OutputDirLock
 
+    import socket
+
     out = tmp_path / "out"
-    with OutputDirLock(str(out)):
-        with pytest.raises(OutputDirInUse, match=f"pid {os.getpid()}"):
+    out.mkdir()
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # another live run
+    try:
+        (out / LOCK_NAME).write_text(f'{{"pid": {other.pid}, "host": "{socket.gethostname()}"}}')
+        with pytest.raises(OutputDirInUse, match=f"pid {other.pid}"):
             with OutputDirLock(str(out)):
                 pass
-    assert not (out / LOCK_NAME).exists()
+        assert (out / LOCK_NAME).exists()  # not ours: left alone
+    finally:
+        other.kill()
+        other.wait()
+    (out / LOCK_NAME).unlink()
     # a lock left by a process that no longer runs is taken over
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    (out / LOCK_NAME).write_text(f'{{"pid": {dead.pid}, "host": "{__import__("socket").gethostname()}"}}')
+    (out / LOCK_NAME).write_text(f'{{"pid": {dead.pid}, "host": "{socket.gethostname()}"}}')
     with OutputDirLock(str(out)) as lock:
         assert lock.held
+        with OutputDirLock(str(out)) as inner:  # the same process again (the CLI around the trainer)
+            assert not inner.held
+        assert (out / LOCK_NAME).exists()  # still held by the outer one
+    assert not (out / LOCK_NAME).exists()
 
 
 @pytest.mark.slow
 def test_two_cli_runs_racing_on_one_folder(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     out = tmp_path / "out"
-    first = subprocess.Popen(train_cmd(out), cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = subprocess.Popen(
+        train_cmd(out, "--max_steps", "400", "--save_strategy", "no"),  # long enough to still run meanwhile
+        cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
     deadline = time.time() + 300
     while not (out / ".klppo.lock").exists() and time.time() < deadline and first.poll() is None:
         time.sleep(0.2)
     second = subprocess.run(train_cmd(out), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    first.wait(timeout=600)
-    assert first.returncode == 0
+    still_running = first.poll() is None
+    first.kill()
+    first.wait()
+    assert still_running, "the first run ended before the second one started: the race was not tested"
     assert second.returncode == 2 and "Another klppo run" in second.stderr and "Traceback" not in second.stderr
 
 
@@ -129,3 +147,36 @@ def test_resume_with_changed_settings_says_what_it_does(tmp_path):
     )  # fmt: skip
     assert refused.returncode == 2 and "kl_target_unit: checkpoint 'sequence', now 'token'" in refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+def test_non_finite_weights_are_never_saved(tiny_model_and_tokenizer, tmp_path, caplog):
+    import torch
+    from datasets import Dataset
+
+    from klppo import KLPPOConfig, KLPPOTrainer
+
+    model, tokenizer = tiny_model_and_tokenizer
+    args = KLPPOConfig(output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True, disable_tqdm=True, critic="shared")
+    trainer = KLPPOTrainer(
+        model=model, args=args, processing_class=tokenizer,
+        reward_funcs=lambda prompts, completions, **kw: [0.0] * len(completions),
+        train_dataset=Dataset.from_dict({"prompt": ["a b"] * 4}),
+    )  # fmt: skip
+    with torch.no_grad():
+        next(p for p in trainer.model.parameters() if p.requires_grad).fill_(float("nan"))
+    with caplog.at_level("WARNING"):
+        trainer.save_model(str(tmp_path / "final"))
+    assert not (tmp_path / "final").exists()
+    assert any("not finite" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("rows", [[], ["", ""]])
+def test_empty_prompt_sets_are_refused_early(tmp_path, rows):
+    import json
+
+    from klppo.data import load_prompt_dataset
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": r}) + "\n" for r in rows))
+    with pytest.raises(ValueError, match="empty|no non-empty prompt"):
+        load_prompt_dataset(str(path))

@@ -49,6 +49,8 @@ class OutputDirLock:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
             except FileExistsError:
                 other = self._read()
+                if other.get("pid") == me["pid"] and other.get("host") == me["host"]:
+                    return self  # this process holds it already (the CLI around the trainer): not ours to release
                 if other.get("host") == me["host"] and isinstance(other.get("pid"), int) and not _alive(other["pid"]):
                     logger.warning("Taking over %s, left by process %s, which no longer runs.", self.path, other["pid"])
                     os.remove(self.path)

@@ -182,6 +182,10 @@ class KLPPOTrainer(Trainer):
                 f"`train_dataset` needs a `prompt` column; it has {train_dataset.column_names}. "
                 "Rename the prompt column with `dataset.rename_column(old, 'prompt')`."
             )
+        if len(train_dataset) == 0 or not any(train_dataset["prompt"]):
+            raise ValueError(
+                f"`train_dataset` has no non-empty prompt ({len(train_dataset)} rows): PPO needs prompts to continue."
+            )
         if reward_funcs is None:
             raise ValueError("KLPPOTrainer needs `reward_funcs`: a callable, a reward model, or a path to one.")
         set_seed(args.seed)  # value heads and copies are created below, before Trainer seeds
@@ -948,6 +952,10 @@ class KLPPOTrainer(Trainer):
         """Save the policy (HF format: full model or PEFT adapter), the tokenizer, and every trainable
         weight of the actor-critic (value head / critic included) for resuming."""
         output_dir = output_dir or self.args.output_dir
+        if not self._weights_finite():
+            if self.is_world_process_zero():
+                logger.warning("Not saving to %s: the trainable weights are not finite.", output_dir)
+            return
         unwrapped = self.accelerator.unwrap_model(self.model)
         if state_dict is None:
             state_dict = unwrapped.state_dict()
@@ -971,6 +979,13 @@ class KLPPOTrainer(Trainer):
     def _save_checkpoint(self, model, trial) -> None:
         """Write `checkpoint-N` atomically: every file (Trainer's and klppo's) goes into a staging folder that
         is renamed into place only when complete, so a crash mid-save never leaves a partial `checkpoint-N`."""
+        if not self._weights_finite():
+            if self.is_world_process_zero():
+                logger.warning(
+                    "Not writing checkpoint %d: the trainable weights are not finite; the last checkpoint is kept.",
+                    self.state.global_step,
+                )
+            return
         run_dir = self._get_output_dir(trial)
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         staging_root = os.path.join(run_dir, STAGING_DIR)
@@ -1001,6 +1016,11 @@ class KLPPOTrainer(Trainer):
                 use_mtime=True,
             )
         self.accelerator.wait_for_everyone()
+
+    def _weights_finite(self) -> bool:
+        """Whether every trainable weight is finite (identical on every rank: the weights are)."""
+        unwrapped = self.accelerator.unwrap_model(self.model_wrapped)
+        return all(bool(torch.isfinite(p).all()) for p in unwrapped.parameters() if p.requires_grad)
 
     def _klppo_state(self) -> dict:
         return {
