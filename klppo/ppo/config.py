@@ -316,6 +316,13 @@ class KLPPOConfig(TrainingArguments):
                 )
             if self.kl_controller == "adaptive" and not self.kl_horizon > 0:
                 raise ValueError(f"`kl_horizon` must be > 0 (sequences), got {self.kl_horizon}.")
+        # the controller's own fields (gains, bounds, windows) are checked by building it once
+        from ..kl import build_kl_controller
+
+        try:
+            build_kl_controller(self)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"`kl_controller='{self.kl_controller}'`: {err}") from None
         if self.kl_log_ratio_clamp is not None and not self.kl_log_ratio_clamp > 0:
             raise ValueError(
                 f"`kl_log_ratio_clamp` must be > 0 or None, got {self.kl_log_ratio_clamp} (40 keeps float32 finite)."
@@ -350,9 +357,12 @@ class KLPPOConfig(TrainingArguments):
             value = getattr(self, name, None)
             if value is not None and not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"`{name}` must be a finite number >= 0, got {value}.")
-        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "heldout_eval_texts"):
-            if getattr(self, name) < (0 if name == "heldout_eval_texts" else 1):
-                raise ValueError(f"`{name}` must be >= {0 if name == 'heldout_eval_texts' else 1}, got {getattr(self, name)}.")
+        for name, low in (("per_device_train_batch_size", 1), ("gradient_accumulation_steps", 1),
+                          ("heldout_eval_texts", 0), ("num_sample_generations", 0), ("full_kl_chunk_size", 1)):
+            if getattr(self, name) < low:
+                raise ValueError(f"`{name}` must be >= {low}, got {getattr(self, name)}.")
+        if self.max_prompt_length is not None and self.max_prompt_length < 1:
+            raise ValueError(f"`max_prompt_length` must be >= 1 or None, got {self.max_prompt_length}.")
         for name in ("save_strategy", "eval_strategy", "logging_strategy"):
             if str(getattr(getattr(self, name), "value", getattr(self, name))) == "epoch":
                 raise ValueError(
