@@ -79,11 +79,15 @@ def test_one_process_accumulation_equals_two_processes(rollout_file, tmp_path):
     d1 = torch.load(one / "deltas_world1.pt")
     d2 = torch.load(two / "deltas_world2.pt")
     assert d1.keys() == d2.keys()
-    moved = 0
     for name in d1:
         torch.testing.assert_close(d2[name], d1[name], rtol=2e-4, atol=1e-6, msg=f"gradient of {name} differs")
-        moved += int(d1[name].abs().max() > 0)
-    assert moved == len(d1)
+    # every parameter that gets a gradient moved; a separate critic's backbone gets none in this one SGD step,
+    # because its value head starts at zero (the head itself moves)
+    still = {name for name in d1 if not d1[name].abs().max() > 0}
+    assert still == {name for name in d1 if name.startswith("critic.backbone.")}
+    assert any(name.startswith("critic.head.") for name in d1) and all(
+        d1[name].abs().max() > 0 for name in d1 if name.startswith(("policy.", "critic.head."))
+    )
 
 
 @pytest.mark.slow
