@@ -170,8 +170,7 @@ def _build_smollm2(target: Path) -> None:
     model.generation_config = copy.deepcopy(gguf_model.generation_config)
     model.save_pretrained(target)
 
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    ensure_pad_token(tokenizer, "SmolLM2")
     # Saved from init_kwargs: left padding for batched generation, the model's real context length.
     tokenizer.padding_side = tokenizer.init_kwargs["padding_side"] = "left"
     tokenizer.model_max_length = tokenizer.init_kwargs["model_max_length"] = config.max_position_embeddings
@@ -284,14 +283,20 @@ def load_tokenizer(name_or_path: str, padding_side: str = "left", **kwargs):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name_or_path), **kwargs)
+    ensure_pad_token(tokenizer, name_or_path)
+    tokenizer.padding_side = padding_side
+    return tokenizer
+
+
+def ensure_pad_token(tokenizer, source: str = "the model"):
+    """Give `tokenizer` a pad token when it has none: its eos token (an error if it has neither)."""
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(
-                f"The tokenizer of {name_or_path!r} has neither a pad nor an eos token: set "
+                f"The tokenizer of {source!r} has neither a pad nor an eos token: set "
                 "tokenizer.pad_token (or add one) before training."
             )
         tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = padding_side
     return tokenizer
 
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 
 def metric_series(log_history: list[dict], key: str) -> list[tuple[int, float]]:
     """`(step, value)` pairs of one metric from `trainer.state.log_history`."""
@@ -20,16 +18,10 @@ def _edge_mean(series: list[tuple[int, float]], first: bool, n: int = 3) -> floa
     return sum(part) / len(part)
 
 
-@torch.no_grad()
 def sample_completions(trainer, prompts: list, seed: int = 0) -> list[str]:
     """Completions of `prompts` by the current policy, sampled as in training with a fixed seed."""
-    batch = trainer._collate([{"prompt": p} for p in prompts])
-    device = trainer.accelerator.device
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(seed)
-        rollout = trainer._rollout(batch)
-        trainer._compute_scores(rollout)
-    return [f"{c!r} (reward {s:+.3f})" for c, s in zip(rollout["completions"], rollout["scores"].tolist())]
+    _, rewards = trainer.sample(prompts, seed=seed)
+    return [f"{c!r} (reward {s:+.3f})" for c, s in zip(rewards.completions, rewards.scores.tolist())]
 
 
 def _mean_se(values: list[float]) -> tuple[float, float]:

@@ -52,10 +52,8 @@ from pathlib import Path
 
 SCRIPTS = Path(__file__).resolve().parent
 REPO_ROOT = SCRIPTS.parent
-sys.path.insert(0, str(SCRIPTS))
-sys.path.insert(0, str(REPO_ROOT))
 
-import bench_assets
+import bench_assets  # this script's folder is on sys.path
 
 PHASE_ROWS = [
     ("generation", "time/generation", "time/generation"),

@@ -33,27 +33,11 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 from bench_workload import add_workload_arguments, peak_rss_mb, workload_settings  # this script's folder is on sys.path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # klppo from this checkout
-
-PHASES = (
-    "time/generation",
-    "time/score_policy",
-    "time/score_ref",
-    "time/score_value",
-    "time/reward",
-    "time/kl",
-    "time/optimise",
-    "time/update",
-)
-
 
 def status_mb(field: str) -> float:
     """A memory field of /proc/self/status (VmRSS, VmHWM) in MiB."""

@@ -57,11 +57,9 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT))
+from klppo.cli import build_trainer, parse
 
-from train import build_trainer, parse  # noqa: E402  (scripts/train.py)
+ROOT = Path(__file__).resolve().parents[1]
 
 # Metrics copied from each update's log entry into the run record.
 UPDATE_KEYS = (

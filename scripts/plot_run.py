@@ -10,11 +10,8 @@ import argparse
 import glob
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from klppo.report import metric_series  # noqa: E402
+from klppo.report import metric_series
 
 
 def find_state(path: str) -> str:

@@ -68,22 +68,21 @@ def make_trainer(out_dir: str, **overrides) -> KLPPOTrainer:
 def run_update(rollout_path: str, out_dir: str, grad_accum: int) -> dict:
     trainer = make_trainer(out_dir, gradient_accumulation_steps=grad_accum)
     acc = trainer.accelerator
-    full = torch.load(rollout_path)
-    n = full["responses"].shape[0]
-    per_rank = n // acc.num_processes
+    full_rollout, full_rewards = torch.load(rollout_path, weights_only=False)
+    per_rank = full_rollout.batch_size // acc.num_processes
     rows = slice(acc.process_index * per_rank, (acc.process_index + 1) * per_rank)
-    rollout = {k: (v[rows] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == n else v) for k, v in full.items()}
-    trainer._setup_optimisation(num_updates=1)
+    rollout, rewards = full_rollout.select(rows), full_rewards.select(rows)
+    trainer.setup_optimisation(num_updates=1)
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if p.requires_grad}
     coef_before = trainer.kl_controller.value
-    metrics = trainer._apply_kl(rollout)
-    trainer._compute_advantages(rollout)
-    trainer._optimise(rollout)
+    penalty = trainer.apply_kl(rollout, rewards)
+    metrics = penalty.metrics
+    trainer.optimise(rollout, trainer.compute_advantages(rollout, rewards, penalty))
     deltas = {name: (p.detach() - before[name]) for name, p in trainer.model.named_parameters() if name in before}
     result = {
         "rank": acc.process_index,
         "world": acc.num_processes,
-        "tokens": int(rollout["response_mask"].sum()),
+        "tokens": int(rollout.response_mask.sum()),
         "kl_value": metrics["kl/value"],
         "coef_before": coef_before,
         "coef_after": trainer.kl_controller.value,

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from klppo.evaluation import KLDriftMonitor, heldout_perplexity
+from klppo.evaluation import heldout_perplexity
+from klppo.kl import KLDriftMonitor
 
 TEXTS = [
     "The train was late again, and nobody on the platform said a word.",

@@ -10,13 +10,14 @@ import pytest
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-from klppo.kl import compute_kl, divergence_followed, full_kl, get_kl_estimator, kl_estimators
+from klppo.kl import compute_kl, divergence_followed, estimate_kl, full_kl, get_kl_estimator, kl_estimators
 from klppo.kl.divergence import FORWARD, NONE, REVERSE
 from klppo.kl.estimators import BUILTIN_KL_ESTIMATORS, register_kl_estimator, unregister_kl_estimator
 
 F64 = torch.float64
 BASES = ("k1", "k2", "k3", "low_var_kl", "abs", "corrected_k3")
-ALL = BASES + tuple(b + "+" for b in BASES)
+PER_TOKEN = BASES + tuple(b + "+" for b in BASES)
+ALL = PER_TOKEN + ("full",)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -29,16 +30,28 @@ def test_registry_names_and_order():
     assert kl_estimators() == kl_estimators()
 
 
-@pytest.mark.parametrize("bad", ["k4", "full", "K1", "", None])
+@pytest.mark.parametrize("bad", ["k4", "K1", "", None])
 def test_unknown_estimator_lists_every_name(bad):
     with pytest.raises(ValueError) as err:
         get_kl_estimator(bad)
     msg = str(err.value)
     for name in ALL:
         assert repr(name) in msg
-    assert "full_kl" in msg and "'full'" in msg
+    assert "register_kl_estimator" in msg
     with pytest.raises(ValueError):
         compute_kl(torch.zeros(2), torch.zeros(2), bad)
+
+
+def test_full_is_a_logits_estimator_in_the_registry():
+    assert kl_estimators(inputs="logits") == ["full"] and kl_estimators(inputs="logprobs") == list(PER_TOKEN)
+    with pytest.raises(ValueError, match="takes logits"):
+        compute_kl(torch.zeros(2), torch.zeros(2), "full")
+    logits = torch.randn(3, 5, dtype=F64, requires_grad=True)
+    ref = torch.randn(3, 5, dtype=F64)
+    kl, clamped = estimate_kl("full", logits=logits, ref_logits=ref, return_clamped=True)
+    assert torch.equal(kl, full_kl(logits, ref)) and not clamped.any()
+    logp, ref_logp = logits.log_softmax(-1)[:, 0], ref.log_softmax(-1)[:, 0]
+    assert torch.equal(estimate_kl("k3", logp, ref_logp), compute_kl(logp, ref_logp, "k3"))
 
 
 def test_register_custom_estimator_and_twin():
@@ -69,7 +82,7 @@ def test_get_kl_estimator_matches_compute_kl():
     logp = torch.tensor([-1.0, -2.0, -0.5], dtype=F64)
     ref = torch.tensor([-1.5, -1.0, -0.5], dtype=F64)
     old = torch.tensor([-1.2, -2.5, -0.4], dtype=F64)
-    for name in ALL:
+    for name in PER_TOKEN:
         assert torch.equal(get_kl_estimator(name)(logp, ref, old), compute_kl(logp, ref, name, old_logp=old))
 
 
@@ -134,7 +147,7 @@ def test_expected_values():
     pi = logp.exp()
     kl = _reverse_kl(theta, ref_logp).detach()
     assert not torch.isclose(kl, _forward_kl(theta, ref_logp).detach())  # asymmetric pair
-    e = {name: (pi * compute_kl(logp, ref_logp, name)).sum() for name in ALL}
+    e = {name: (pi * compute_kl(logp, ref_logp, name)).sum() for name in PER_TOKEN}
     assert torch.allclose(e["k1"], kl) and torch.allclose(e["k3"], kl)
     assert not torch.allclose(e["k2"], kl, atol=1e-3)  # k2 is biased
     assert torch.allclose(e["low_var_kl"], kl)  # no token reaches the clamp here
@@ -152,7 +165,7 @@ def test_loss_mode_gradients_on_policy():
     forward = _grad(_forward_kl(theta, ref_logp), theta)
     assert not torch.allclose(reverse, forward, atol=1e-3)
     assert torch.allclose(_loss_grad("k2", theta, ref_logp), reverse)
-    for name in ALL:
+    for name in PER_TOKEN:
         if name.endswith("+"):
             assert torch.allclose(_loss_grad(name, theta, ref_logp), reverse), name
     assert torch.allclose(_loss_grad("k1", theta, ref_logp), torch.zeros(5, dtype=F64), atol=1e-15)
@@ -196,7 +209,7 @@ def test_reward_mode_gradients():
 
 @pytest.mark.parametrize("off_policy", [False, True])
 @pytest.mark.parametrize("mode", ["reward", "loss"])
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", PER_TOKEN)
 def test_divergence_table_matches_exact_gradients(name, mode, off_policy):
     """divergence_followed's answer agrees with the exact expected gradient, for every entry."""
     theta, ref_logp, mu_logp = _setup()
@@ -361,7 +374,7 @@ def _expected_clamped(name, d, old_diff, value_clamp, raw):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", PER_TOKEN)
 def test_extreme_log_ratios_stay_finite(name, dtype):
     d = torch.tensor(EXTREME, dtype=F64)
     for with_old in (False, True):

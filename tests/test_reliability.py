@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from klppo.ppo.trainer import CHECKPOINT_FILES, STAGING_DIR
+from klppo.ppo.checkpoint import CHECKPOINT_FILES, STAGING_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"

@@ -164,7 +164,7 @@ def test_reward_func_name():
     ([1.0, [2.0], 3.0, 4.0], "returned list [2.0] for completion 1"),
 ])
 def test_wrong_reward_results_name_the_function(returned, message):
-    from klppo.ppo.trainer import reward_values
+    from klppo.rewards import reward_values
 
     with pytest.raises(ValueError, match="my_reward") as err:
         reward_values(returned, 4, "my_reward")
@@ -175,7 +175,7 @@ def test_reward_values_accept_numbers_tensors_and_none():
     import numpy as np
     import torch
 
-    from klppo.ppo.trainer import reward_values
+    from klppo.rewards import reward_values
 
     assert reward_values([1, True, np.float32(0.5), torch.tensor(2.0), None], 5, "f") == [1.0, 1.0, 0.5, 2.0, None]
     assert reward_values(torch.tensor([0.5, 1.5]), 2, "f") == [0.5, 1.5]

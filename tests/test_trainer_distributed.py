@@ -44,19 +44,18 @@ def rollout_file(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("rollout")
     trainer = worker.make_trainer(str(out))
-    batch = trainer._collate([{"prompt": p} for p in worker.PROMPTS["prompt"][:4]])
+    batch = trainer.prompt_batch(worker.PROMPTS["prompt"][:4])
     for seed in range(50):
         torch.manual_seed(seed)
-        rollout = trainer._rollout(batch)
-        counts = rollout["response_mask"].sum(dim=1)
+        rollout = trainer.rollout(batch)
+        counts = rollout.response_mask.sum(dim=1)
         if counts[:2].sum() != counts[2:].sum():
             break
     else:
         pytest.fail("could not sample a rollout with unequal token counts per half")
-    trainer._compute_scores(rollout)
-    saved = {k: v for k, v in rollout.items() if torch.is_tensor(v) or k == "context_length"}
+    rewards = trainer.compute_rewards(rollout)
     path = out / "rollout.pt"
-    torch.save(saved, path)
+    torch.save((rollout, rewards), path)
     return path
 
 

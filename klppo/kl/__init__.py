@@ -1,9 +1,10 @@
 """KL control for klppo: pure tensor functions and small classes (torch and the stdlib only).
 
-- ``estimators``: per-token estimators behind a registry, ``compute_kl``, exact ``full_kl``.
+- ``estimators``: estimators behind a registry (per-token ones and the exact ``full``), ``estimate_kl``.
 - ``controllers``: coefficient controllers behind a registry (fixed, adaptive, exponential, PID, tracking).
 - ``penalty``: KL into per-token rewards or into the loss; loss aggregation modes.
-- ``reduce``: token-weighted global statistics across ranks (one collective each).
+- ``reduce``: token-weighted global statistics across ranks (one collective each), ``GlobalSums``.
+- ``monitor``: ``KLDriftMonitor``, which warns when the statistic stays far from its target.
 - ``divergence``: which divergence a configuration follows; the README estimator table
   (imported on first use so that ``python -m klppo.kl.divergence`` runs cleanly).
 """
@@ -24,15 +25,20 @@ from .controllers import (
 from .estimators import (
     BUILTIN_KL_ESTIMATORS,
     compute_kl,
+    estimate_kl,
     full_kl,
     get_kl_estimator,
+    get_kl_estimator_spec,
     kl_estimators,
     register_kl_estimator,
     unregister_kl_estimator,
 )
-from .penalty import LOSS_AGG_MODES, aggregate_loss, kl_loss, kl_reward
+from .monitor import KLDriftMonitor
+from .penalty import KL_MODES, KL_PLACES, LOSS_AGG_MODES, aggregate_loss, kl_loss, kl_reward
 from .reduce import (
     KL_STATISTIC_UNITS,
+    GlobalSums,
+    check_same_on_all_ranks,
     global_masked_mean,
     global_masked_whiten,
     global_sequence_sum_mean,
@@ -42,8 +48,10 @@ from .reduce import (
 
 __all__ = [
     "get_kl_estimator",
+    "get_kl_estimator_spec",
     "kl_estimators",
     "compute_kl",
+    "estimate_kl",
     "full_kl",
     "register_kl_estimator",
     "unregister_kl_estimator",
@@ -63,12 +71,17 @@ __all__ = [
     "kl_loss",
     "aggregate_loss",
     "LOSS_AGG_MODES",
+    "KL_MODES",
+    "KL_PLACES",
     "reduce_sum_count",
     "global_masked_mean",
     "global_sequence_sum_mean",
     "global_masked_whiten",
     "kl_statistic",
     "KL_STATISTIC_UNITS",
+    "GlobalSums",
+    "check_same_on_all_ranks",
+    "KLDriftMonitor",
     "divergence_followed",
     "DivergenceInfo",
     "estimator_table_markdown",

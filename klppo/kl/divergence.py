@@ -2,7 +2,7 @@
 
 ``divergence_followed(estimator, mode, off_policy=False)`` answers, for one estimator applied in
 the reward (detached, through the return with reward-to-go) or in the loss (backpropagated), what
-the expected gradient is the gradient of. It encodes the table of ``docs/KL_REFERENCE.md``
+the expected gradient is the gradient of. It encodes the estimator table of the README
 (Schulman 2020; Tang & Munos 2025; "Rethinking KL Regularization in RLHF" 2025; "A Comedy of
 Estimators" 2025; DeepSeek-V3.2 Eq. 7). Notation: ``d = log pi - log ref``, ``r = ref / pi``,
 ``s = grad log pi``, ``w = pi / pi_old``.
@@ -27,6 +27,7 @@ import sys
 from dataclasses import dataclass
 
 from .estimators import BUILTIN_KL_ESTIMATORS, get_kl_estimator_spec
+from .penalty import KL_PLACES
 
 __all__ = [
     "DivergenceInfo",
@@ -36,10 +37,9 @@ __all__ = [
     "readme_table_block",
     "README_TABLE_START",
     "README_TABLE_END",
-    "KL_MODES_APPLIED",
+    "KL_PLACES",
 ]
 
-KL_MODES_APPLIED = ("reward", "loss")
 README_TABLE_START = "<!-- estimator-table:start -->"
 README_TABLE_END = "<!-- estimator-table:end -->"
 
@@ -136,20 +136,17 @@ def divergence_followed(estimator: str, mode: str, off_policy: bool = False) -> 
     """What the expected gradient of ``estimator`` applied in ``mode`` follows.
 
     Args:
-        estimator: a registered estimator name or ``"full"`` (full-vocabulary KL).
+        estimator: a registered estimator name (``"full"``: the exact full-vocabulary KL).
         mode: ``"reward"`` or ``"loss"`` (call once per applied mode for ``kl_mode="both"``).
         off_policy: the loss is taken at theta != theta_old (later PPO epochs / mini-batches).
             Reward-mode answers do not depend on it: rewards are computed at rollout time, and
             the PPO ratio importance-weights the advantage.
     """
-    if mode not in KL_MODES_APPLIED:
-        raise ValueError(f"Unknown KL mode {mode!r}; divergence_followed takes one of {', '.join(KL_MODES_APPLIED)}")
-    if estimator == "full":
-        base, plus = "full", False
-    else:
-        spec = get_kl_estimator_spec(estimator)  # ValueError for unknown names
-        base, plus = spec.base, spec.straight_through
-    known = base == "full" or base in BUILTIN_KL_ESTIMATORS
+    if mode not in KL_PLACES:
+        raise ValueError(f"Unknown KL mode {mode!r}; divergence_followed takes one of {', '.join(KL_PLACES)}")
+    spec = get_kl_estimator_spec(estimator)  # ValueError for unknown names
+    base, plus = spec.base, spec.straight_through
+    known = base in BUILTIN_KL_ESTIMATORS
     if not known:
         return DivergenceInfo("unknown (custom estimator)", False,
             f"{estimator} is a custom estimator: klppo does not know which divergence its gradient follows.")
@@ -175,8 +172,13 @@ def estimator_table_markdown() -> str:
     rows = []
     for name in BUILTIN_KL_ESTIMATORS:
         spec = get_kl_estimator_spec(name)
-        rows.append((name, f"value of `{spec.base}`, gradient of `k2`" if spec.straight_through else f"`{spec.formula}`"))
-    rows.append(("full", "`sum_v pi_v * (log pi_v - log ref_v)` over the vocabulary (`full_kl`, from logits)"))
+        if spec.straight_through:
+            formula = f"value of `{spec.base}`, gradient of `k2`"
+        elif spec.needs_logits:
+            formula = f"`{spec.formula}` over the vocabulary (`full_kl`, from logits)"
+        else:
+            formula = f"`{spec.formula}`"
+        rows.append((name, formula))
     for name, formula in rows:
         cells = [
             f"`{name}`",

@@ -1,6 +1,6 @@
 """Per-token KL estimators, their registry, and the exact full-vocabulary KL.
 
-Notation, per sampled response token (see ``docs/KL_REFERENCE.md``)::
+Notation, per sampled response token (the README section "KL estimators and the gradient each one gives")::
 
     d = logp - ref_logp          log pi_theta(token) - log pi_ref(token)
     r = exp(-d)                  pi_ref(token) / pi_theta(token)
@@ -29,6 +29,10 @@ Every registered estimator shares one signature::
 The output has the broadcast shape of the inputs and their dtype. ``compute_kl`` is the entry point
 that also applies the optional output clamp and reports which tokens hit a clamp.
 
+Estimators that need the whole distribution rather than the sampled token's log-probs (the exact
+``full`` KL) register with ``inputs="logits"`` and the signature ``fn(logits, ref_logits, chunk_size)``;
+``estimate_kl`` calls either kind with what it needs.
+
 Adding an estimator is one function and one decorator line::
 
     @register_kl_estimator("my_kl", formula="...")
@@ -53,6 +57,7 @@ __all__ = [
     "get_kl_estimator_spec",
     "kl_estimators",
     "compute_kl",
+    "estimate_kl",
     "full_kl",
     "BUILTIN_KL_ESTIMATORS",
     "unregister_kl_estimator",
@@ -72,7 +77,8 @@ class KLEstimatorSpec:
     name: registry key. fn: the estimator. formula: value formula, for docs and the README table.
     uses_old_logp: whether ``old_logp`` changes the result. output_clamp: a bound the estimator
     itself applies to its output (``low_var_kl``), or None. base: for a straight-through ``X+``
-    entry the name ``X``, otherwise the entry's own name.
+    entry the name ``X``, otherwise the entry's own name. inputs: ``"logprobs"`` (the sampled
+    tokens' log-probs, the shared signature) or ``"logits"`` (``fn(logits, ref_logits, chunk_size)``).
     """
 
     name: str
@@ -81,10 +87,15 @@ class KLEstimatorSpec:
     uses_old_logp: bool = False
     output_clamp: Optional[float] = None
     base: str = ""
+    inputs: str = "logprobs"
 
     @property
     def straight_through(self) -> bool:
         return self.base != self.name
+
+    @property
+    def needs_logits(self) -> bool:
+        return self.inputs == "logits"
 
 
 _KL_ESTIMATORS: dict[str, KLEstimatorSpec] = {}
@@ -97,19 +108,24 @@ def register_kl_estimator(
     uses_old_logp: bool = False,
     output_clamp: Optional[float] = None,
     straight_through: bool = True,
+    inputs: str = "logprobs",
 ):
     """Decorator: register ``fn`` under ``name`` (and, by default, its twin ``name + "+"``).
 
     The twin has the value of ``fn`` and the gradient of ``k2``:
-    ``k2 - k2.detach() + fn(...).detach()``.
+    ``k2 - k2.detach() + fn(...).detach()``. ``inputs="logits"`` registers an estimator of the whole
+    distribution (no twin: it has no sampled token to take a ``k2`` gradient at).
     """
+    if inputs not in ("logprobs", "logits"):
+        raise ValueError(f"inputs must be 'logprobs' or 'logits', got {inputs!r}")
+    straight_through = straight_through and inputs == "logprobs"
 
     def decorator(fn: KLEstimatorFn) -> KLEstimatorFn:
         names = [name, name + "+"] if straight_through else [name]
         for key in names:
             if key in _KL_ESTIMATORS:
                 raise ValueError(f"KL estimator {key!r} is already registered")
-        _KL_ESTIMATORS[name] = KLEstimatorSpec(name, fn, formula, uses_old_logp, output_clamp, name)
+        _KL_ESTIMATORS[name] = KLEstimatorSpec(name, fn, formula, uses_old_logp, output_clamp, name, inputs)
         if straight_through:
             twin = _make_straight_through(fn, name)
             _KL_ESTIMATORS[name + "+"] = KLEstimatorSpec(
@@ -130,9 +146,8 @@ def unregister_kl_estimator(name: str) -> None:
 def _unknown_estimator_error(name) -> ValueError:
     valid = ", ".join(repr(n) for n in kl_estimators())
     return ValueError(
-        f"Unknown KL estimator {name!r}. Valid per-token estimators: {valid}. "
-        "Full-vocabulary KL takes logits, not log-probs: call `full_kl(logits, ref_logits)` "
-        "(estimator 'full' in the trainer config)."
+        f"Unknown KL estimator {name!r}. Valid estimators: {valid}. Register a new one with "
+        "`klppo.kl.register_kl_estimator`."
     )
 
 
@@ -149,12 +164,16 @@ def get_kl_estimator(name: str) -> KLEstimatorFn:
     return get_kl_estimator_spec(name).fn
 
 
-def kl_estimators() -> list[str]:
-    """Registered names: base estimators in registration order, then their ``X+`` twins."""
-    specs = list(_KL_ESTIMATORS.values())
-    return [s.name for s in specs if not s.straight_through] + [
-        s.name for s in specs if s.straight_through
-    ]
+def kl_estimators(inputs: Optional[str] = None) -> list[str]:
+    """Registered names: per-token estimators in registration order, their ``X+`` twins, then the
+    logits-based ones. ``inputs="logprobs"`` or ``"logits"`` lists one kind only."""
+    specs = [s for s in _KL_ESTIMATORS.values() if inputs is None or s.inputs == inputs]
+    per_token = [s for s in specs if not s.needs_logits]
+    return (
+        [s.name for s in per_token if not s.straight_through]
+        + [s.name for s in per_token if s.straight_through]
+        + [s.name for s in specs if s.needs_logits]
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,7 +307,6 @@ def kl_corrected_k3(logp, ref_logp, old_logp=None, log_ratio_clamp=40.0):
     return w * k3
 
 
-BUILTIN_KL_ESTIMATORS: tuple[str, ...] = tuple(kl_estimators())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,6 +352,11 @@ def compute_kl(
         tensor of the same shape.
     """
     spec = get_kl_estimator_spec(estimator)
+    if spec.needs_logits:
+        raise ValueError(
+            f"KL estimator {estimator!r} takes logits, not log-probs: call `estimate_kl` with logits and "
+            "ref_logits (or `full_kl(logits, ref_logits)`)."
+        )
     log_ratio_clamp = _check_bound(log_ratio_clamp, "log_ratio_clamp")
     value_clamp = _check_bound(value_clamp, "value_clamp")
     if old_logp is not None:
@@ -484,3 +507,36 @@ def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor, chunk_size: int = 10
     y = _as_3d(ref_logits, vocab, flat)
     out = _ChunkedFullKL.apply(x, y, chunk_size, compute_dtype)
     return out.reshape(lead)
+
+
+@register_kl_estimator("full", formula="sum_v pi_v * (log pi_v - log ref_v)", inputs="logits")
+def kl_full(logits, ref_logits, chunk_size=1024):
+    """Exact per-position KL(pi || ref) over the vocabulary (``full_kl``)."""
+    return full_kl(logits, ref_logits, chunk_size=chunk_size)
+
+
+# the estimators klppo ships (anything registered later is a plug-in)
+BUILTIN_KL_ESTIMATORS: tuple[str, ...] = tuple(kl_estimators())
+
+
+def estimate_kl(
+    estimator: str,
+    logp: Optional[torch.Tensor] = None,
+    ref_logp: Optional[torch.Tensor] = None,
+    old_logp: Optional[torch.Tensor] = None,
+    logits: Optional[torch.Tensor] = None,
+    ref_logits: Optional[torch.Tensor] = None,
+    chunk_size: int = 1024,
+    return_clamped: bool = False,
+    **clamps,
+):
+    """Per-position KL by any registered estimator: ``compute_kl`` on log-probs for a per-token one (with
+    ``clamps``: ``log_ratio_clamp``, ``value_clamp``), the estimator on ``logits`` / ``ref_logits``
+    (temperature-scaled, ``[..., V]``) for a logits-based one, whose values are never clamped."""
+    spec = get_kl_estimator_spec(estimator)
+    if not spec.needs_logits:
+        return compute_kl(logp, ref_logp, estimator, old_logp=old_logp, return_clamped=return_clamped, **clamps)
+    if logits is None or ref_logits is None:
+        raise ValueError(f"KL estimator {estimator!r} needs the policy's and the reference's logits.")
+    kl = spec.fn(logits, ref_logits.detach(), chunk_size)
+    return (kl, torch.zeros(kl.shape, dtype=torch.bool, device=kl.device)) if return_clamped else kl

@@ -24,7 +24,11 @@ from typing import Optional, Union
 
 import torch
 
-__all__ = ["LOSS_AGG_MODES", "aggregate_loss", "kl_reward", "kl_loss"]
+__all__ = ["KL_MODES", "KL_PLACES", "LOSS_AGG_MODES", "aggregate_loss", "kl_reward", "kl_loss"]
+
+# Where the KL term can act, and what each `kl_mode` applies.
+KL_PLACES = ("reward", "loss")
+KL_MODES = {"reward": ("reward",), "loss": ("loss",), "both": ("reward", "loss"), "none": ()}
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 

@@ -27,6 +27,8 @@ __all__ = [
     "kl_statistic",
     "global_masked_whiten",
     "all_reduce_sum",
+    "GlobalSums",
+    "check_same_on_all_ranks",
     "KL_STATISTIC_UNITS",
 ]
 
@@ -72,6 +74,49 @@ def reduce_sum_count(total, count, accelerator=None) -> tuple[torch.Tensor, torc
     ])
     packed = all_reduce_sum(packed, accelerator)
     return packed[0], packed[1]
+
+
+def check_same_on_all_ranks(value: float, accelerator=None, what: str = "value") -> None:
+    """Raise if ranks hold different `value`s (one small all-gather; nothing in a single process). State that
+    every rank updates from the same global statistic, such as the KL coefficient, must stay identical."""
+    if accelerator is None or getattr(accelerator, "num_processes", 1) == 1:
+        return
+    values = accelerator.gather(torch.tensor([float(value)], dtype=torch.float64, device=accelerator.device))
+    if not torch.allclose(values, values[0], rtol=1e-12, atol=0.0):
+        raise RuntimeError(
+            f"{what} differs across ranks: {values.tolist()}. Every rank must update it from the same globally "
+            "reduced statistic; this is a bug, please report it."
+        )
+
+
+class GlobalSums:
+    """Collects ``(sum, count)`` pairs of named statistics and reduces all of them across ranks at once.
+
+    ``add`` may be called any number of times per name (sums and counts accumulate); ``means`` costs one
+    collective for every name together and returns ``{name: global sum / global count}`` (NaN for a zero
+    count). Every rank must add the same names in the same order.
+    """
+
+    def __init__(self):
+        self.sums: dict[str, torch.Tensor] = {}
+        self.counts: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, total, count) -> None:
+        total = torch.as_tensor(total).detach().double().reshape(())
+        count = torch.as_tensor(count, dtype=torch.float64, device=total.device).reshape(())
+        if name in self.sums:
+            self.sums[name] = self.sums[name] + total
+            self.counts[name] = self.counts[name] + count
+        else:
+            self.sums[name], self.counts[name] = total, count
+
+    def means(self, accelerator=None) -> dict[str, float]:
+        if not self.sums:
+            return {}
+        names = list(self.sums)
+        packed = torch.stack([torch.stack([self.sums[n] for n in names]), torch.stack([self.counts[n] for n in names])])
+        totals, counts = all_reduce_sum(packed, accelerator).tolist()
+        return {n: t / c if c > 0 else float("nan") for n, t, c in zip(names, totals, counts)}
 
 
 def _masked(values: torch.Tensor, mask: torch.Tensor):

@@ -4,16 +4,23 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from ..kl import LOSS_AGG_MODES, divergence_followed, get_kl_controller, kl_controllers, kl_estimators
+from ..kl import (
+    KL_MODES,
+    KL_STATISTIC_UNITS,
+    LOSS_AGG_MODES,
+    divergence_followed,
+    get_kl_controller,
+    kl_controllers,
+    kl_estimators,
+)
 
 logger = logging.getLogger(__name__)
 
-KL_MODES = ("reward", "loss", "both", "none")
-KL_TARGET_UNITS = ("token", "sequence")
 KL_LOSS_SCALES = ("advantage_std", "none")
 # Learning-rate defaults when `learning_rate` is not set. LoRA: measured on the default job (SmolLM2-135M,
 # 32 sequences per update, one epoch): 5e-4 kept policy/approxkl <= 0.007 and learned within 15 updates.
@@ -21,12 +28,6 @@ KL_LOSS_SCALES = ("advantage_std", "none")
 DEFAULT_LORA_LEARNING_RATE = 5e-4
 DEFAULT_FULL_LEARNING_RATE = 3e-6
 CRITIC_KINDS = ("separate", "shared")
-FULL_KL = "full"
-
-
-def kl_estimator_choices() -> list[str]:
-    """Every name accepted by `kl_estimator`: the per-token registry plus full-vocabulary "full"."""
-    return [*kl_estimators(), FULL_KL]
 
 
 def _choice_error(field_name: str, value, choices) -> ValueError:
@@ -34,9 +35,7 @@ def _choice_error(field_name: str, value, choices) -> ValueError:
     return ValueError(f"`{field_name}`={value!r} is not valid. Choose one of: {listed}.")
 
 
-@dataclass
-class KLPPOConfig(TrainingArguments):
-    r"""
+KLPPO_CONFIG_DOC = r"""
     Configuration for [`KLPPOTrainer`].
 
     Batch sizes follow TRL's former PPO convention:
@@ -189,83 +188,109 @@ class KLPPOConfig(TrainingArguments):
             consecutive updates (`klppo.ppo.health`).
         max_nonfinite_updates (`int`, *optional*, defaults to `3`):
             Updates with a non-finite loss or KL are skipped; this many in a row abort training.
+
+        > Defaults that differ from `TrainingArguments`
+
+        logging_steps (`int`, *optional*, defaults to `1`):
+            Log every this many PPO updates.
+        remove_unused_columns (`bool`, *optional*, defaults to `False`):
+            Keep every dataset column: columns other than `prompt` are passed to the reward functions.
+        ddp_find_unused_parameters (`bool`, *optional*, defaults to `False`):
+            Every trainable parameter takes part in each PPO loss, so DDP need not search for unused ones.
+
     """
 
+def _field_docs(doc: str) -> dict[str, str]:
+    """`{field: its description}` from the `Parameters:` section of a Hugging Face-style docstring (one entry
+    may document several fields: `a (...), b (...):`)."""
+    docs, names, body = {}, [], []
+    section = doc.split("Parameters:", 1)[1]
+    for line in section.splitlines() + [" " * 8 + "end (`x`):"]:
+        if line.startswith(" " * 8) and not line.startswith(" " * 9) and line.rstrip().endswith(":"):
+            docs.update({n: " ".join(body) for n in names})
+            names, body = re.findall(r"\w+", re.sub(r"\([^)]*\)", "", line)), []
+        elif line.startswith(" " * 12):
+            body.append(line.strip())
+    return docs
+
+
+_FIELD_DOCS = _field_docs(KLPPO_CONFIG_DOC)
+
+
+def _doc(name: str) -> dict:
+    """A field's `metadata` (its `--help` text), taken from the class docstring: each field is documented once."""
+    return {"help": _FIELD_DOCS[name]}
+
+
+@dataclass
+class KLPPOConfig(TrainingArguments):
+    __doc__ = KLPPO_CONFIG_DOC
+
     # KL control
-    kl_mode: str = field(default="reward", metadata={"help": f"Where KL acts: {', '.join(KL_MODES)}."})
-    kl_estimator: str = field(default="k1", metadata={"help": "Per-token KL estimator (see the README table)."})
-    kl_coef: float = field(default=0.05, metadata={"help": "Initial KL coefficient beta."})
-    kl_controller: str | None = field(
-        default=None,
-        metadata={"help": "fixed, tracking, adaptive, exponential, pid, or a registered name (default: tracking "
-                  "with kl_target, else fixed)."},
-    )
-    kl_target: float | None = field(default=None, metadata={"help": "Target of the controller statistic."})
-    kl_target_unit: str = field(default="sequence", metadata={"help": "'sequence' or 'token'."})
-    kl_horizon: int = field(default=10000, metadata={"help": "Adaptive controller horizon (sequences)."})
-    kl_error_clip: float = field(default=0.2, metadata={"help": "Adaptive controller error clip."})
-    kl_controller_rate: float = field(default=0.1, metadata={"help": "Exponential controller rate."})
-    kl_pid_kp: float | None = field(default=None, metadata={"help": "PID proportional gain (log beta)."})
-    kl_pid_ki: float | None = field(default=None, metadata={"help": "PID integral gain (log beta)."})
-    kl_pid_kd: float | None = field(default=None, metadata={"help": "PID derivative gain (log beta)."})
-    kl_pid_integral_limit: float | None = field(default=None, metadata={"help": "PID integral bound."})
-    kl_pid_error_clip: float | None = field(default=None, metadata={"help": "PID relative-error clip."})
-    kl_track_kp: float | None = field(default=None, metadata={"help": "Tracking controller proportional gain."})
-    kl_track_ki: float | None = field(default=None, metadata={"help": "Tracking controller integral gain."})
-    kl_track_lookahead: float | None = field(default=None, metadata={"help": "Tracking controller lookahead."})
-    kl_track_smoothing: float | None = field(default=None, metadata={"help": "Tracking controller EMA weight."})
-    kl_track_window: int | None = field(default=None, metadata={"help": "Tracking controller trend window."})
-    kl_coef_min: float = field(default=1e-4, metadata={"help": "Lower bound of beta (adaptive kinds)."})
-    kl_coef_max: float = field(default=10.0, metadata={"help": "Upper bound of beta (adaptive kinds)."})
-    kl_log_ratio_clamp: float | None = field(default=40.0, metadata={"help": "Clamp of |log ratio| before exp."})
-    kl_value_clamp: float | None = field(default=None, metadata={"help": "Opt-in clamp of estimator outputs."})
-    kl_loss_agg_mode: str = field(default="token-mean", metadata={"help": "Aggregation of the KL loss term."})
-    kl_loss_scale: str = field(
-        default="advantage_std", metadata={"help": f"Loss-mode coefficient scaling: {', '.join(KL_LOSS_SCALES)}."}
-    )
-    kl_drift_patience: int = field(default=5, metadata={"help": "Updates out of band before a drift warning."})
-    full_kl_chunk_size: int = field(default=1024, metadata={"help": "Chunk size of full-vocabulary KL."})
+    kl_mode: str = field(default="reward", metadata=_doc("kl_mode"))
+    kl_estimator: str = field(default="k1", metadata=_doc("kl_estimator"))
+    kl_coef: float = field(default=0.05, metadata=_doc("kl_coef"))
+    kl_controller: str | None = field(default=None, metadata=_doc("kl_controller"))
+    kl_target: float | None = field(default=None, metadata=_doc("kl_target"))
+    kl_target_unit: str = field(default="sequence", metadata=_doc("kl_target_unit"))
+    kl_horizon: int = field(default=10000, metadata=_doc("kl_horizon"))
+    kl_error_clip: float = field(default=0.2, metadata=_doc("kl_error_clip"))
+    kl_controller_rate: float = field(default=0.1, metadata=_doc("kl_controller_rate"))
+    kl_pid_kp: float | None = field(default=None, metadata=_doc("kl_pid_kp"))
+    kl_pid_ki: float | None = field(default=None, metadata=_doc("kl_pid_ki"))
+    kl_pid_kd: float | None = field(default=None, metadata=_doc("kl_pid_kd"))
+    kl_pid_integral_limit: float | None = field(default=None, metadata=_doc("kl_pid_integral_limit"))
+    kl_pid_error_clip: float | None = field(default=None, metadata=_doc("kl_pid_error_clip"))
+    kl_track_kp: float | None = field(default=None, metadata=_doc("kl_track_kp"))
+    kl_track_ki: float | None = field(default=None, metadata=_doc("kl_track_ki"))
+    kl_track_lookahead: float | None = field(default=None, metadata=_doc("kl_track_lookahead"))
+    kl_track_smoothing: float | None = field(default=None, metadata=_doc("kl_track_smoothing"))
+    kl_track_window: int | None = field(default=None, metadata=_doc("kl_track_window"))
+    kl_coef_min: float = field(default=1e-4, metadata=_doc("kl_coef_min"))
+    kl_coef_max: float = field(default=10.0, metadata=_doc("kl_coef_max"))
+    kl_log_ratio_clamp: float | None = field(default=40.0, metadata=_doc("kl_log_ratio_clamp"))
+    kl_value_clamp: float | None = field(default=None, metadata=_doc("kl_value_clamp"))
+    kl_loss_agg_mode: str = field(default="token-mean", metadata=_doc("kl_loss_agg_mode"))
+    kl_loss_scale: str = field(default="advantage_std", metadata=_doc("kl_loss_scale"))
+    kl_drift_patience: int = field(default=5, metadata=_doc("kl_drift_patience"))
+    full_kl_chunk_size: int = field(default=1024, metadata=_doc("full_kl_chunk_size"))
 
     # PPO
-    num_ppo_epochs: int = field(default=4, metadata={"help": "PPO epochs per rollout batch."})
-    num_mini_batches: int = field(default=1, metadata={"help": "Mini-batches per rollout batch."})
-    cliprange: float = field(default=0.2, metadata={"help": "Policy ratio clip range."})
-    cliprange_value: float = field(default=0.2, metadata={"help": "Value clip range."})
-    vf_coef: float = field(default=0.1, metadata={"help": "Value loss weight."})
-    gamma: float = field(default=1.0, metadata={"help": "Discount factor."})
-    lam: float = field(default=0.95, metadata={"help": "GAE lambda."})
-    whiten_rewards: bool = field(default=False, metadata={"help": "Whiten rewards before GAE."})
-    whiten_advantages: bool = field(default=True, metadata={"help": "Whiten advantages (global statistics)."})
-    critic: str = field(default="separate", metadata={"help": "'separate' value model or 'shared' value head."})
-    shared_critic_detach: bool = field(default=False, metadata={"help": "Shared critic: value loss trains the head only."})
-    critic_init: str = field(default="policy", metadata={"help": "'policy', 'reward' or a model path."})
+    num_ppo_epochs: int = field(default=4, metadata=_doc("num_ppo_epochs"))
+    num_mini_batches: int = field(default=1, metadata=_doc("num_mini_batches"))
+    cliprange: float = field(default=0.2, metadata=_doc("cliprange"))
+    cliprange_value: float = field(default=0.2, metadata=_doc("cliprange_value"))
+    vf_coef: float = field(default=0.1, metadata=_doc("vf_coef"))
+    gamma: float = field(default=1.0, metadata=_doc("gamma"))
+    lam: float = field(default=0.95, metadata=_doc("lam"))
+    whiten_rewards: bool = field(default=False, metadata=_doc("whiten_rewards"))
+    whiten_advantages: bool = field(default=True, metadata=_doc("whiten_advantages"))
+    critic: str = field(default="separate", metadata=_doc("critic"))
+    shared_critic_detach: bool = field(default=False, metadata=_doc("shared_critic_detach"))
+    critic_init: str = field(default="policy", metadata=_doc("critic_init"))
 
     # Rollout
-    response_length: int = field(default=53, metadata={"help": "Maximum generated tokens."})
-    temperature: float = field(default=0.7, metadata={"help": "Sampling temperature."})
-    stop_token: str | None = field(default="eos", metadata={"help": "'eos' or None."})
-    stop_token_id: int | None = field(default=None, metadata={"help": "Explicit stop token id."})
-    missing_eos_penalty: float | None = field(default=None, metadata={"help": "Penalty without stop token."})
-    reward_weights: list[float] | None = field(default=None, metadata={"help": "Weights of reward functions."})
-    rollout_forward_batch_size: int = field(default=16, metadata={"help": "Sequences per scoring chunk."})
-    max_prompt_length: int | None = field(default=256, metadata={"help": "Maximum prompt tokens."})
+    response_length: int = field(default=53, metadata=_doc("response_length"))
+    temperature: float = field(default=0.7, metadata=_doc("temperature"))
+    stop_token: str | None = field(default="eos", metadata=_doc("stop_token"))
+    stop_token_id: int | None = field(default=None, metadata=_doc("stop_token_id"))
+    missing_eos_penalty: float | None = field(default=None, metadata=_doc("missing_eos_penalty"))
+    reward_weights: list[float] | None = field(default=None, metadata=_doc("reward_weights"))
+    rollout_forward_batch_size: int = field(default=16, metadata=_doc("rollout_forward_batch_size"))
+    max_prompt_length: int | None = field(default=256, metadata=_doc("max_prompt_length"))
 
     # Diagnostics
-    num_sample_generations: int = field(default=10, metadata={"help": "Sample-completion tables over training."})
-    heldout_eval_texts: int = field(default=32, metadata={"help": "Held-out texts for eval/perplexity."})
-    nonfinite_rollback: bool = field(default=True, metadata={"help": "Undo the whole update on a non-finite step."})
-    health_patience: int = field(default=3, metadata={"help": "Updates out of a healthy range before a warning."})
-    max_nonfinite_updates: int = field(default=3, metadata={"help": "Non-finite updates in a row before abort."})
+    num_sample_generations: int = field(default=10, metadata=_doc("num_sample_generations"))
+    heldout_eval_texts: int = field(default=32, metadata=_doc("heldout_eval_texts"))
+    nonfinite_rollback: bool = field(default=True, metadata=_doc("nonfinite_rollback"))
+    health_patience: int = field(default=3, metadata=_doc("health_patience"))
+    max_nonfinite_updates: int = field(default=3, metadata=_doc("max_nonfinite_updates"))
 
     # Defaults that differ from TrainingArguments
-    learning_rate: float | None = field(
-        default=None, metadata={"help": "Learning rate (default: 5e-4 with LoRA, 3e-6 for full fine-tuning)."}
-    )
-    logging_steps: float = field(default=1, metadata={"help": "Log every N PPO updates."})
-    remove_unused_columns: bool = field(default=False, metadata={"help": "Keep dataset columns for rewards."})
-    ddp_find_unused_parameters: bool | None = field(
-        default=False, metadata={"help": "Every trainable parameter takes part in each PPO loss."}
-    )
+    learning_rate: float | None = field(default=None, metadata=_doc("learning_rate"))
+    logging_steps: float = field(default=1, metadata=_doc("logging_steps"))
+    remove_unused_columns: bool = field(default=False, metadata=_doc("remove_unused_columns"))
+    ddp_find_unused_parameters: bool | None = field(default=False, metadata=_doc("ddp_find_unused_parameters"))
 
     def __post_init__(self):
         self._validate_kl_fields()
@@ -277,14 +302,14 @@ class KLPPOConfig(TrainingArguments):
     def _validate_kl_fields(self) -> None:
         if self.kl_mode not in KL_MODES:
             raise _choice_error("kl_mode", self.kl_mode, KL_MODES)
-        if self.kl_estimator not in kl_estimator_choices():
-            raise _choice_error("kl_estimator", self.kl_estimator, kl_estimator_choices())
+        if self.kl_estimator not in kl_estimators():
+            raise _choice_error("kl_estimator", self.kl_estimator, kl_estimators())
         if self.kl_controller is None:
             self.kl_controller = "tracking" if self.kl_target is not None else "fixed"
         if self.kl_controller not in kl_controllers():
             raise _choice_error("kl_controller", self.kl_controller, kl_controllers())
-        if self.kl_target_unit not in KL_TARGET_UNITS:
-            raise _choice_error("kl_target_unit", self.kl_target_unit, KL_TARGET_UNITS)
+        if self.kl_target_unit not in KL_STATISTIC_UNITS:
+            raise _choice_error("kl_target_unit", self.kl_target_unit, KL_STATISTIC_UNITS)
         if self.kl_loss_agg_mode not in LOSS_AGG_MODES:
             raise _choice_error("kl_loss_agg_mode", self.kl_loss_agg_mode, LOSS_AGG_MODES)
         if self.kl_loss_scale not in KL_LOSS_SCALES:
@@ -384,7 +409,7 @@ class KLPPOConfig(TrainingArguments):
     @property
     def kl_modes_applied(self) -> tuple[str, ...]:
         """The places the KL term acts: a subset of ("reward", "loss")."""
-        return {"reward": ("reward",), "loss": ("loss",), "both": ("reward", "loss"), "none": ()}[self.kl_mode]
+        return KL_MODES[self.kl_mode]
 
     @property
     def is_off_policy(self) -> bool:

@@ -16,9 +16,12 @@ Implementation Details of RLHF with PPO", Huang et al. 2023, report the same ord
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
-__all__ = ["HEALTH_RANGES", "HealthRange", "PPOHealthMonitor"]
+__all__ = ["HEALTH_RANGES", "HealthRange", "NonfiniteGuard", "PPOHealthMonitor"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -106,3 +109,41 @@ class PPOHealthMonitor:
         self.streaks.update(state.get("streaks", {}))
         self.warned.update(state.get("warned", {}))
         self.first.update(state.get("first", {}))
+
+
+class NonfiniteGuard:
+    """Counts updates skipped for NaN/inf and stops training after `max_in_a_row` of them in a row.
+
+    `record(step, what, outcome)` logs one skipped update (`what` held non-finite values, `outcome` says what
+    happened to the weights) and raises once too many follow each other; `reset()` after a clean update.
+    """
+
+    def __init__(self, max_in_a_row: int = 3):
+        self.max_in_a_row = int(max_in_a_row)
+        self.skips = 0
+        self.consecutive = 0
+
+    def record(self, step: int, what: str, outcome: str, log: bool = True) -> dict[str, float]:
+        self.skips += 1
+        self.consecutive += 1
+        if log:
+            logger.warning(
+                "Skipped PPO update %d: non-finite values in %s (%d skipped so far); %s.", step, what, self.skips, outcome
+            )
+        if self.consecutive >= self.max_in_a_row:
+            raise RuntimeError(
+                f"{self.consecutive} PPO updates in a row had non-finite values in {what}; training "
+                "stopped (checkpoints already written are intact). Lower the learning rate, set "
+                "`kl_value_clamp`, check the reward functions for NaN/inf, or use bf16/fp32 instead of fp16."
+            )
+        return {"train/skipped_update": 1.0}
+
+    def reset(self) -> None:
+        self.consecutive = 0
+
+    def state_dict(self) -> dict:
+        return {"nonfinite_skips": self.skips, "consecutive_nonfinite": self.consecutive}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.skips = state.get("nonfinite_skips", 0)
+        self.consecutive = state.get("consecutive_nonfinite", 0)

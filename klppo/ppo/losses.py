@@ -35,3 +35,32 @@ def clipped_value_loss(
     loss1 = (values - returns) ** 2
     loss2 = (values_clipped - returns) ** 2
     return 0.5 * torch.max(loss1, loss2), loss2 > loss1
+
+
+def ppo_losses(logits, logp, values, old_logp, old_values, advantages, returns, mask, num_tokens, args, share: float):
+    """The clipped policy and value losses of one micro-batch as token means over the mini-batch's global
+    `num_tokens`, and their logging parts `{name: (sum, count)}`.
+
+    `logits [B, R, V]` (scaled) only feed the entropy statistic; `share` is this micro-batch's part of one
+    optimizer step's logged loss (1 / (micro-batches per mini-batch * ranks)). Returns
+    `(pg_loss + vf_coef * vf_loss, parts)`.
+    """
+    from trl.trainer.utils import entropy_from_logits
+
+    from ..kl.penalty import aggregate_loss
+
+    pg_tok, pg_clipped, log_ratio = clipped_policy_loss(logp, old_logp, advantages, args.cliprange)
+    vf_tok, vf_clipped = clipped_value_loss(values, old_values, returns, args.cliprange_value)
+    pg_loss = aggregate_loss(pg_tok, mask, "token-mean", num_tokens=num_tokens)
+    vf_loss = aggregate_loss(vf_tok, mask, "token-mean", num_tokens=num_tokens)
+    fmask = mask.to(logp.dtype)
+    n_tok = fmask.sum()
+    parts = {
+        "loss/policy": (pg_loss.detach(), share),
+        "loss/value": (vf_loss.detach(), share),
+        "policy/approxkl": ((0.5 * log_ratio.detach() ** 2 * fmask).sum(), n_tok),
+        "policy/clipfrac": ((pg_clipped.to(fmask.dtype) * fmask).sum(), n_tok),
+        "val/clipfrac": ((vf_clipped.to(fmask.dtype) * fmask).sum(), n_tok),
+        "policy/entropy": ((entropy_from_logits(logits.detach()) * fmask).sum(), n_tok),
+    }
+    return pg_loss + args.vf_coef * vf_loss, parts

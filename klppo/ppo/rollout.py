@@ -1,12 +1,78 @@
-"""Rollout helpers: generation, stop-token truncation, response masks, log-prob scoring."""
+"""Rollout helpers: prompt batches, generation, stop-token truncation, response masks, log-prob scoring."""
 
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
 
 import torch
+from torch.utils.data import DataLoader
 from transformers import GenerationConfig
 from trl.trainer.utils import selective_log_softmax
+
+from ..rewards.text import is_conversational
+from .steps import PromptBatch
+
+
+def collate_prompts(features: list[dict], tokenizer, max_prompt_length: int | None) -> PromptBatch:
+    """Tokenize dataset rows (a `prompt` column, plain or conversational) into a left-padded batch. A
+    conversational prompt goes through the tokenizer's chat template with the generation prompt; prompts
+    longer than `max_prompt_length` keep their last tokens. Other columns travel in `extra`."""
+    prompts = [f["prompt"] for f in features]
+    if is_conversational(prompts[0]):
+        texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
+        ids = tokenizer(texts, add_special_tokens=False, padding=False)["input_ids"]
+    else:
+        ids = tokenizer(prompts, padding=False)["input_ids"]
+    if max_prompt_length:
+        ids = [x[-max_prompt_length:] for x in ids]
+    width = max(len(x) for x in ids)
+    pad = tokenizer.pad_token_id
+    input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
+    attention_mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+    extra = {k: [f[k] for f in features] for k in features[0] if k != "prompt"}
+    return PromptBatch(prompts, input_ids, attention_mask, extra)
+
+
+def endless_prompt_batches(dataset, batch_size: int, collate, accelerator, seed: int, skip: int = 0):
+    """Endless rollout batches of prompts for this rank, reshuffled each pass (seeded); the first `skip`
+    batches are skipped (a resumed run continues where the checkpoint stopped)."""
+    loader = DataLoader(
+        dataset, batch_size=batch_size, shuffle=True, drop_last=True, collate_fn=collate,
+        generator=torch.Generator().manual_seed(seed),
+    )  # fmt: skip
+    loader = accelerator.prepare_data_loader(loader)
+    if len(loader) == 0:
+        raise ValueError(
+            f"The prompt set ({len(dataset)} prompts) is smaller than one global rollout batch "
+            f"({batch_size * accelerator.num_processes}). Lower "
+            "per_device_train_batch_size / gradient_accumulation_steps / num_mini_batches or add prompts."
+        )
+    seen, epoch = 0, 0
+    while True:
+        if hasattr(loader, "set_epoch"):
+            loader.set_epoch(epoch)
+        for batch in loader:
+            seen += 1
+            if seen > skip:
+                yield batch
+        epoch += 1
+
+
+@contextmanager
+def clear_sampling_errors():
+    """Sampling from a policy whose logits are NaN or inf fails deep inside torch; say what it means."""
+    try:
+        yield
+    except RuntimeError as err:
+        text = str(err).lower()
+        if "inf" in text or "nan" in text:
+            raise RuntimeError(
+                "The policy's logits are not finite, so no response can be sampled: its weights have diverged. "
+                "Lower the learning rate or max_grad_norm, raise the KL coefficient, or use bf16/fp32 instead of "
+                "fp16; resume from the last checkpoint (checkpoints written so far are intact)."
+            ) from err
+        raise
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -61,6 +127,18 @@ def suppressed_token_ids(stop_token_id: int | None, tokenizer, model_generation_
     model_eos = getattr(model_generation_config, "eos_token_id", None)
     ids.update(model_eos if isinstance(model_eos, (list, tuple)) else [model_eos])
     return sorted(i for i in ids if i is not None)
+
+
+def sampling_setup(args, tokenizer, policy_generation_config=None):
+    """`(stop_token_id, suppressed_ids, generation_config)` of a run: the stop token (`stop_token_id`, or EOS
+    with `stop_token="eos"`, or None for fixed-length responses), the token ids never sampled as a tensor (or
+    None) and the sampling configuration."""
+    stop_token_id = args.stop_token_id
+    if stop_token_id is None and args.stop_token == "eos":
+        stop_token_id = tokenizer.eos_token_id
+    suppressed = suppressed_token_ids(stop_token_id, tokenizer, policy_generation_config)
+    suppressed_ids = torch.tensor(suppressed, dtype=torch.long) if suppressed else None
+    return stop_token_id, suppressed_ids, make_generation_config(args, tokenizer, stop_token_id, suppressed)
 
 
 def make_generation_config(args, tokenizer, stop_token_id: int | None, suppressed: list[int] = ()) -> GenerationConfig:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from . import completion_text, is_conversational
+from .text import completion_text, is_conversational
 
 
 class RewardModelFunction:
@@ -59,7 +59,7 @@ class RewardModelFunction:
     ):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        from ..models import resolve_model_path
+        from ..models import ensure_pad_token, resolve_model_path
 
         if isinstance(model_or_path, (str, Path)):
             source = str(model_or_path)
@@ -87,10 +87,7 @@ class RewardModelFunction:
         elif not 0 <= label_index < num_labels:
             raise ValueError(f"label_index={label_index} is out of range for a model with {num_labels} labels.")
 
-        if tokenizer.pad_token is None:
-            if tokenizer.eos_token is None:
-                raise ValueError(f"The tokenizer of reward model {source!r} has no pad and no eos token: set one.")
-            tokenizer.pad_token = tokenizer.eos_token
+        ensure_pad_token(tokenizer, f"reward model {source}")
         if model.config.pad_token_id is None:
             # Sequence-classification heads find each sequence's last token through the pad id.
             model.config.pad_token_id = tokenizer.pad_token_id

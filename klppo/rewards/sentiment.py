@@ -9,7 +9,7 @@ words like "great" and "love"), which makes it a good testbed for KL control.
 
 from __future__ import annotations
 
-from . import completion_text
+from .text import completion_text
 
 _ANALYZER = None
 

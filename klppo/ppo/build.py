@@ -1,0 +1,129 @@
+"""What `KLPPOTrainer` is built from: checked inputs, the policy, its reference and its critic."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+from torch import nn
+from trl.trainer.utils import disable_dropout_in_model
+
+from ..models import ensure_pad_token, load_causal_lm, load_tokenizer
+from .config import DEFAULT_FULL_LEARNING_RATE, DEFAULT_LORA_LEARNING_RATE, KLPPOConfig
+from .value import ActorCritic, CriticModel, ValueHead, hidden_size_of
+
+logger = logging.getLogger(__name__)
+
+
+def check_trainer_inputs(args: KLPPOConfig | None, train_dataset, reward_funcs) -> KLPPOConfig:
+    """The config to use (a default one for None); errors that name the fix for missing or empty inputs."""
+    if args is None:
+        args = KLPPOConfig(output_dir="klppo-output")
+    if not isinstance(args, KLPPOConfig):
+        raise TypeError(f"`args` must be a KLPPOConfig, got {type(args).__name__}.")
+    if train_dataset is None:
+        raise ValueError("KLPPOTrainer needs a `train_dataset` with a `prompt` column.")
+    if "prompt" not in train_dataset.column_names:
+        raise ValueError(
+            f"`train_dataset` needs a `prompt` column; it has {train_dataset.column_names}. "
+            "Rename the prompt column with `dataset.rename_column(old, 'prompt')`."
+        )
+    if len(train_dataset) == 0 or not any(train_dataset["prompt"]):
+        raise ValueError(
+            f"`train_dataset` has no non-empty prompt ({len(train_dataset)} rows): PPO needs prompts to continue."
+        )
+    if reward_funcs is None:
+        raise ValueError("KLPPOTrainer needs `reward_funcs`: a callable, a reward model, or a path to one.")
+    return args
+
+
+def load_policy_and_tokenizer(model, processing_class=None):
+    """`(model, path, tokenizer)`: the policy (loaded when given as a path), the path it came from (or None)
+    and its tokenizer, left-padded with a pad token."""
+    path = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
+    if isinstance(model, str):
+        model = load_causal_lm(model)
+    if processing_class is None:
+        if not path:
+            raise ValueError("Pass `processing_class` (the tokenizer) when `model` is not a path.")
+        processing_class = load_tokenizer(path)
+    ensure_pad_token(processing_class, path or "the policy")
+    processing_class.padding_side = "left"
+    return model, path or None, processing_class
+
+
+def default_learning_rate(model, peft_config=None) -> float:
+    """The learning rate used when none is set: LoRA's (a `peft_config`, or a model that is already a PEFT
+    model) or full fine-tuning's."""
+    lora = peft_config is not None or hasattr(model, "peft_config")
+    return DEFAULT_LORA_LEARNING_RATE if lora else DEFAULT_FULL_LEARNING_RATE
+
+
+def build_models(model, given_path: str | None, args: KLPPOConfig, ref_model, value_model, peft_config, reward_funcs):
+    """`(actor_critic, ref_model, use_adapter_reference)`; `given_path` is the policy's path when it was given
+    as one.
+
+    The reference is `ref_model` (a module or a path), else the policy with its adapter disabled when
+    `peft_config` is given (no second copy in memory), else a frozen copy of the initial policy. A separate
+    critic initialised from the policy starts from the weights passed in (copied before any adapter is
+    added), or from the policy's path. Dropout is off in every model.
+    """
+    critic_start = None
+    if args.critic == "separate" and value_model is None and args.critic_init == "policy":
+        critic_start = given_path or copy.deepcopy(model)
+    use_adapter_reference = False
+    if peft_config is not None:
+        from peft import get_peft_model
+
+        use_adapter_reference = ref_model is None
+        model = get_peft_model(model, peft_config)
+    elif ref_model is None:
+        ref_model = copy.deepcopy(model)
+    if isinstance(ref_model, str):
+        ref_model = load_causal_lm(ref_model)
+    if ref_model is not None:
+        ref_model.eval().requires_grad_(False)
+    if args.critic == "shared":
+        if value_model is not None:
+            raise ValueError("`value_model` is for critic='separate'; critic='shared' puts a head on the policy.")
+        head = ValueHead(hidden_size_of(model.config))
+        actor_critic = ActorCritic(model, value_head=head, detach_value_input=args.shared_critic_detach)
+    else:
+        actor_critic = ActorCritic(model, critic=build_critic(value_model, args, critic_start, reward_funcs))
+    for module in (actor_critic, ref_model):
+        if module is not None:
+            disable_dropout_in_model(module)
+    return actor_critic, ref_model, use_adapter_reference
+
+
+def prepare_frozen(module: nn.Module, trainer) -> nn.Module:
+    """A frozen model (reference, reward model) placed beside the policy: on its device, or sharded like it
+    under DeepSpeed ZeRO-3 / FSDP (TRL's `prepare_deepspeed` / `prepare_fsdp`)."""
+    module.eval().requires_grad_(False)
+    if trainer.is_deepspeed_enabled:
+        from trl.models.utils import prepare_deepspeed
+
+        return prepare_deepspeed(module, trainer.accelerator)
+    if trainer.is_fsdp_enabled:
+        from trl.models.utils import prepare_fsdp
+
+        return prepare_fsdp(module, trainer.accelerator)
+    return module.to(trainer.accelerator.device)
+
+
+def build_critic(value_model, args: KLPPOConfig, policy_start, reward_funcs) -> nn.Module:
+    """A separate critic: `value_model` (a module or a path), else per `critic_init`; `policy_start` is the
+    policy's path or a copy of its initial weights (for `critic_init="policy"`)."""
+    if isinstance(value_model, nn.Module):
+        return value_model if isinstance(value_model, CriticModel) else CriticModel.from_model(value_model)
+    source = value_model or args.critic_init
+    if source == "policy":
+        if isinstance(policy_start, nn.Module):
+            return CriticModel.from_model(policy_start)
+        source = policy_start
+    elif source == "reward":
+        reward_model = next((f.model for f in reward_funcs if hasattr(f, "model")), None)
+        if reward_model is None:
+            raise ValueError("critic_init='reward' needs a reward model among `reward_funcs`.")
+        return CriticModel.from_model(copy.deepcopy(reward_model))
+    return CriticModel.from_model(load_causal_lm(source))

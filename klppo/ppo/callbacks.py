@@ -1,0 +1,99 @@
+"""Around the PPO loop: the progress bar, wandb without credentials, and phase timings."""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from contextlib import contextmanager
+
+import torch
+from transformers import TrainerCallback
+
+_WANDB_NOTICE_GIVEN = False
+
+
+class KLProgressCallback(TrainerCallback):
+    """A progress bar over PPO updates showing the live KL statistic, coefficient and reward."""
+
+    def __init__(self):
+        self.bar = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc="PPO", dynamic_ncols=True)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            self.bar.update(state.global_step - self.bar.n)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.bar is not None and logs and "kl/value" in logs:
+            self.bar.set_postfix(
+                kl=f"{logs['kl/value']:.3g}", coef=f"{logs['kl/coef']:.3g}", reward=f"{logs['objective/scores']:.3g}"
+            )
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def maybe_offline_wandb(args) -> None:
+    """With wandb in `report_to` and no credentials, log offline (and say so once) instead of failing."""
+    global _WANDB_NOTICE_GIVEN
+    if "wandb" not in (args.report_to or []) or os.environ.get("WANDB_MODE"):
+        return
+    has_key = bool(os.environ.get("WANDB_API_KEY"))
+    netrc = os.path.expanduser("~/.netrc")
+    if not has_key and os.path.exists(netrc):
+        with open(netrc) as f:
+            has_key = "api.wandb.ai" in f.read()
+    if not has_key:
+        os.environ["WANDB_MODE"] = "offline"
+        if not _WANDB_NOTICE_GIVEN:
+            warnings.warn(
+                "wandb has no credentials here: logging offline to ./wandb (sync later with `wandb sync`).",
+                stacklevel=3,
+            )
+            _WANDB_NOTICE_GIVEN = True
+
+
+def record_samples(trainer, prompts: list, rewards) -> None:
+    """Keep up to 4 completions of this update in `trainer.completion_samples` (and log them to wandb as a
+    table), `num_sample_generations` times over the run, on the main process."""
+    args, state = trainer.args, trainer.state
+    n = args.num_sample_generations
+    if n <= 0 or not trainer.is_world_process_zero() or state.global_step % max(1, state.max_steps // n):
+        return
+    rows = [
+        {"step": state.global_step, "prompt": str(p), "completion": c, "score": float(s)}
+        for p, c, s in list(zip(prompts, rewards.completions, rewards.scores.tolist()))[:4]
+    ]
+    trainer.completion_samples.extend(rows)
+    if "wandb" in (args.report_to or []):
+        import wandb
+
+        if wandb.run is not None:
+            import pandas as pd
+
+            wandb.log({"completions": wandb.Table(dataframe=pd.DataFrame(rows))})
+
+
+def now(accelerator) -> float:
+    """Wall time, after the accelerator's pending work (CUDA) has finished."""
+    if accelerator.device.type == "cuda":
+        torch.cuda.synchronize(accelerator.device)
+    return time.perf_counter()
+
+
+@contextmanager
+def timed(timings: dict, key: str, accelerator):
+    """Add the block's wall time to `timings[key]`."""
+    start = now(accelerator)
+    try:
+        yield
+    finally:
+        timings[key] = timings.get(key, 0.0) + now(accelerator) - start

@@ -1,0 +1,130 @@
+"""The data one PPO update builds, one typed result per step.
+
+`KLPPOTrainer.ppo_update` reads as the steps of the algorithm; each step returns one of these and adds
+nothing in place:
+
+    batch    = trainer.prompt_batch(prompts)                  PromptBatch
+    rollout  = trainer.rollout(batch)                         Rollout      steps 1-3
+    rewards  = trainer.compute_rewards(rollout)               Rewards      step 4
+    penalty  = trainer.apply_kl(rollout, rewards)             KLPenalty    steps 5-6
+    adv      = trainer.compute_advantages(rollout, rewards, penalty)  Advantages  step 7
+    result   = trainer.optimise(rollout, adv)                 OptimiseResult  step 8
+
+Shapes: `B` sequences on this rank, `P` prompt length (left-padded), `R` response length. Every per-sequence
+field can be sliced with `select(rows)`, e.g. to give each rank its share of one rollout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+
+
+class _Selectable:
+    """`select(rows)`: the same object restricted to some sequences (tensors and lists with a batch dimension)."""
+
+    def select(self, rows):
+        n = self.batch_size
+        if torch.is_tensor(rows) and rows.dtype == torch.bool:
+            rows = rows.nonzero().flatten()
+        index = list(range(n))[rows] if isinstance(rows, slice) else [int(i) for i in rows]
+        picked = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == n:
+                picked[f.name] = value[torch.as_tensor(index, device=value.device, dtype=torch.long)]
+            elif isinstance(value, list) and len(value) == n:
+                picked[f.name] = [value[i] for i in index]
+            elif isinstance(value, dict) and f.name == "extra":
+                picked[f.name] = {k: [v[i] for i in index] if len(v) == n else v for k, v in value.items()}
+        return replace(self, **picked)
+
+
+@dataclass
+class PromptBatch(_Selectable):
+    """Prompts of one rollout, tokenized and left-padded."""
+
+    prompts: list  # plain strings or conversational message lists, as given
+    input_ids: torch.Tensor  # [B, P]
+    attention_mask: torch.Tensor  # [B, P]
+    extra: dict = field(default_factory=dict)  # other dataset columns, passed to the reward functions
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_ids.shape[0]
+
+
+@dataclass
+class Sequences(_Selectable):
+    """Step 1-2: prompts with their sampled responses, truncated at the stop token."""
+
+    prompts: list
+    extra: dict
+    query_responses: torch.Tensor  # [B, P + R] prompt then response token ids
+    attention_mask: torch.Tensor  # [B, P + R]
+    responses: torch.Tensor  # [B, R], padding after the stop token
+    response_mask: torch.Tensor  # [B, R], 1 on response tokens (up to and including the stop token)
+    context_length: int  # P
+
+    @property
+    def batch_size(self) -> int:
+        return self.responses.shape[0]
+
+    def sequences(self) -> Sequences:
+        """Only the tokens (drops any scores a subclass holds)."""
+        return Sequences(**{f.name: getattr(self, f.name) for f in fields(Sequences)})
+
+
+@dataclass(kw_only=True)
+class Rollout(Sequences):
+    """Steps 1-3: the sequences and their scores under the sampling policy, the critic and the reference."""
+
+    logp: torch.Tensor  # [B, R] log-prob of each response token under the sampling policy
+    ref_logp: torch.Tensor  # [B, R] the same under the reference
+    values: torch.Tensor  # [B, R] the critic's value before each response token
+    logits_kl: torch.Tensor | None = None  # [B, R] a logits-based estimator's KL (e.g. "full"), else None
+
+
+@dataclass
+class Rewards(_Selectable):
+    """Step 4: what the reward functions said."""
+
+    completions: list[str]  # decoded responses
+    scores: torch.Tensor  # [B] weighted sum of the reward functions (minus any missing-EOS penalty)
+    scorable: torch.Tensor  # [B] bool: some reward function applied (None from all: no policy gradient)
+    metrics: dict = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return self.scores.shape[0]
+
+
+@dataclass
+class KLPenalty:
+    """Steps 5-6: the configured estimator, the per-token rewards and the coefficient in force."""
+
+    kl: torch.Tensor  # [B, R] configured estimator per token
+    rewards: torch.Tensor  # [B, R] -coef * kl in reward mode, plus the score at the last response token
+    coef: float  # the coefficient used in this update (the controller's next value is in metrics)
+    finite: bool  # False: the scores or the KL held NaN/inf and the update must be skipped
+    metrics: dict = field(default_factory=dict)
+
+
+@dataclass
+class Advantages:
+    """Step 7: GAE advantages (whitened) and returns, and the loss-mode KL coefficient."""
+
+    advantages: torch.Tensor  # [B, R]
+    returns: torch.Tensor  # [B, R]
+    kl_loss_coef: float  # coef, divided by the advantage std unless kl_loss_scale="none"
+    metrics: dict = field(default_factory=dict)
+
+
+@dataclass
+class OptimiseResult:
+    """Step 8: the PPO epochs' statistics and whether a non-finite loss or gradient stopped them."""
+
+    metrics: dict
+    skipped: bool  # a non-finite loss or gradient was met: the update is rolled back (or partly applied)
+    applied_steps: int  # optimizer steps taken before that
