@@ -1,19 +1,7 @@
-"""The `scripts/train.py` command: YAML experiments parsed into `ScriptArguments`, `KLPPOConfig` and TRL's
-`ModelConfig`, a trainer built from them, and a run summary.
-
-Single process (CPU or one GPU):
-    accelerate launch scripts/train.py --config configs/default.yaml
-    python scripts/train.py --config configs/tiny.yaml --kl_controller pid --kl_target 2.0
-
-Several GPUs on one machine (DDP; or pick a DeepSpeed / FSDP file in configs/accelerate/):
-    accelerate launch --config_file configs/accelerate/multi_gpu.yaml scripts/train.py --config configs/qwen_hub.yaml
-
-Several CPU processes (gloo), e.g. to check distributed behaviour on a laptop:
-    torchrun --nproc_per_node 2 scripts/train.py --config configs/tiny.yaml
-
-`--config` sets defaults, command-line flags override them, and an unknown key is an error. Fields come
-from `ScriptArguments` below, `klppo.KLPPOConfig` (all of transformers' TrainingArguments plus the KL and
-PPO fields) and TRL's `ModelConfig` (model, dtype, LoRA).
+"""The `scripts/train.py` command (its docstring shows how to launch it): a YAML experiment parsed into
+`ScriptArguments`, `KLPPOConfig` and TRL's `ModelConfig` (`--config` sets defaults, command-line flags override
+them, an unknown key is an error), the trainer built from them, and the run summary. `compare.py` and tests
+reuse `parse` and `build_trainer`.
 """
 
 from __future__ import annotations

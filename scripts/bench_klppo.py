@@ -30,14 +30,26 @@ its own process so that peak RSS (`ru_maxrss`) belongs to it alone.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import tempfile
 import time
 
 import torch
-from bench_workload import add_workload_arguments, peak_rss_mb, workload_settings  # this script's folder is on sys.path
+from bench_workload import (  # this script's folder is on sys.path
+    add_workload_arguments,
+    emit,
+    load_causal_lm,
+    load_scalar_head,
+    lora_config,
+    memory_record,
+    peak_rss_mb,
+    repeated_prompts,
+    timing_record,
+    versions,
+    workload_settings,
+)
+from transformers import TrainerCallback
+
 
 def status_mb(field: str) -> float:
     """A memory field of /proc/self/status (VmRSS, VmHWM) in MiB."""
@@ -63,166 +75,92 @@ def reset_peak_rss() -> float | None:
         return None
 
 
-def versions() -> dict:
-    import transformers
-    import trl
-
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "trl": trl.__version__,
-        "torch_threads": torch.get_num_threads(),
-    }
-
-
-def emit(result: dict, out: str | None) -> None:
-    text = json.dumps(result, indent=1)
-    if out:
-        with open(out, "w") as f:
-            f.write(text)
-    print(text)
-
-
 def train(args) -> dict:
+    """Time `warmup + updates` PPO updates of `KLPPOTrainer` on the workload."""
     import transformers
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainerCallback
 
-    from klppo import KLPPOConfig, KLPPOTrainer
     from klppo.models import load_tokenizer
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(args.seed)
     rss_start = peak_rss_mb()
-
     tokenizer = load_tokenizer(args.model_path)
-    with open(args.prompts) as f:
-        prompts = json.load(f)
-    total_updates = args.warmup + args.updates
-    n_prompts = args.batch_size * total_updates
-    prompts = (prompts * (n_prompts // len(prompts) + 1))[:n_prompts]
-    dataset = Dataset.from_dict({"prompt": prompts})
-
-    def load_scalar_head():
-        model = AutoModelForSequenceClassification.from_pretrained(args.model_path, num_labels=1, dtype=torch.float32)
-        model.config.pad_token_id = tokenizer.pad_token_id
-        return model
-
-    policy = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32)
-    if args.workload == "a":
-        kwargs = {
-            "ref_model": AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32),
-            "value_model": load_scalar_head(),
-            "reward_funcs": load_scalar_head(),
-        }
-        critic = "separate"
-    else:
-        from peft import LoraConfig
-
-        from klppo.rewards.sentiment import positive_sentiment_reward
-
-        kwargs = {
-            "reward_funcs": positive_sentiment_reward,
-            "peft_config": LoraConfig(
-                r=args.lora_r,
-                lora_alpha=args.lora_alpha,
-                lora_dropout=0.0,
-                target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                task_type="CAUSAL_LM",
-            ),
-        }
-        critic = "shared"
-
-    config = KLPPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="klppo-bench-"),
-        per_device_train_batch_size=args.batch_size,
-        gradient_accumulation_steps=1,
-        num_mini_batches=args.num_mini_batches,
-        num_ppo_epochs=args.num_ppo_epochs,
-        response_length=args.response_length,
-        temperature=args.temperature,
-        learning_rate=args.learning_rate,
-        kl_coef=args.kl_coef,
-        kl_estimator="k1",
-        kl_controller="fixed",
-        critic=critic,
-        max_steps=total_updates,
-        stop_token=None,
-        missing_eos_penalty=None,
-        logging_steps=1,
-        save_strategy="no",
-        eval_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        num_sample_generations=0,
-        use_cpu=not torch.cuda.is_available(),
-        seed=args.seed,
-    )
-
-    wall: list[float] = []
-
-    class UpdateClock(TrainerCallback):
-        def on_train_begin(self, *a, **k):
-            self.last = time.perf_counter()
-
-        def on_step_end(self, *a, **k):
-            now = time.perf_counter()
-            wall.append(now - self.last)
-            self.last = now
-
-    trainer = KLPPOTrainer(
-        model=policy,
-        args=config,
-        processing_class=tokenizer,
-        train_dataset=dataset,
-        callbacks=[UpdateClock()],
-        **kwargs,
-    )
+    trainer, critic = build_trainer(args, tokenizer)
+    wall = UpdateClock()
+    trainer.add_callback(wall)
     rss_setup = peak_rss_mb()
     trainer.train()
-
     logs = [h for h in trainer.state.log_history if "time/update" in h]
-    per_update = []
-    for log, seconds in zip(logs, wall):
-        record = {k: float(v) for k, v in log.items() if k.startswith("time/")}
-        record["time/update_wall"] = seconds
-        per_update.append(record)
+    per_update = [
+        {**{k: float(v) for k, v in log.items() if k.startswith("time/")}, "time/update_wall": seconds}
+        for log, seconds in zip(logs, wall.seconds)
+    ]
     measured = per_update[args.warmup :]
-    keys = sorted({k for u in measured for k in u})
-    phases = {k: statistics.median(u.get(k, 0.0) for u in measured) for k in keys}
-    kl_share = statistics.median(u.get("time/kl", 0.0) / u["time/update"] for u in measured)
-    time_per_update = phases["time/update_wall"]
-    response_positions = args.batch_size * args.response_length
-    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
-    lengths = [h.get("objective/response_length") for h in trainer.state.log_history if "time/update" in h]
+    layout = (
+        "separate policy, reference, value and reward models (critic='separate')"
+        if args.workload == "a"
+        else "LoRA policy, adapter-disabled reference, shared value head, sentiment reward function"
+    )
     return {
         "side": "klppo",
         "implementation": "klppo.KLPPOTrainer",
         "workload": args.workload,
-        "layout": (
-            "separate policy, reference, value and reward models (critic='separate')"
-            if args.workload == "a"
-            else "LoRA policy, adapter-disabled reference, shared value head, sentiment reward function"
-        ),
-        "warmup": args.warmup,
-        "updates": args.updates,
-        "time_per_update_s": time_per_update,
-        "phases_s": phases,
-        "kl_share": kl_share,
-        "tokens_per_s": response_positions / time_per_update,
-        "tokens_per_s_definition": "batch_size * response_length / median wall time per update",
-        "generated_length": lengths,
-        "per_update_s": [u["time/update_wall"] for u in per_update],
-        "per_update": per_update,
-        "peak_rss_mb": peak_rss_mb(),
-        "rss_at_start_mb": rss_start,
-        "rss_after_setup_mb": rss_setup,
-        "cuda_peak_mb": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
-        "trainable_parameters": trainable,
+        "layout": layout,
+        **timing_record(args, per_update, "time/update_wall"),
+        "kl_share": statistics.median(u.get("time/kl", 0.0) / u["time/update"] for u in measured),
+        "generated_length": [h.get("objective/response_length") for h in logs],
+        **memory_record(rss_start, rss_setup),
+        "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
         "settings": workload_settings(args, lora=args.workload == "b", kl_estimator="k1", kl_controller="fixed", critic=critic),
         "versions": versions(),
     }
+
+
+class UpdateClock(TrainerCallback):
+    """Wall time of each PPO update, between `on_step_end` callbacks (the first from `on_train_begin`)."""
+
+    def __init__(self):
+        self.seconds: list[float] = []
+
+    def on_train_begin(self, *a, **k):
+        self.last = time.perf_counter()
+
+    def on_step_end(self, *a, **k):
+        now = time.perf_counter()
+        self.seconds.append(now - self.last)
+        self.last = now
+
+
+def build_trainer(args, tokenizer):
+    """`(trainer, critic)`: workload (a) is TRL's four-model layout, (b) klppo's efficient default."""
+    from datasets import Dataset
+
+    from klppo import KLPPOConfig, KLPPOTrainer
+
+    if args.workload == "a":
+        kwargs = {
+            "ref_model": load_causal_lm(args),
+            "value_model": load_scalar_head(args, tokenizer.pad_token_id),
+            "reward_funcs": load_scalar_head(args, tokenizer.pad_token_id),
+        }
+        critic = "separate"
+    else:
+        from klppo.rewards.sentiment import positive_sentiment_reward
+
+        kwargs = {"reward_funcs": positive_sentiment_reward, "peft_config": lora_config(args)}
+        critic = "shared"
+    config = KLPPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="klppo-bench-"), per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=1, num_mini_batches=args.num_mini_batches, num_ppo_epochs=args.num_ppo_epochs,
+        response_length=args.response_length, temperature=args.temperature, learning_rate=args.learning_rate,
+        kl_coef=args.kl_coef, kl_estimator="k1", kl_controller="fixed", critic=critic,
+        max_steps=args.warmup + args.updates, stop_token=None, missing_eos_penalty=None, logging_steps=1,
+        save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True, num_sample_generations=0,
+        use_cpu=not torch.cuda.is_available(), seed=args.seed,
+    )  # fmt: skip
+    dataset = Dataset.from_dict({"prompt": repeated_prompts(args)})
+    trainer = KLPPOTrainer(model=load_causal_lm(args), args=config, processing_class=tokenizer, train_dataset=dataset, **kwargs)
+    return trainer, critic
 
 
 def kl_memory(args) -> dict:

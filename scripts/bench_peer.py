@@ -45,15 +45,24 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import platform
-import statistics
 import tempfile
 import time
 from collections import defaultdict
 
 import torch
-from bench_workload import add_workload_arguments, peak_rss_mb, workload_settings  # this script's folder is on sys.path
+from bench_workload import (  # this script's folder is on sys.path
+    add_workload_arguments,
+    emit,
+    load_causal_lm,
+    load_scalar_head,
+    lora_config,
+    memory_record,
+    peak_rss_mb,
+    repeated_prompts,
+    timing_record,
+    versions,
+    workload_settings,
+)
 
 
 def parse_args(argv=None):
@@ -172,81 +181,57 @@ def main(argv=None):
     args = parse_args(argv)
     import transformers
     import trl
-    from datasets import Dataset
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoModelForSequenceClassification,
-        AutoTokenizer,
-        TrainerCallback,
-    )
-    from trl.experimental.ppo import PPOConfig, PPOTrainer
-    from trl.experimental.ppo import ppo_trainer as ppo_module
+    from transformers import AutoTokenizer
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(args.seed)
     rss_start = peak_rss_mb()
-
     tokenizer = AutoTokenizer.from_pretrained(args.model_path, padding_side="left")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    with open(args.prompts) as f:
-        prompts = json.load(f)
-    total_updates = args.warmup + args.updates
-    n_prompts = args.batch_size * total_updates
-    prompts = (prompts * (n_prompts // len(prompts) + 1))[:n_prompts]
-    dataset = Dataset.from_dict({"input_ids": [tokenizer(p)["input_ids"] for p in prompts]})
-
-    def load_causal_lm():
-        return AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32)
-
-    def load_scalar_head():
-        model = AutoModelForSequenceClassification.from_pretrained(args.model_path, num_labels=1, dtype=torch.float32)
-        model.config.pad_token_id = tokenizer.pad_token_id
-        return model
-
-    policy = load_causal_lm()
-    value_model = load_scalar_head()
-    reward_model = load_scalar_head()
-    peft_config = None
-    if args.workload == "a":
-        ref_model = load_causal_lm()
-    else:
-        from peft import LoraConfig
-
-        ref_model = None
-        peft_config = LoraConfig(
-            r=args.lora_r,
-            lora_alpha=args.lora_alpha,
-            lora_dropout=0.0,
-            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-            task_type="CAUSAL_LM",
-        )
-
-    output_dir = tempfile.mkdtemp(prefix="klppo-bench-peer-")
-    config = PPOConfig(
-        output_dir=output_dir,
-        per_device_train_batch_size=args.batch_size,
-        gradient_accumulation_steps=1,
-        num_mini_batches=args.num_mini_batches,
-        num_ppo_epochs=args.num_ppo_epochs,
-        response_length=args.response_length,
-        temperature=args.temperature,
-        learning_rate=args.learning_rate,
-        kl_coef=args.kl_coef,
-        total_episodes=n_prompts,
-        stop_token=None,
-        missing_eos_penalty=None,
-        num_sample_generations=0,
-        bf16=False,
-        fp16=False,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        disable_tqdm=True,
-        seed=args.seed,
-    )
-
     clock = PhaseClock()
+    trainer = build_trainer(args, tokenizer, clock)
+    rss_setup = peak_rss_mb()
+    trainer.train()
+    layout = (
+        "separate policy, reference, value and reward models"
+        if args.workload == "a"
+        else "LoRA policy, adapter-disabled reference, separate value and reward models"
+    )
+    result = {
+        "side": "peer",
+        "implementation": f"trl {trl.__version__} trl.experimental.ppo.PPOTrainer",
+        "workload": args.workload,
+        "layout": layout,
+        **timing_record(args, clock.updates, "time/update"),
+        "generated_length": [u["generated_length"] for u in clock.updates],
+        **memory_record(rss_start, rss_setup),
+        "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
+        "settings": workload_settings(args, lora=args.workload == "b"),
+        "versions": versions(),
+    }
+    emit(result, args.out)
+    return result
+
+
+def build_trainer(args, tokenizer, clock: PhaseClock):
+    """TRL's `PPOTrainer` on the workload, its phases timed into `clock`."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl.experimental.ppo import PPOConfig, PPOTrainer
+    from trl.experimental.ppo import ppo_trainer as ppo_module
+
+    prompts = repeated_prompts(args)
+    dataset = Dataset.from_dict({"input_ids": [tokenizer(p)["input_ids"] for p in prompts]})
+    reward_model = load_scalar_head(args, tokenizer.pad_token_id)
+    config = PPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="klppo-bench-peer-"), per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=1, num_mini_batches=args.num_mini_batches, num_ppo_epochs=args.num_ppo_epochs,
+        response_length=args.response_length, temperature=args.temperature, learning_rate=args.learning_rate,
+        kl_coef=args.kl_coef, total_episodes=len(prompts), stop_token=None, missing_eos_penalty=None,
+        num_sample_generations=0, bf16=False, fp16=False, logging_steps=1, save_strategy="no", report_to=[],
+        disable_tqdm=True, seed=args.seed,
+    )  # fmt: skip
     install_timers(ppo_module, clock, reward_model)
 
     class UpdateClock(TrainerCallback):
@@ -257,17 +242,11 @@ def main(argv=None):
             clock.end_update()
 
     trainer = PPOTrainer(
-        args=config,
-        processing_class=tokenizer,
-        model=policy,
-        ref_model=ref_model,
-        reward_model=reward_model,
-        value_model=value_model,
-        train_dataset=dataset,
-        eval_dataset=dataset,
-        callbacks=[UpdateClock()],
-        peft_config=peft_config,
-    )
+        args=config, processing_class=tokenizer, model=load_causal_lm(args),
+        ref_model=load_causal_lm(args) if args.workload == "a" else None, reward_model=reward_model,
+        value_model=load_scalar_head(args, tokenizer.pad_token_id), train_dataset=dataset, eval_dataset=dataset,
+        callbacks=[UpdateClock()], peft_config=lora_config(args) if args.workload == "b" else None,
+    )  # fmt: skip
     log_call = trainer.log
 
     def timed_log(logs, *a, **k):
@@ -276,53 +255,7 @@ def main(argv=None):
         return log_call(logs, *a, **k)
 
     trainer.log = timed_log
-    rss_setup = peak_rss_mb()
-    trainer.train()
-
-    measured = clock.updates[args.warmup :]
-    keys = sorted({k for u in measured for k in u if k.startswith("time/")})
-    phases = {k: statistics.median(u.get(k, 0.0) for u in measured) for k in keys}
-    time_per_update = phases["time/update"]
-    response_positions = args.batch_size * args.response_length
-    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
-    result = {
-        "side": "peer",
-        "implementation": f"trl {trl.__version__} trl.experimental.ppo.PPOTrainer",
-        "workload": args.workload,
-        "layout": (
-            "separate policy, reference, value and reward models"
-            if args.workload == "a"
-            else "LoRA policy, adapter-disabled reference, separate value and reward models"
-        ),
-        "warmup": args.warmup,
-        "updates": args.updates,
-        "time_per_update_s": time_per_update,
-        "phases_s": phases,
-        "tokens_per_s": response_positions / time_per_update,
-        "tokens_per_s_definition": "batch_size * response_length / median time per update",
-        "generated_length": [u["generated_length"] for u in clock.updates],
-        "per_update_s": [u["time/update"] for u in clock.updates],
-        "per_update": clock.updates,
-        "peak_rss_mb": peak_rss_mb(),
-        "rss_at_start_mb": rss_start,
-        "rss_after_setup_mb": rss_setup,
-        "cuda_peak_mb": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
-        "trainable_parameters": trainable,
-        "settings": workload_settings(args, lora=peft_config is not None),
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "trl": trl.__version__,
-            "torch_threads": torch.get_num_threads(),
-        },
-    }
-    text = json.dumps(result, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    print(text)
-    return result
+    return trainer
 
 
 if __name__ == "__main__":

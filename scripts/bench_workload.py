@@ -1,5 +1,6 @@
-"""The workload arguments shared by both benchmark runners (stdlib only: it is imported in klppo's
-environment by `bench_klppo.py` and in the peer's by `bench_peer.py`, so both read the same options)."""
+"""The workload both benchmark runners share (importable without third-party packages: it runs in klppo's
+environment by `bench_klppo.py` and in the peer's by `bench_peer.py`, so both read the same options and load,
+time and report the workload the same way; third-party imports happen inside the functions)."""
 
 from __future__ import annotations
 
@@ -46,3 +47,99 @@ def workload_settings(args, lora: bool, **extra) -> dict:
         "dtype": "float32",
         "lora": {"r": args.lora_r, "alpha": args.lora_alpha} if lora else None,
     }
+
+
+def repeated_prompts(args) -> list[str]:
+    """The prompts of `--prompts`, repeated to fill `warmup + updates` rollout batches."""
+    import json
+
+    with open(args.prompts) as f:
+        prompts = json.load(f)
+    n = args.batch_size * (args.warmup + args.updates)
+    return (prompts * (n // len(prompts) + 1))[:n]
+
+
+def load_causal_lm(args):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32)
+
+
+def load_scalar_head(args, pad_token_id: int):
+    """A sequence-classification model with one output built from the base (TRL's value / reward layout)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(args.model_path, num_labels=1, dtype=torch.float32)
+    model.config.pad_token_id = pad_token_id
+    return model
+
+
+def lora_config(args):
+    """The LoRA adapter of workload (b), the same on both sides."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], task_type="CAUSAL_LM",
+    )  # fmt: skip
+
+
+def versions() -> dict:
+    import platform
+
+    import torch
+    import transformers
+    import trl
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "trl": trl.__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def timing_record(args, per_update: list[dict], wall_key: str) -> dict:
+    """The timing fields both runners report: per-phase medians over the measured updates (after
+    `warmup`), the median wall time per update and tokens per second from it."""
+    import statistics
+
+    measured = per_update[args.warmup :]
+    keys = sorted({k for u in measured for k in u if k.startswith("time/")})
+    phases = {k: statistics.median(u.get(k, 0.0) for u in measured) for k in keys}
+    seconds = phases[wall_key]
+    return {
+        "warmup": args.warmup,
+        "updates": args.updates,
+        "time_per_update_s": seconds,
+        "phases_s": phases,
+        "tokens_per_s": args.batch_size * args.response_length / seconds,
+        "tokens_per_s_definition": "batch_size * response_length / median wall time per update",
+        "per_update_s": [u[wall_key] for u in per_update],
+        "per_update": per_update,
+    }
+
+
+def memory_record(rss_start: float, rss_setup: float) -> dict:
+    import torch
+
+    return {
+        "peak_rss_mb": peak_rss_mb(),
+        "rss_at_start_mb": rss_start,
+        "rss_after_setup_mb": rss_setup,
+        "cuda_peak_mb": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
+    }
+
+
+def emit(result: dict, out: str | None) -> None:
+    """Print the result as JSON (and write it to `out`)."""
+    import json
+
+    text = json.dumps(result, indent=1)
+    if out:
+        with open(out, "w") as f:
+            f.write(text)
+    print(text)

@@ -34,3 +34,29 @@ def test_replace_and_check(tmp_path):
     assert main(["--write-readme", str(path)]) == 0
     assert main(["--check", str(path)]) == 0
     assert path.read_text() == fresh
+
+
+def test_readme_controller_table_comes_from_the_registry():
+    from klppo.kl import KLController, register_kl_controller, unregister_kl_controller
+    from klppo.kl.controllers import controller_table_markdown
+    from klppo.kl.divergence import CONTROLLER_TABLE_END, CONTROLLER_TABLE_START
+
+    block = readme_table_block(README.read_text(encoding="utf-8"), CONTROLLER_TABLE_START, CONTROLLER_TABLE_END)
+    assert block.strip() == controller_table_markdown().strip(), FIX
+    assert "| `tracking` |" in block and "`kl_track_kp`" in block
+
+    @register_kl_controller("throwaway", fields={"target": "kl_target"})
+    class Throwaway(KLController):
+        """Never moves."""
+
+        def __init__(self, kl_coef, target):
+            super().__init__(kl_coef)
+
+        def _step(self, kl, n_steps):
+            return self._value
+
+    try:
+        assert "| `throwaway` | Never moves. | `kl_target` | yes |" in controller_table_markdown()
+    finally:
+        unregister_kl_controller("throwaway")
+    assert "throwaway" not in controller_table_markdown()

@@ -603,6 +603,23 @@ class TrackingKLController(_LogSpaceController):
         self.predicted = None if state.get("predicted") is None else float(state["predicted"])
 
 
+def controller_table_markdown() -> str:
+    """The README's controller table (markdown), generated from the registry: each controller's name, the
+    first paragraph of its docstring, the config fields that feed it and whether it needs ``kl_target``."""
+    lines = [
+        "Generated from the controller registry by `python -m klppo.kl.divergence --write-readme README.md`.",
+        "",
+        "| `kl_controller` | what it does | config fields | needs `kl_target` |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name, cls in _KL_CONTROLLERS.items():
+        first = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split()).replace("``", "`")
+        fields = ", ".join(f"`{f}`" for f in cls.config_fields.values()) or "none"
+        cells = [f"`{name}`", first.replace("|", "\\|"), fields, "yes" if cls.needs_target else "no"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def build_kl_controller(args) -> KLController:
     """Build the controller named by ``args.kl_controller`` from a config-like object.
 

@@ -42,6 +42,8 @@ __all__ = [
 
 README_TABLE_START = "<!-- estimator-table:start -->"
 README_TABLE_END = "<!-- estimator-table:end -->"
+CONTROLLER_TABLE_START = "<!-- controller-table:start -->"
+CONTROLLER_TABLE_END = "<!-- controller-table:end -->"
 
 REVERSE = "KL(pi||ref)"
 FORWARD = "KL(ref||pi)"
@@ -191,24 +193,47 @@ def estimator_table_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
-def readme_table_block(text: str) -> str:
-    """The text between the README markers (exclusive); ValueError if the markers are missing."""
-    start, end = text.find(README_TABLE_START), text.find(README_TABLE_END)
+def _generated_blocks() -> dict:
+    """``{(start marker, end marker): generator}`` of every README table generated from a registry."""
+    from .controllers import controller_table_markdown
+
+    return {
+        (README_TABLE_START, README_TABLE_END): estimator_table_markdown,
+        (CONTROLLER_TABLE_START, CONTROLLER_TABLE_END): controller_table_markdown,
+    }
+
+
+def readme_table_block(text: str, start_marker: str = README_TABLE_START, end_marker: str = README_TABLE_END) -> str:
+    """The text between two README markers (exclusive); ValueError if the markers are missing."""
+    start, end = text.find(start_marker), text.find(end_marker)
     if start < 0 or end < start:
-        raise ValueError(f"README lacks the markers {README_TABLE_START} ... {README_TABLE_END}")
-    return text[start + len(README_TABLE_START):end]
+        raise ValueError(f"README lacks the markers {start_marker} ... {end_marker}")
+    return text[start + len(start_marker):end]
 
 
 def replace_readme_table(text: str) -> str:
-    """``text`` with the block between the markers replaced by ``estimator_table_markdown()``."""
-    readme_table_block(text)  # validates the markers
-    start = text.find(README_TABLE_START) + len(README_TABLE_START)
-    end = text.find(README_TABLE_END)
-    return text[:start] + "\n" + estimator_table_markdown() + text[end:]
+    """``text`` with the estimator table (required) and the controller table (where its markers are)
+    regenerated between their markers."""
+    readme_table_block(text)  # the estimator markers are required
+    for (start_marker, end_marker), generate in _generated_blocks().items():
+        if start_marker not in text:
+            continue
+        readme_table_block(text, start_marker, end_marker)
+        start = text.find(start_marker) + len(start_marker)
+        text = text[:start] + "\n" + generate() + text[text.find(end_marker):]
+    return text
+
+
+def stale_readme_tables(text: str) -> list[str]:
+    """The start markers of the generated tables in ``text`` that differ from what the registries give."""
+    return [
+        start for (start, end), generate in _generated_blocks().items()
+        if start in text and readme_table_block(text, start, end).strip() != generate().strip()
+    ]  # fmt: skip
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="Print, write or check the README estimator table.")
+    parser = argparse.ArgumentParser(description="Print, write or check the README's estimator and controller tables.")
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--write-readme", metavar="PATH", help="rewrite the table between the markers in PATH")
     group.add_argument("--check", metavar="PATH", help="exit 1 if the table in PATH is out of date")
@@ -222,8 +247,9 @@ def main(argv=None) -> int:
     if args.check:
         with open(args.check, encoding="utf-8") as f:
             text = f.read()
-        if readme_table_block(text).strip() != estimator_table_markdown().strip():
-            print(f"{args.check}: estimator table is out of date; run "
+        readme_table_block(text)
+        if stale_readme_tables(text):
+            print(f"{args.check}: {', '.join(stale_readme_tables(text))} out of date; run "
                   f"python -m klppo.kl.divergence --write-readme {args.check}", file=sys.stderr)
             return 1
         return 0
