@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch.utils.data import DataLoader
@@ -12,6 +12,7 @@ from trl.trainer.utils import selective_log_softmax
 
 from ..rewards.text import is_conversational
 from .steps import PromptBatch
+from .value import last_hidden_states
 
 
 def collate_prompts(features: list[dict], tokenizer, max_prompt_length: int | None) -> PromptBatch:
@@ -191,23 +192,24 @@ def generate_responses(
     generation_config = copy.deepcopy(generation_config)
     generation_config.return_dict_in_generate = True
     generation_config.output_logits = with_scores
-    generation_config.output_hidden_states = with_scores and value_head is not None
+    with_values = with_scores and value_head is not None
     pieces, logps, values = [], [], []
     for start in range(0, input_ids.shape[0], chunk):
-        out = policy.generate(
-            input_ids=input_ids[start : start + chunk],
-            attention_mask=attention_mask[start : start + chunk],
-            generation_config=generation_config,
-        )
+        with last_hidden_states(policy) if with_values else nullcontext() as hidden:
+            out = policy.generate(
+                input_ids=input_ids[start : start + chunk],
+                attention_mask=attention_mask[start : start + chunk],
+                generation_config=generation_config,
+            )
         tokens = out.sequences[:, input_ids.shape[1] :]
         pieces.append(tokens)
         if with_scores:
             step_logits = torch.stack(out.logits, dim=1)  # [b, R, V], unprocessed
             logps.append(response_logprobs(mask_suppressed(step_logits / temperature, suppressed), tokens))
             del step_logits
-            if value_head is not None:
-                # the last layer's state at the last position of every step: the state before each token
-                last = torch.stack([step[-1][:, -1] for step in out.hidden_states], dim=1)
+            if with_values:
+                # the last hidden state at the last position of every step: the state before each token
+                last = torch.stack([step[:, -1] for step in hidden[: tokens.shape[1]]], dim=1)
                 values.append(value_head(last).float())
         del out
 

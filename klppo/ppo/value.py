@@ -9,8 +9,31 @@ Two layouts (`KLPPOConfig.critic`):
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
+
 import torch
 from torch import nn
+
+
+@contextmanager
+def last_hidden_states(model: nn.Module):
+    """Collect the last hidden state (the decoder's output, after its final norm) of every forward pass of
+    `model` inside the block, from a hook on its decoder: what a value head reads, without asking the model for
+    every layer's hidden states (`output_hidden_states`), which keeps all of them alive. Yields a list that
+    receives one `[B, L, H]` tensor per forward pass (per generation step, `L` is 1 after the prompt)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if decoder is None or decoder is model:
+        raise ValueError(f"{type(model).__name__} has no separate decoder to read the last hidden state from.")
+    captured: list[torch.Tensor] = []
+
+    def hook(module, args, output):
+        captured.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
+
+    handle = decoder.register_forward_hook(hook)
+    try:
+        yield captured
+    finally:
+        handle.remove()
 
 
 def hidden_size_of(config) -> int:
@@ -112,19 +135,20 @@ class ActorCritic(nn.Module):
     def forward(
         self, input_ids, attention_mask=None, position_ids=None, compute_values: bool = True, logits_to_keep: int = 0
     ):
-        out = self.policy(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            output_hidden_states=compute_values and self.shared,
-            use_cache=False,
-            logits_to_keep=logits_to_keep,
-        )
+        shared_values = compute_values and self.shared
+        with last_hidden_states(self.policy) if shared_values else nullcontext([None]) as hidden:
+            out = self.policy(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=False,
+                logits_to_keep=logits_to_keep,
+            )
         values = None
         if compute_values:
             if self.shared:
-                hidden = out.hidden_states[-1]
-                values = self.value_head(hidden.detach() if self.detach_value_input else hidden)
+                last = hidden[-1]
+                values = self.value_head(last.detach() if self.detach_value_input else last)
             else:
                 values = self.critic(input_ids, attention_mask=attention_mask, position_ids=position_ids)
         return out.logits, values
