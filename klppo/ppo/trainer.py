@@ -60,6 +60,7 @@ from .rollout import (
     endless_prompt_batches,
     ends_with_stop,
     generate_responses,
+    last_positions,
     position_ids_from_mask,
     response_logits,
     response_logprobs,
@@ -352,7 +353,7 @@ class KLPPOTrainer(CheckpointMixin, Trainer):
         pos = position_ids_from_mask(seq.attention_mask)
         kwargs = dict(
             input_ids=seq.query_responses, attention_mask=seq.attention_mask, position_ids=pos, use_cache=False,
-            logits_to_keep=seq.responses.shape[1] + 1,
+            logits_to_keep=last_positions(seq.responses.shape[1] + 1, seq.query_responses.shape[1], pos.device),
         )  # fmt: skip
         if self.use_adapter_reference:
             policy = self.accelerator.unwrap_model(self.model_wrapped).policy

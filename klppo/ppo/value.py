@@ -135,6 +135,9 @@ class ActorCritic(nn.Module):
     def forward(
         self, input_ids, attention_mask=None, position_ids=None, compute_values: bool = True, logits_to_keep: int = 0
     ):
+        from .rollout import last_positions
+
+        keep = last_positions(logits_to_keep, input_ids.shape[1], input_ids.device) if logits_to_keep else 0
         shared_values = compute_values and self.shared
         with last_hidden_states(self.policy) if shared_values else nullcontext([None]) as hidden:
             out = self.policy(
@@ -142,7 +145,7 @@ class ActorCritic(nn.Module):
                 attention_mask=attention_mask,
                 position_ids=position_ids,
                 use_cache=False,
-                logits_to_keep=logits_to_keep,
+                logits_to_keep=keep,
             )
         values = None
         if compute_values:
