@@ -394,3 +394,23 @@ def test_every_config_field_is_documented_once_in_the_class_docstring():
     assert len(own) > 50
     for f in own:
         assert f.metadata["help"] and f.metadata["help"] in " ".join(KLPPO_CONFIG_DOC.split()), f.name
+
+
+def test_kl_guard_ends_an_update_once_the_kl_passes_its_bound(tiny_path, prompts, tmp_path, caplog):
+    """With `kl_guard_margin`, a mini-batch whose KL at the current policy passes target * (1 + margin) takes no
+    step and ends the update. Full fine-tuning: the first mini-batch of update 1 is at the reference (KL 0), so
+    it steps; after that the KL passes a bound of 1.5e-6 nats within each update."""
+    kw = dict(max_steps=2, num_ppo_epochs=2, num_mini_batches=2, kl_target=1e-6, kl_controller="fixed")
+    guarded = make_trainer(tiny_path, prompts, make_args(tmp_path, kl_guard_margin=0.5, **kw))
+    with caplog.at_level("INFO"):
+        guarded.train()
+    fired = [h["kl/guard_fired"] for h in guarded.state.log_history if "kl/guard_fired" in h]
+    assert fired == [1.0, 1.0]
+    messages = [r.getMessage() for r in caplog.records if "KL guard" in r.getMessage()]
+    steps = [int(m.split("after ")[1].split(" ")[0]) for m in messages]
+    assert len(steps) == 2 and steps[0] >= 1 and guarded.lr_scheduler.last_epoch == sum(steps) < 8
+    free = make_trainer(tiny_path, prompts, make_args(tmp_path, **kw))
+    free.train()
+    assert free.lr_scheduler.last_epoch == 8 and not any("kl/guard_fired" in h for h in free.state.log_history)
+    with pytest.raises(ValueError, match="kl_guard_margin"):
+        make_args(tmp_path, kl_guard_margin=0.5)  # no kl_target

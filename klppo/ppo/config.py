@@ -111,6 +111,12 @@ KLPPO_CONFIG_DOC = r"""
         kl_drift_patience (`int`, *optional*, defaults to `5`):
             Warn when the controller statistic stays above 2x or below 0.5x the target for this many
             consecutive updates.
+        kl_guard_margin (`float` or `None`, *optional*, defaults to `None`):
+            A hard guard on top of the controller: within an update, a mini-batch whose KL statistic at the current
+            policy (k1 on the rollout's tokens weighted by pi / pi_old, in `kl_target_unit`, reduced over all
+            processes) passes
+            `kl_target * (1 + kl_guard_margin)` takes no optimizer step, and the rest of the update's epochs and
+            mini-batches are skipped. Logged as `kl/guard_fired`; `kl/during_update` is the statistic. None: off.
         full_kl_chunk_size (`int`, *optional*, defaults to `1024`):
             Positions per chunk for `kl_estimator="full"`.
 
@@ -253,6 +259,7 @@ class KLPPOConfig(TrainingArguments):
     kl_loss_agg_mode: str = field(default="token-mean", metadata=_doc("kl_loss_agg_mode"))
     kl_loss_scale: str = field(default="advantage_std", metadata=_doc("kl_loss_scale"))
     kl_drift_patience: int = field(default=5, metadata=_doc("kl_drift_patience"))
+    kl_guard_margin: float | None = field(default=None, metadata=_doc("kl_guard_margin"))
     full_kl_chunk_size: int = field(default=1024, metadata=_doc("full_kl_chunk_size"))
 
     # PPO
@@ -354,6 +361,11 @@ class KLPPOConfig(TrainingArguments):
             )
         if self.kl_value_clamp is not None and not self.kl_value_clamp > 0:
             raise ValueError(f"`kl_value_clamp` must be > 0 or None (off), got {self.kl_value_clamp}.")
+        if self.kl_guard_margin is not None and (self.kl_target is None or not self.kl_guard_margin >= 0):
+            raise ValueError(
+                f"`kl_guard_margin`={self.kl_guard_margin} needs a `kl_target` and a margin >= 0 (e.g. 0.5: stop an "
+                "update once the KL passes 1.5 x kl_target); leave it unset to turn the guard off."
+            )
         if self.kl_drift_patience < 1:
             raise ValueError(f"`kl_drift_patience` must be >= 1, got {self.kl_drift_patience}.")
         if self.full_kl_chunk_size < 1:

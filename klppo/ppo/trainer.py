@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections import defaultdict
 from contextlib import nullcontext
 
@@ -28,7 +27,6 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase, Trainer, set_seed
 from transformers.trainer_callback import ProgressCallback
-from transformers.trainer_utils import TrainOutput
 from trl.models.utils import unwrap_model_for_generation
 
 from ..kl import (
@@ -44,20 +42,20 @@ from ..kl import (
     kl_statistic,
     reduce_sum_count,
 )
+from ..kl.reduce import all_reduce_sum
 from ..rewards import combine_rewards, load_reward_funcs, reward_func_name
 from .advantages import gae_advantages
 from .build import build_models, check_trainer_inputs, default_learning_rate, load_policy_and_tokenizer, prepare_frozen
 from .callbacks import KLProgressCallback, maybe_offline_wandb, now, record_samples, timed
 from .checkpoint import CheckpointMixin
+from .loop import TrainingLoopMixin
 from .config import KLPPOConfig
 from .health import NonfiniteGuard, PPOHealthMonitor
-from .lock import OutputDirLock
 from .losses import ppo_losses
 from .rollback import restore_optimisation, snapshot_optimisation
 from .rollout import (
     clear_sampling_errors,
     collate_prompts,
-    endless_prompt_batches,
     ends_with_stop,
     generate_responses,
     last_positions,
@@ -74,7 +72,7 @@ logger = logging.getLogger(__name__)
 LOGGED_ESTIMATORS = ("k1", "k2", "k3")  # logged whatever the configured estimator (TRL issue 1161)
 
 
-class KLPPOTrainer(CheckpointMixin, Trainer):
+class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
     """PPO trainer for causal LMs whose centre is KL control.
 
     Args:
@@ -170,73 +168,6 @@ class KLPPOTrainer(CheckpointMixin, Trainer):
         """Prompts (strings or conversations) or dataset rows (dicts with a `prompt` key) as one batch."""
         rows = [p if isinstance(p, dict) else {"prompt": p} for p in prompts]
         return collate_prompts(rows, self.processing_class, self.args.max_prompt_length)
-
-    # ------------------------------------------------------------------ training loop
-    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
-        """Run the PPO updates. One run per `output_dir`: a second run on the same folder stops at once
-        (`OutputDirInUse`). `resume_from_checkpoint`: a checkpoint folder, or True for the latest complete one."""
-        with OutputDirLock(self.args.output_dir, enabled=self.is_world_process_zero() and self.args.should_save):
-            return self._train(resume_from_checkpoint)
-
-    def _train(self, resume_from_checkpoint: str | bool | None) -> TrainOutput:
-        args = self.args
-        self.is_in_train = True
-        num_updates = args.num_updates(len(self.train_dataset), self.accelerator.num_processes)
-        self.setup_optimisation(num_updates)
-        self._init_state(num_updates)
-        checkpoint = self._checkpoint_to_resume(resume_from_checkpoint)
-        if checkpoint:
-            self._resume(checkpoint)
-        batches = endless_prompt_batches(
-            self.train_dataset, args.local_rollout_batch_size, self.prompt_batch, self.accelerator, args.seed,
-            skip=self.state.global_step,
-        )
-        self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
-        start_time, metrics = time.time(), {}
-        while self.state.global_step < num_updates:
-            self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
-            metrics = self.ppo_update(next(batches))
-            self.state.global_step += 1
-            self.state.epoch = self.state.global_step * self._sequences_per_update() / len(self.train_dataset)
-            self.control = self.callback_handler.on_step_end(args, self.state, self.control)
-            self._log_evaluate_save(metrics)
-            if self.control.should_training_stop:
-                break
-        self.control = self.callback_handler.on_train_end(args, self.state, self.control)
-        self.is_in_train = False
-        runtime = time.time() - start_time
-        return TrainOutput(self.state.global_step, metrics.get("loss/policy", float("nan")), {"train_runtime": runtime})
-
-    def _sequences_per_update(self) -> int:
-        return self.args.local_rollout_batch_size * self.accelerator.num_processes
-
-    def _init_state(self, num_updates: int) -> None:
-        self.state.max_steps = num_updates
-        self.state.num_train_epochs = math.ceil(num_updates * self._sequences_per_update() / len(self.train_dataset))
-        self.state.compute_steps(self.args, num_updates)
-        self.state.is_local_process_zero = self.is_local_process_zero()
-        self.state.is_world_process_zero = self.is_world_process_zero()
-
-    def _log_evaluate_save(self, metrics: dict) -> None:
-        if self.control.should_log:
-            self.log(dict(metrics))
-        if self.control.should_evaluate:
-            self.log(self.evaluate_policy())
-            self.control.should_evaluate = False
-        if self.control.should_save:
-            self._save_checkpoint(self.model, trial=None)
-            self.control = self.callback_handler.on_save(self.args, self.state, self.control)
-
-    def setup_optimisation(self, num_updates: int) -> None:
-        """Create the optimizer and scheduler and wrap the actor-critic for distributed training. The
-        scheduler is not handed to accelerate: it steps once per optimizer step, on every rank."""
-        args = self.args
-        if self.optimizer is None:
-            optimizer_steps = num_updates * args.num_ppo_epochs * args.num_mini_batches
-            self.create_optimizer_and_scheduler(num_training_steps=optimizer_steps)
-            self.model_wrapped, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
-            if self.is_deepspeed_enabled:
-                self.deepspeed = self.model_wrapped
 
     def ppo_update(self, batch: PromptBatch) -> dict[str, float]:
         """One PPO update on a batch of prompts; returns its logged metrics."""
@@ -468,47 +399,61 @@ class KLPPOTrainer(CheckpointMixin, Trainer):
     # ------------------------------------------------------------------ step 8: optimisation
     def optimise(self, rollout: Rollout, advantages: Advantages) -> OptimiseResult:
         """Step 8: `num_ppo_epochs` passes over shuffled mini-batches, one optimizer step each. A non-finite loss
-        or gradient drops that step's gradients and, with `nonfinite_rollback`, stops the update."""
+        or gradient drops that step's gradients and, with `nonfinite_rollback`, stops the update. With
+        `kl_guard_margin`, a mini-batch whose KL to the reference (at the current policy) passes
+        `kl_target * (1 + kl_guard_margin)` takes no step and ends the update."""
         args = self.args
         self.model_wrapped.train()
         n_local, mb_size = rollout.batch_size, args.local_mini_batch_size
         if n_local % mb_size:
             raise ValueError(f"Rollout batch {n_local} is not a multiple of the mini-batch size {mb_size}.")
-        stats, skipped, applied = GlobalSums(), False, 0
+        stats, skipped, applied, guarded = GlobalSums(), False, 0, False
         for _epoch in range(args.num_ppo_epochs):
-            if skipped and args.nonfinite_rollback:
-                break  # the whole update is undone: no point in more steps
+            if (skipped and args.nonfinite_rollback) or guarded:
+                break  # the whole update is undone (or the guard fired): no point in more steps
             order = torch.randperm(n_local, device=rollout.responses.device)
             for mb_start in range(0, n_local, mb_size):
-                step_ok = self._optimizer_step(rollout, advantages, order[mb_start : mb_start + mb_size], stats)
-                skipped, applied = skipped or not step_ok, applied + int(step_ok)
-                if not step_ok and args.nonfinite_rollback:
+                status = self._optimizer_step(rollout, advantages, order[mb_start : mb_start + mb_size], stats)
+                skipped, applied = skipped or status == "nonfinite", applied + int(status == "applied")
+                guarded = status == "guard"
+                if (status == "nonfinite" and args.nonfinite_rollback) or guarded:
                     break
-        return OptimiseResult(stats.means(self.accelerator), skipped, applied)
+        metrics = stats.means(self.accelerator)
+        if args.kl_guard_margin is not None:
+            metrics["kl/guard_fired"] = float(guarded)
+            if guarded and self.is_world_process_zero():
+                logger.info("KL guard: the KL to the reference passed %g x kl_target after %d optimizer step(s); "
+                            "the rest of this update was skipped.", 1 + args.kl_guard_margin, applied)  # fmt: skip
+        return OptimiseResult(metrics, skipped, applied)
 
-    def _optimizer_step(self, rollout: Rollout, advantages: Advantages, mb_idx: torch.Tensor, stats) -> bool:
+    def _optimizer_step(self, rollout: Rollout, advantages: Advantages, mb_idx: torch.Tensor, stats) -> str:
         """One mini-batch: gradient accumulation over micro-batches, clipping, one optimizer step. Returns
-        False (and drops the gradients) when any rank saw a non-finite loss or gradient norm."""
+        "applied", or "nonfinite" / "guard" (the gradients are dropped) when any rank saw a non-finite loss or
+        gradient norm, or when the mini-batch's global KL statistic passed the guard's bound."""
         args, acc, model = self.args, self.accelerator, self.model_wrapped
         world, micro = acc.num_processes, args.per_device_train_batch_size
         # Global counts of the mini-batch: every loss is a global mean, whatever the split
         tokens, seqs = reduce_sum_count(rollout.response_mask[mb_idx].sum().double(), float(len(mb_idx)), acc)
         counts = dict(num_tokens=tokens, num_seqs=seqs)
-        nonfinite = torch.zeros((), dtype=torch.float64, device=acc.device)
+        checks = torch.zeros(3, dtype=torch.float64, device=acc.device)  # non-finite losses, KL sum, KL count
         for micro_start in range(0, len(mb_idx), micro):
             idx = mb_idx[micro_start : micro_start + micro]
             last_micro = micro_start + micro >= len(mb_idx)
             with nullcontext() if last_micro or world == 1 else acc.no_sync(model):
                 loss, parts = self.micro_batch_loss(rollout.select(idx), advantages, idx, counts)
-                nonfinite += (~torch.isfinite(loss.detach())).double()
+                checks[0] += (~torch.isfinite(loss.detach())).double()
                 # DDP averages gradients over ranks; the loss is normalised by global counts. A non-finite loss
                 # still goes through backward on every rank (DDP stays in step); its gradients are dropped below.
                 acc.backward(loss * world * (args.gradient_accumulation_steps if self.is_deepspeed_enabled else 1))
+            checks[1:] += torch.stack([torch.as_tensor(x, dtype=torch.float64) for x in parts["kl/during_update"]])
             for name, (total, count) in parts.items():
                 stats.add(name, total, count)
-        bad, _ = reduce_sum_count(nonfinite, 1.0, acc)  # one collective and one host sync per optimizer step
+        bad, kl_sum, kl_count = all_reduce_sum(checks, acc).tolist()  # one collective and host sync per step
+        if bad == 0 and args.kl_guard_margin is not None and kl_sum / kl_count > args.kl_target * (1 + args.kl_guard_margin):
+            self.optimizer.zero_grad(set_to_none=True)
+            return "guard"
         grad_norm = None
-        ok = bad.item() == 0
+        ok = bad == 0
         if ok and args.max_grad_norm and args.max_grad_norm > 0:
             grad_norm = acc.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             ok = grad_norm is None or bool(torch.isfinite(torch.as_tensor(grad_norm)).all())
@@ -519,7 +464,7 @@ class KLPPOTrainer(CheckpointMixin, Trainer):
             if grad_norm is not None:
                 stats.add("train/grad_norm", torch.as_tensor(grad_norm, dtype=torch.float64) / world, 1.0 / world)
         self.optimizer.zero_grad(set_to_none=True)
-        return ok
+        return "applied" if ok else "nonfinite"
 
     def micro_batch_loss(self, mb: Rollout, advantages: Advantages, idx: torch.Tensor, counts: dict):
         """Loss of one micro-batch `mb` (rows `idx` of the rollout), normalised by the mini-batch's GLOBAL
@@ -540,6 +485,11 @@ class KLPPOTrainer(CheckpointMixin, Trainer):
             logits, logp, values, mb.logp, mb.values, advantages.advantages[idx], advantages.returns[idx], mask,
             counts["num_tokens"], args, share,
         )  # fmt: skip
+        with torch.no_grad():  # the KL statistic at the current policy, for the guard: k1 importance-weighted
+            # by pi / pi_old per token (the tokens were sampled by pi_old)
+            k1 = torch.exp(logp.detach() - mb.logp) * (logp.detach() - mb.ref_logp) * mask
+            count = mask.shape[0] if args.kl_target_unit == "sequence" else mask.sum()
+            parts["kl/during_update"] = (k1.sum(), count)
         if "loss" in args.kl_modes_applied:
             kl_term = self._kl_loss_term(mb, logp, logits, advantages.kl_loss_coef, counts)
             loss = loss + kl_term
@@ -565,17 +515,6 @@ class KLPPOTrainer(CheckpointMixin, Trainer):
     def _record_nonfinite(self, what: str, outcome: str) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
         return self.nonfinite_guard.record(self.state.global_step + 1, what, outcome, log=self.is_world_process_zero())
-
-    def shutdown(self) -> None:
-        """End a (distributed) run cleanly; call it last. Waits for every rank, drops the data-parallel
-        wrapper (it holds the process group: left to interpreter exit, gloo can abort the process), finishes
-        trackers and destroys the process group. The unwrapped models (`trainer.model`) stay usable."""
-        acc = self.accelerator
-        acc.wait_for_everyone()
-        self.model_wrapped = self.model
-        self.optimizer = self.lr_scheduler = None
-        acc.free_memory()
-        acc.end_training()
 
     # ------------------------------------------------------------------ diagnostics
     def sample(self, prompts: list, seed: int | None = None) -> tuple[Rollout, Rewards]:
