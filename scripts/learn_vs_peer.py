@@ -78,12 +78,14 @@ def is_done(side: str, lr: float, seed: int, runs: Path) -> bool:
 
 def run_jobs(jobs: list[tuple[str, float, int]], runs: Path, parallel: int) -> None:
     """Run the jobs not yet done, `parallel` at a time, one torch thread each; logs beside the outputs."""
-    pending = [j for j in jobs if not is_done(*j, runs)]
+    pending = list(jobs)
     active: list[tuple[subprocess.Popen, tuple]] = []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     while pending or active:
         while pending and len(active) < parallel:
             job = pending.pop(0)
+            if is_done(*job, runs):  # checked when its turn comes: another invocation may have finished it
+                continue
             log = open(runs / f"{run_name(*job)}.log", "w")
             print(f"start {run_name(*job)}", flush=True)
             active.append((subprocess.Popen(run_command(*job, runs), stdout=log, stderr=subprocess.STDOUT, env=env), job))

@@ -414,3 +414,20 @@ def test_kl_guard_ends_an_update_once_the_kl_passes_its_bound(tiny_path, prompts
     assert free.lr_scheduler.last_epoch == 8 and not any("kl/guard_fired" in h for h in free.state.log_history)
     with pytest.raises(ValueError, match="kl_guard_margin"):
         make_args(tmp_path, kl_guard_margin=0.5)  # no kl_target
+
+
+def test_a_resumed_run_continues_the_tracking_controller_exactly(tiny_path, prompts, tmp_path):
+    """Resumed from checkpoint-1, a run ends with the same full controller state (EMA, integral, trend history,
+    hold / armed flags, beta) and the same per-update log as the run that was never interrupted."""
+    kw = dict(kl_target=0.02, kl_coef=0.1, kl_target_unit="token", save_strategy="steps", save_steps=1, max_steps=3)
+    whole = make_trainer(tiny_path, prompts, make_args(tmp_path, output_dir=str(tmp_path / "whole"), **kw))
+    whole.train()
+    assert whole.args.kl_controller == "tracking"
+    resumed = make_trainer(tiny_path, prompts, make_args(tmp_path, output_dir=str(tmp_path / "resumed"), **kw))
+    resumed.train(resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-1"))
+    assert resumed.kl_controller.state_dict() == whole.kl_controller.state_dict()
+    keys = ("kl/value", "kl/coef", "kl/coef_next", "objective/scores", "loss/policy")
+    # the resumed log holds update 1 from the checkpoint, then its own updates 2 and 3
+    first = [[h[k] for k in keys] for h in whole.state.log_history if "kl/value" in h]
+    again = [[h[k] for k in keys] for h in resumed.state.log_history if "kl/value" in h]
+    assert len(first) == 3 and again == first
