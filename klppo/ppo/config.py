@@ -185,9 +185,10 @@ KLPPO_CONFIG_DOC = r"""
         nonfinite_rollback (`bool`, *optional*, defaults to `True`):
             When a loss or gradient of an update is non-finite, undo the whole update: the trainable weights, the
             optimizer state and the scheduler are restored to the start of the update, so a skipped update
-            changed nothing. Costs one copy of the trainable weights and of the optimizer state per update
-            (small with LoRA; for full fine-tuning, turn it off if that memory is short: the log then says how
-            many optimizer steps of the skipped update had already been applied).
+            changed nothing. With several optimizer steps per update this costs one copy of the trainable weights
+            and of the optimizer state per update: small with LoRA; for full fine-tuning, turn it off if that
+            memory is short (the log then says how many optimizer steps of the skipped update had already been
+            applied). With one step per update nothing is copied: a non-finite step is never applied.
         health_patience (`int`, *optional*, defaults to `3`):
             Warn, naming the fix, when `policy/approxkl` (> 0.02), `policy/clipfrac` (> 0.2), `policy/entropy`
             (< half its first value) or `val/clipfrac` (> 0.5) stays outside its healthy range for this many

@@ -184,8 +184,8 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
             metrics.update(self._record_nonfinite("rollout scores or KL", "no optimizer step was taken"))
         else:
             advantages = self.compute_advantages(rollout, rewards, penalty)  # step 7
-            snapshot = None
-            if self.args.nonfinite_rollback:
+            snapshot = None  # one optimizer step per update: a non-finite step is never applied, nothing to undo
+            if self.args.nonfinite_rollback and self.args.num_ppo_epochs * self.args.num_mini_batches > 1:
                 snapshot = snapshot_optimisation(self.accelerator.unwrap_model(self.model_wrapped), self.optimizer, self.lr_scheduler)
             with timed(timings, "time/optimise", self.accelerator):
                 result = self.optimise(rollout, advantages)  # step 8
