@@ -1,4 +1,4 @@
-"""Reward functions: sentiment, reward-model wrapper, loading from specs, error messages."""
+"""Reward functions: sentiment, long words, reward-model wrapper, loading from specs, error messages."""
 
 from __future__ import annotations
 
@@ -14,12 +14,26 @@ from klppo.rewards import (
     RewardModelFunction,
     completion_text,
     load_reward_funcs,
+    long_word_reward,
+    long_word_share,
     positive_sentiment_reward,
     reward_func_name,
 )
 
 PROMPTS = ["The film started slowly, but", "Dear diary, today was", "The soup was cold when it arrived, but"]
 COMPLETIONS = [" it became a wonderful, joyful story.", " awful and sad.", " the waiter was"]
+
+
+def test_long_word_share_counts_words_of_seven_letters_or_more():
+    # words: The(3) wonderful(9) journey(7) was(3) absolutely(10) fun(3) -> 3 of 6 have >= 7 letters
+    assert long_word_share("The wonderful journey was absolutely fun!") == 0.5
+    assert long_word_share("abcdef abcdefg") == 0.5  # 6 letters is short, 7 is long
+    assert long_word_share("") == 0.0 and long_word_share("42, ...") == 0.0  # no words
+    assert long_word_share("well-known") == 0.0  # hyphens split words: well(4), known(5)
+    chat = [[{"role": "assistant", "content": " extraordinary"}]]
+    assert long_word_reward(["p"], chat) == [1.0]
+    assert long_word_reward(PROMPTS, COMPLETIONS) == [1 / 6, 0.0, 0.0]  # "wonderful"; "waiter" has 6 letters
+    assert load_reward_funcs("klppo:long-words") == ([long_word_reward], [1.0])
 
 
 def test_completion_text_formats():
@@ -47,7 +61,7 @@ def test_builtin_and_callable_specs():
     assert load_reward_funcs("klppo:sentiment") == ([positive_sentiment_reward], [1.0])
     with pytest.raises(ValueError, match="one weight per reward function"):
         load_reward_funcs(["klppo:sentiment", mine], weights=[1.0])
-    with pytest.raises(ValueError, match="valid built-ins are \\['klppo:sentiment'\\]"):
+    with pytest.raises(ValueError, match="valid built-ins are \\['klppo:long-words', 'klppo:sentiment'\\]"):
         load_reward_funcs("klppo:toxicity")
 
 

@@ -1,6 +1,7 @@
 """Reward functions with TRL's signature ``fn(prompts, completions, completion_ids=None, **kwargs)``.
 
 - :func:`positive_sentiment_reward`: VADER sentiment of the completion (offline, no model).
+- :func:`long_word_reward`: the share of the completion's words with at least 7 letters (offline).
 - :class:`RewardModelFunction`: a sequence-classification reward model as such a function.
 - :func:`load_reward_funcs`: build reward functions from specs (callables, ``"klppo:sentiment"``,
   ``"module:function"``, ``"file.py:function"``, reward-model paths or Hub ids).
@@ -11,8 +12,8 @@ Prompts and completions are plain strings or conversational message lists
 
 from __future__ import annotations
 
-
 from .combine import combine_rewards, reward_values
+from .lexical import long_word_reward, long_word_share
 from .loading import BUILTIN_REWARDS, load_reward_funcs, reward_func_name
 from .reward_model import RewardModelFunction
 from .sentiment import positive_sentiment_reward, sentiment_score
@@ -25,6 +26,8 @@ __all__ = [
     "completion_text",
     "is_conversational",
     "load_reward_funcs",
+    "long_word_reward",
+    "long_word_share",
     "positive_sentiment_reward",
     "reward_func_name",
     "reward_values",

@@ -10,9 +10,13 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
+from .lexical import long_word_reward
 from .sentiment import positive_sentiment_reward
 
-BUILTIN_REWARDS: dict[str, Callable] = {"klppo:sentiment": positive_sentiment_reward}
+BUILTIN_REWARDS: dict[str, Callable] = {
+    "klppo:sentiment": positive_sentiment_reward,
+    "klppo:long-words": long_word_reward,
+}
 
 VALID_FORMS = (
     "a reward spec is one of: a Python callable fn(prompts, completions, completion_ids=None, **kwargs) "
