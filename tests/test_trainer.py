@@ -368,6 +368,7 @@ def test_a_diverging_update_is_undone_and_the_log_says_so(tiny_path, prompts, tm
     args = make_args(
         tmp_path, learning_rate=1e20, max_grad_norm=0.0, max_steps=2, num_ppo_epochs=3, num_mini_batches=2,
         gradient_accumulation_steps=1, save_strategy="steps", save_steps=1, max_nonfinite_updates=5,
+        nonfinite_rollback=True,  # full fine-tuning: off by default
     )  # fmt: skip
     trainer = make_trainer(tiny_path, prompts, args)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
@@ -382,6 +383,25 @@ def test_a_diverging_update_is_undone_and_the_log_says_so(tiny_path, prompts, tm
 
     saved = load_file(os.path.join(args.output_dir, "checkpoint-2", "klppo_trainable.safetensors"))
     assert all(torch.isfinite(v).all() for v in saved.values())
+
+
+def test_rollback_is_on_by_default_with_lora_and_off_for_full_fine_tuning(tiny_path, prompts, tmp_path, caplog):
+    """The undo copy costs 3x the trainable weights: taken by default only when they are a small share (LoRA).
+    Without it, a diverging update says how many of its steps were applied."""
+    from peft import LoraConfig
+
+    lora = make_trainer(tiny_path, prompts, make_args(tmp_path, critic="shared"),
+                        peft_config=LoraConfig(r=4, target_modules=["q_proj"]))
+    assert lora.rollback_updates
+    args = make_args(tmp_path, learning_rate=1e20, max_grad_norm=0.0, max_steps=1, num_ppo_epochs=3,
+                     num_mini_batches=2, gradient_accumulation_steps=1, max_nonfinite_updates=5)
+    full = make_trainer(tiny_path, prompts, args)
+    assert not full.rollback_updates
+    assert make_trainer(tiny_path, prompts, make_args(tmp_path, nonfinite_rollback=True)).rollback_updates
+    with caplog.at_level("WARNING"):
+        full.train()
+    assert full.nonfinite_skips == 1
+    assert any("step(s) of this update had already been applied" in r.getMessage() for r in caplog.records)
 
 
 def test_every_config_field_is_documented_once_in_the_class_docstring():

@@ -182,13 +182,15 @@ KLPPO_CONFIG_DOC = r"""
             How many times over training a table of sample completions is logged (0 disables).
         heldout_eval_texts (`int`, *optional*, defaults to `32`):
             Number of held-out texts for `eval/perplexity`.
-        nonfinite_rollback (`bool`, *optional*, defaults to `True`):
+        nonfinite_rollback (`bool` or `None`, *optional*, defaults to `None`):
             When a loss or gradient of an update is non-finite, undo the whole update: the trainable weights, the
             optimizer state and the scheduler are restored to the start of the update, so a skipped update
             changed nothing. With several optimizer steps per update this costs one copy of the trainable weights
-            and of the optimizer state per update: small with LoRA; for full fine-tuning, turn it off if that
-            memory is short (the log then says how many optimizer steps of the skipped update had already been
-            applied). With one step per update nothing is copied: a non-finite step is never applied.
+            and of the optimizer state per update. `None` (the default) turns it on when the trainable weights
+            are at most 10% of the model's (LoRA: the copy is small) and off for full fine-tuning, where the copy
+            would hold the weights once more and Adam's two moments (3x the trainable weights); the log then says
+            how many optimizer steps of the skipped update had already been applied. `True` or `False` forces it.
+            With one step per update nothing is copied: a non-finite step is never applied.
         health_patience (`int`, *optional*, defaults to `3`):
             Warn, naming the fix, when `policy/approxkl` (> 0.02), `policy/clipfrac` (> 0.2), `policy/entropy`
             (< half its first value) or `val/clipfrac` (> 0.5) stays outside its healthy range for this many
@@ -290,7 +292,7 @@ class KLPPOConfig(TrainingArguments):
     # Diagnostics
     num_sample_generations: int = field(default=10, metadata=_doc("num_sample_generations"))
     heldout_eval_texts: int = field(default=32, metadata=_doc("heldout_eval_texts"))
-    nonfinite_rollback: bool = field(default=True, metadata=_doc("nonfinite_rollback"))
+    nonfinite_rollback: bool | None = field(default=None, metadata=_doc("nonfinite_rollback"))
     health_patience: int = field(default=3, metadata=_doc("health_patience"))
     max_nonfinite_updates: int = field(default=3, metadata=_doc("max_nonfinite_updates"))
 

@@ -18,6 +18,7 @@ controller sees, the same global value.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections import defaultdict
@@ -185,7 +186,7 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
         else:
             advantages = self.compute_advantages(rollout, rewards, penalty)  # step 7
             snapshot = None  # one optimizer step per update: a non-finite step is never applied, nothing to undo
-            if self.args.nonfinite_rollback and self.args.num_ppo_epochs * self.args.num_mini_batches > 1:
+            if self.rollback_updates and self.args.num_ppo_epochs * self.args.num_mini_batches > 1:
                 snapshot = snapshot_optimisation(self.accelerator.unwrap_model(self.model_wrapped), self.optimizer, self.lr_scheduler)
             with timed(timings, "time/optimise", self.accelerator):
                 result = self.optimise(rollout, advantages)  # step 8
@@ -198,6 +199,15 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
                 logger.warning(message)
         record_samples(self, rollout.prompts, rewards)
         return metrics
+
+    @functools.cached_property
+    def rollback_updates(self) -> bool:
+        """Whether a non-finite step undoes its whole update: `nonfinite_rollback`, or when that is None, whether
+        the trainable weights are at most 10% of the model's (LoRA), so that the copy it takes is small."""
+        if self.args.nonfinite_rollback is not None:
+            return bool(self.args.nonfinite_rollback)
+        params = list(self.accelerator.unwrap_model(self.model_wrapped).parameters())
+        return 10 * sum(p.numel() for p in params if p.requires_grad) <= sum(p.numel() for p in params)
 
     def _after_optimise(self, result: OptimiseResult, snapshot: dict | None) -> dict[str, float]:
         """Roll back (or report) an update stopped by a non-finite loss or gradient."""
@@ -409,14 +419,14 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
             raise ValueError(f"Rollout batch {n_local} is not a multiple of the mini-batch size {mb_size}.")
         stats, skipped, applied, guarded = GlobalSums(), False, 0, False
         for _epoch in range(args.num_ppo_epochs):
-            if (skipped and args.nonfinite_rollback) or guarded:
+            if (skipped and self.rollback_updates) or guarded:
                 break  # the whole update is undone (or the guard fired): no point in more steps
             order = torch.randperm(n_local, device=rollout.responses.device)
             for mb_start in range(0, n_local, mb_size):
                 status = self._optimizer_step(rollout, advantages, order[mb_start : mb_start + mb_size], stats)
                 skipped, applied = skipped or status == "nonfinite", applied + int(status == "applied")
                 guarded = status == "guard"
-                if (status == "nonfinite" and args.nonfinite_rollback) or guarded:
+                if (status == "nonfinite" and self.rollback_updates) or guarded:
                     break
         metrics = stats.means(self.accelerator)
         if args.kl_guard_margin is not None:
