@@ -92,6 +92,11 @@ def parse_args(argv=None):
     parser.add_argument("--kl-chunk-size", type=int, default=4)
     parser.add_argument("--out", default=str(REPO_ROOT / "results" / "bench"))
     parser.add_argument("--render", metavar="JSON", help="only rebuild a saved report's summaries, .json and .md")
+    parser.add_argument("--profile", action="store_true",
+                        help="also one profiled klppo run per workload: where each second of an update goes")
+    parser.add_argument("--growth", metavar="BxL,...",
+                        help="instead of the workloads: workload b at each `prompts x response length` point "
+                        "(e.g. 8x24,8x96,8x256,32x24); writes <out>/growth.{json,md,png}")
     args = parser.parse_args(argv)
     if args.quick:
         args.model, args.warmup, args.updates, args.repeats = "tiny", 1, 1, 1
@@ -304,6 +309,31 @@ def workload_table(name: str, result: dict) -> list[str]:
     lines.append(f"| whole update (wall, between step ends) | {fmt(k['time_per_update_s'])} | "
                  f"{fmt(p and p['time_per_update_s'])} |")  # fmt: skip
     lines.append("")
+    if "profile" in result:
+        lines += profile_table(result["profile"])
+    return lines
+
+
+PROFILE_ROWS = ["generation", "score_policy", "score_value", "score_ref", "reward", "kl", "advantages",
+                "rollback_snapshot", "optimise"]  # fmt: skip
+OPTIMISE_PARTS = ["forward", "backward", "clip_grad_norm", "optimizer_step"]
+
+
+def profile_table(profile: dict) -> list[str]:
+    """Where each second of klppo's update goes, from one `torch.profiler` run (CPU time per update)."""
+    ranges = {k.removeprefix("klppo/"): v for k, v in profile["ranges_s"].items()}
+    lines = [f"Where klppo's update goes (one profiled run, {profile['updates']} updates; CPU seconds per update; "
+             "the profiler adds some overhead of its own):", "", "| range | s per update |", "| --- | ---: |"]  # fmt: skip
+    for name in PROFILE_ROWS:
+        if name in ranges:
+            lines.append(f"| {name} | {fmt(ranges[name])} |")
+        if name == "optimise":
+            for part in OPTIMISE_PARTS:
+                lines.append(f"| - {part} | {fmt(ranges.get(part, 0.0))} |")
+            rest = ranges.get("optimise", 0.0) - sum(ranges.get(part, 0.0) for part in OPTIMISE_PARTS)
+            lines.append(f"| - rest of the PPO epochs (batching, statistics) | {fmt(rest)} |")
+    lines += ["", "Operators with the most self CPU time (s per update): "
+              + ", ".join(f"`{k}` {fmt(v)}" for k, v in profile["top_ops_self_s"].items()), ""]  # fmt: skip
     return lines
 
 
@@ -433,16 +463,15 @@ def main(argv=None) -> dict:
     sides = ["klppo", "peer"] if args.with_peer else ["klppo"]
 
     started, revision = time.time(), git_revision()  # each run imports klppo afresh: note the code it starts from
+    if args.growth:
+        return growth(args, model_path, workdir, sides, command, revision, out_dir)
     workloads = {}
     for workload in args.workloads:
-        runs = {side: [] for side in sides}
-        for repeat in range(args.repeats):
-            order = sides if repeat % 2 == 0 else sides[::-1]
-            for side in order:
-                log = workdir / f"{workload}-{side}-{repeat}.log"
-                print(f"[bench] workload {workload}, repeat {repeat + 1}/{args.repeats}: {side}", flush=True)
-                runs[side].append(run_json(train_cmd(side, args, workload, model_path, prompts), log))
-        workloads[workload] = summarise_workload(runs)
+        workloads[workload] = summarise_workload(alternate(args, sides, workload, model_path, prompts, workdir))
+        if args.profile:
+            print(f"[bench] workload {workload}: one profiled klppo run", flush=True)
+            cmd = [*train_cmd("klppo", args, workload, model_path, prompts), "--profile"]
+            workloads[workload]["profile"] = run_json(cmd, workdir / f"{workload}-klppo-profile.log")["profile"]
     print("[bench] full-vocabulary KL memory check", flush=True)
     kl = kl_memory_check(args, workdir)
 
@@ -474,6 +503,120 @@ def main(argv=None) -> dict:
     return report
 
 
+def alternate(args, sides: list[str], workload: str, model_path: str, prompts: Path, workdir: Path, tag: str = ""):
+    """`args.repeats` fresh runs per side, the order alternating between repeats: `{side: [run, ...]}`."""
+    runs = {side: [] for side in sides}
+    for repeat in range(args.repeats):
+        for side in sides if repeat % 2 == 0 else sides[::-1]:
+            print(f"[bench] workload {workload}{tag}, repeat {repeat + 1}/{args.repeats}: {side}", flush=True)
+            log = workdir / f"{workload}{tag.replace(' ', '')}-{side}-{repeat}.log"
+            runs[side].append(run_json(train_cmd(side, args, workload, model_path, prompts), log))
+    return runs
+
+
+def growth(args, model_path: str, workdir: Path, sides: list[str], command: str, revision, out_dir: Path) -> dict:
+    """Workload b at several `prompts x response length` points, both sides alternating at each point."""
+    points = []
+    for spec in args.growth.split(","):
+        batch, length = (int(x) for x in spec.lower().split("x"))
+        point = argparse.Namespace(**{**vars(args), "batch_size": batch, "response_length": length})
+        prompts = bench_assets.write_prompts(workdir / f"prompts-{batch}.json", batch * (args.warmup + args.updates))
+        runs = alternate(point, sides, "b", model_path, prompts, workdir, tag=f" {batch}x{length}")
+        points.append({"batch_size": batch, "response_length": length, **summarise_workload(runs)})
+    report = {
+        "model": args.model, "model_path": model_path, "command": command, "klppo_revision": revision,
+        "machine": machine(), "warmup": args.warmup, "updates": args.updates, "repeats": args.repeats,
+        "threads_per_run": args.threads, "sides": sides, "points": points,
+    }  # fmt: skip
+    report["slopes"] = growth_slopes(points, sides)
+    stem = out_dir / "growth"
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+    stem.with_suffix(".md").write_text(growth_markdown(report))
+    growth_plot(report, stem.with_suffix(".png"))
+    print(stem.with_suffix(".md").read_text())
+    return report
+
+
+def _slope(xs, ys) -> float:
+    """Least-squares slope of log(ys) against log(xs)."""
+    lx, ly = [math.log(x) for x in xs], [math.log(y) for y in ys]
+    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
+    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
+
+
+def growth_slopes(points: list[dict], sides: list[str]) -> dict:
+    """Log-log slopes of time per update (and of klppo's generation and PPO epochs) against response length at
+    the smallest batch, and against the batch at the shortest length: 1 = linear, 2 = quadratic."""
+    out = {}
+    for axis, fixed, vary in (("response_length", "batch_size", "response_length"), ("batch_size", "response_length", "batch_size")):
+        base = min(p[fixed] for p in points)
+        line = sorted((p for p in points if p[fixed] == base), key=lambda p: p[vary])
+        if len(line) < 2:
+            continue
+        xs = [p[vary] for p in line]
+        out[axis] = {f"{side} time/update": _slope(xs, [p[side]["time_per_update_s"] for p in line]) for side in sides}
+        for phase in ("time/generation", "time/optimise"):
+            out[axis][f"klppo {phase}"] = _slope(xs, [p["klppo"]["phases_s"][phase] for p in line])
+        out[axis]["klppo peak RSS above start"] = _slope(xs, [p["klppo"]["peak_rss_above_start_mb"] for p in line])
+    return out
+
+
+def growth_markdown(report: dict) -> str:
+    m, sides = report["machine"], report["sides"]
+    lines = [
+        f"# How cost grows with the work: klppo vs TRL 1.12 PPO, workload b ({report['model']})", "",
+        f"Command: `{report['command']}` (klppo at `{report['klppo_revision']}`)", "",
+        f"Machine: {m['cpu_count']} CPUs ({m['processor']}), torch {m['torch']}. Per point: {report['warmup']} "
+        f"warm-up + {report['updates']} measured update(s) per run, {report['repeats']} alternating repeat(s) per side, "
+        f"fresh processes with {report['threads_per_run']} thread(s); medians. Workload b as in `smollm2.md`: klppo's "
+        "LoRA policy with a shared value head and the sentiment function; the peer's LoRA policy with separate value "
+        "and reward models. 2 PPO epochs, 1 mini-batch.", "",
+        "| prompts x tokens | klppo s/update | " + ("peer s/update | throughput ratio | " if "peer" in sides else "")
+        + "klppo generation | klppo PPO epochs | klppo peak RSS MB | " + ("peer peak RSS MB | RSS ratio |" if "peer" in sides else ""),
+        "| --- | ---: | " + ("---: | ---: | " if "peer" in sides else "") + "---: | ---: | ---: | " + ("---: | ---: |" if "peer" in sides else ""),
+    ]  # fmt: skip
+    for p in report["points"]:
+        k = p["klppo"]
+        row = f"| {p['batch_size']} x {p['response_length']} | {fmt(k['time_per_update_s'])} | "
+        if "peer" in sides:
+            row += f"{fmt(p['peer']['time_per_update_s'])} | {fmt(p['ratios']['throughput_ratio_peer_time_over_klppo_time'])} | "
+        row += f"{fmt(k['phases_s']['time/generation'])} | {fmt(k['phases_s']['time/optimise'])} | {fmt(k['peak_rss_mb'])} | "
+        if "peer" in sides:
+            row += f"{fmt(p['peer']['peak_rss_mb'])} | {fmt(p['ratios']['peak_rss_ratio_klppo_over_peer'])} |"
+        lines.append(row)
+    lines += ["", "Log-log slopes (1 = cost proportional to the work, 2 = quadratic):", ""]
+    for axis, slopes in report["slopes"].items():
+        lines.append(f"- against {axis.replace('_', ' ')}: " + ", ".join(f"{k} {v:.2f}" for k, v in slopes.items()))
+    lines.append("")
+    return "\n".join(lines)
+
+
+def growth_plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    for side, colour in (("klppo", "tab:blue"), ("peer", "tab:orange")):
+        if side not in report["sides"]:
+            continue
+        for batch, marker in sorted({(p["batch_size"], "o" if p["batch_size"] == 8 else "s") for p in report["points"]}):
+            line = sorted((p for p in report["points"] if p["batch_size"] == batch), key=lambda p: p["response_length"])
+            ax.plot([p["batch_size"] * p["response_length"] for p in line], [p[side]["time_per_update_s"] for p in line],
+                    marker=marker, color=colour, label=f"{side}, {batch} prompts")  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("sampled tokens per update (prompts x response length)")
+    ax.set_ylabel("seconds per PPO update")
+    ax.set_title("Workload b: time per update against the work")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def summarise_workload(runs: dict[str, list[dict]]) -> dict:
     result = {side: summarise_side(side_runs, side) for side, side_runs in runs.items()}
     if "peer" in result:
@@ -493,7 +636,10 @@ def render(path: Path) -> dict:
     """Recompute the summaries of a saved report from its raw runs and rewrite its .json and .md."""
     report = json.loads(path.read_text())
     for name, workload in report["workloads"].items():
+        profile = workload.get("profile")
         report["workloads"][name] = summarise_workload(workload["runs"])
+        if profile is not None:
+            report["workloads"][name]["profile"] = profile
     report["notes"] = NOTES
     write_report(report, path.with_suffix(""))
     return report

@@ -88,6 +88,9 @@ def train(args) -> dict:
     trainer, critic = build_trainer(args, tokenizer)
     wall = UpdateClock()
     trainer.add_callback(wall)
+    profiler = UpdateProfiler(args.warmup) if args.profile else None
+    if profiler is not None:
+        trainer.add_callback(profiler)
     rss_setup = peak_rss_mb()
     trainer.train()
     logs = [h for h in trainer.state.log_history if "time/update" in h]
@@ -101,7 +104,9 @@ def train(args) -> dict:
         if args.workload == "a"
         else "LoRA policy, adapter-disabled reference, shared value head, sentiment reward function"
     )
+    extra = {"profile": profiler.account(len(measured))} if profiler is not None else {}
     return {
+        **extra,
         "side": "klppo",
         "implementation": "klppo.KLPPOTrainer",
         "workload": args.workload,
@@ -129,6 +134,32 @@ class UpdateClock(TrainerCallback):
         now = time.perf_counter()
         self.seconds.append(now - self.last)
         self.last = now
+
+
+class UpdateProfiler(TrainerCallback):
+    """`torch.profiler` over the updates after `warmup`: CPU time of klppo's `klppo/*` ranges (its phases, and
+    the PPO epochs' forward, backward, gradient clipping and optimizer step) and the top operators."""
+
+    def __init__(self, warmup: int):
+        self.warmup, self.profile = warmup, None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.warmup and self.profile is None:
+            self.profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self.profile.__enter__()
+
+    def on_train_end(self, *a, **k):
+        if self.profile is not None:
+            self.profile.__exit__(None, None, None)
+
+    def account(self, updates: int) -> dict:
+        """Seconds per update of each `klppo/*` range (inclusive) and of the 12 operators with the most self
+        CPU time (`aten::*` and the like, exclusive)."""
+        events = self.profile.key_averages()
+        ranges = {e.key: e.cpu_time_total / 1e6 / updates for e in events if e.key.startswith("klppo/")}
+        ops = sorted((e for e in events if not e.key.startswith("klppo/")), key=lambda e: -e.self_cpu_time_total)
+        top = {e.key: e.self_cpu_time_total / 1e6 / updates for e in ops[:12]}
+        return {"updates": updates, "ranges_s": ranges, "top_ops_self_s": top}
 
 
 def build_trainer(args, tokenizer):
@@ -220,6 +251,7 @@ def parse_args(argv=None):
     jobs = parser.add_subparsers(dest="job", required=True)
     run = jobs.add_parser("train", help="time PPO updates of KLPPOTrainer")
     add_workload_arguments(run)
+    run.add_argument("--profile", action="store_true", help="torch.profiler over the measured updates")
     mem = jobs.add_parser("kl-memory", help="peak extra memory of full-vocabulary KL")
     mem.add_argument("--variant", choices=["chunked", "dense", "naive"], required=True)
     mem.add_argument("--positions", type=int, default=64)

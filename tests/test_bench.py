@@ -26,7 +26,7 @@ def positive(x) -> bool:
 @pytest.mark.slow
 def test_quick_bench_writes_finite_figures(tmp_path):
     done = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "scripts" / "bench.py"), "--quick", "--out", str(tmp_path)],
+        [sys.executable, str(REPO_ROOT / "scripts" / "bench.py"), "--quick", "--profile", "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=900,
@@ -52,6 +52,12 @@ def test_quick_bench_writes_finite_figures(tmp_path):
         assert klppo["measured_updates"] == 1
         run = workload["runs"]["klppo"][0]
         assert run["generated_length"] == [24.0, 24.0]  # no stop token: every response is full length
+        ranges = workload["profile"]["ranges_s"]  # --profile: the PPO epochs split into their parts
+        for part in ("generation", "score_ref", "optimise", "forward", "backward", "clip_grad_norm", "optimizer_step"):
+            assert positive(ranges[f"klppo/{part}"]), (name, part, ranges)
+        parts = sum(ranges[f"klppo/{p}"] for p in ("forward", "backward", "clip_grad_norm", "optimizer_step"))
+        assert parts <= ranges["klppo/optimise"] * 1.001
+    assert "Where klppo's update goes" in (tmp_path / "tiny-quick.md").read_text()
 
     kl = report["kl_memory"]["variants"]
     assert set(kl) == {"chunked", "dense", "naive"}
@@ -59,3 +65,34 @@ def test_quick_bench_writes_finite_figures(tmp_path):
         assert positive(variant["seconds"]) and math.isfinite(variant["kl_mean"])
         extra = variant.get("peak_extra_cuda_mb") or variant["peak_extra_rss_mb"]
         assert extra is None or math.isfinite(extra)
+
+
+@pytest.mark.slow
+def test_quick_growth_writes_a_table_slopes_and_a_plot(tmp_path):
+    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "bench.py"), "--quick", "--growth", "2x4,2x8,4x4", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "growth.json").read_text())
+    assert [(p["batch_size"], p["response_length"]) for p in report["points"]] == [(2, 4), (2, 8), (4, 4)]
+    assert all(positive(p["klppo"]["time_per_update_s"]) for p in report["points"])
+    assert set(report["slopes"]) == {"response_length", "batch_size"}
+    assert all(math.isfinite(v) for slopes in report["slopes"].values() for v in slopes.values())
+    assert (tmp_path / "growth.png").stat().st_size > 0 and "| 4 x 4 |" in (tmp_path / "growth.md").read_text()
+
+
+def test_growth_slopes_are_exact_on_power_laws(monkeypatch):
+    """time = 0.01 * length^2 * batch: slope 2 against the length, 1 against the batch."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "scripts"))
+    import bench
+
+    def point(batch, length):
+        t = 0.01 * length**2 * batch
+        side = {"time_per_update_s": t, "phases_s": {"time/generation": t / 2, "time/optimise": t / 4},
+                "peak_rss_above_start_mb": 100.0 * batch}  # fmt: skip
+        return {"batch_size": batch, "response_length": length, "klppo": side}
+
+    slopes = bench.growth_slopes([point(8, 24), point(8, 96), point(8, 256), point(32, 24)], ["klppo"])
+    assert slopes["response_length"]["klppo time/update"] == pytest.approx(2.0)
+    assert slopes["response_length"]["klppo peak RSS above start"] == pytest.approx(0.0, abs=1e-12)
+    assert slopes["batch_size"]["klppo time/optimise"] == pytest.approx(1.0)
+    assert slopes["batch_size"]["klppo peak RSS above start"] == pytest.approx(1.0)

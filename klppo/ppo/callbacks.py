@@ -8,6 +8,7 @@ import warnings
 from contextlib import contextmanager
 
 import torch
+from torch.profiler import record_function
 from transformers import TrainerCallback
 
 _WANDB_NOTICE_GIVEN = False
@@ -91,9 +92,11 @@ def now(accelerator) -> float:
 
 @contextmanager
 def timed(timings: dict, key: str, accelerator):
-    """Add the block's wall time to `timings[key]`."""
+    """Add the block's wall time to `timings[key]`; under `torch.profiler` the block is a range named
+    `klppo/<key without "time/">`."""
     start = now(accelerator)
     try:
-        yield
+        with record_function("klppo/" + key.removeprefix("time/")):
+            yield
     finally:
         timings[key] = timings.get(key, 0.0) + now(accelerator) - start

@@ -26,6 +26,7 @@ from contextlib import nullcontext
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 from transformers import PreTrainedTokenizerBase, Trainer, set_seed
 from transformers.trainer_callback import ProgressCallback
 from trl.models.utils import unwrap_model_for_generation
@@ -184,10 +185,12 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
         if not penalty.finite:
             metrics.update(self._record_nonfinite("rollout scores or KL", "no optimizer step was taken"))
         else:
-            advantages = self.compute_advantages(rollout, rewards, penalty)  # step 7
+            with timed(timings, "time/advantages", self.accelerator):
+                advantages = self.compute_advantages(rollout, rewards, penalty)  # step 7
             snapshot = None  # one optimizer step per update: a non-finite step is never applied, nothing to undo
             if self.rollback_updates and self.args.num_ppo_epochs * self.args.num_mini_batches > 1:
-                snapshot = snapshot_optimisation(self.accelerator.unwrap_model(self.model_wrapped), self.optimizer, self.lr_scheduler)
+                with timed(timings, "time/rollback_snapshot", self.accelerator):
+                    snapshot = snapshot_optimisation(self.accelerator.unwrap_model(self.model_wrapped), self.optimizer, self.lr_scheduler)
             with timed(timings, "time/optimise", self.accelerator):
                 result = self.optimise(rollout, advantages)  # step 8
             metrics.update(result.metrics, **advantages.metrics)
@@ -450,11 +453,13 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
             idx = mb_idx[micro_start : micro_start + micro]
             last_micro = micro_start + micro >= len(mb_idx)
             with nullcontext() if last_micro or world == 1 else acc.no_sync(model):
-                loss, parts = self.micro_batch_loss(rollout.select(idx), advantages, idx, counts)
+                with record_function("klppo/forward"):
+                    loss, parts = self.micro_batch_loss(rollout.select(idx), advantages, idx, counts)
                 checks[0] += (~torch.isfinite(loss.detach())).double()
                 # DDP averages gradients over ranks; the loss is normalised by global counts. A non-finite loss
                 # still goes through backward on every rank (DDP stays in step); its gradients are dropped below.
-                acc.backward(loss * world * (args.gradient_accumulation_steps if self.is_deepspeed_enabled else 1))
+                with record_function("klppo/backward"):
+                    acc.backward(loss * world * (args.gradient_accumulation_steps if self.is_deepspeed_enabled else 1))
             checks[1:] += torch.stack([torch.as_tensor(x, dtype=torch.float64) for x in parts["kl/during_update"]])
             for name, (total, count) in parts.items():
                 stats.add(name, total, count)
@@ -465,10 +470,12 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
         grad_norm = None
         ok = bad == 0
         if ok and args.max_grad_norm and args.max_grad_norm > 0:
-            grad_norm = acc.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            ok = grad_norm is None or bool(torch.isfinite(torch.as_tensor(grad_norm)).all())
+            with record_function("klppo/clip_grad_norm"):
+                grad_norm = acc.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                ok = grad_norm is None or bool(torch.isfinite(torch.as_tensor(grad_norm)).all())
         if ok:
-            self.optimizer.step()
+            with record_function("klppo/optimizer_step"):
+                self.optimizer.step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             if grad_norm is not None:
