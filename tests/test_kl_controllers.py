@@ -309,7 +309,7 @@ def test_build_kl_controller():
     c = build_kl_controller(SimpleNamespace(kl_controller="pid", kl_pid_kp=0.5, kl_pid_ki=None, kl_pid_kd=0.01, **base))
     assert isinstance(c, PIDKLController) and (c.kp, c.ki, c.kd) == (0.5, 0.3, 0.01)
     c = build_kl_controller(SimpleNamespace(kl_controller="tracking", kl_track_ki=0.2, kl_track_window=None, **base))
-    assert isinstance(c, TrackingKLController) and (c.ki, c.kp, c.window) == (0.2, 1.2, 10)
+    assert isinstance(c, TrackingKLController) and (c.ki, c.kp, c.window) == (0.2, 0.3, 10)
     with pytest.raises(ValueError, match="fixed, adaptive, exponential, pid, tracking"):
         build_kl_controller(SimpleNamespace(kl_controller="lagrangian", **base))
     with pytest.raises(ValueError, match="kl_target"):

@@ -478,22 +478,15 @@ class TrackingKLController(_LogSpaceController):
       falls, at ``startup_rate`` times the integral gain: a policy that moves late (a dead time
       before its KL rises) reads exactly like one held back too hard, so until the KL has first come
       near the target a cut is made slowly. After that, the integral acts at full gain both ways.
+    - The error is taken on the predicted KL: beta rises while the KL is still climbing toward an
+      overshoot, before it happens. Only a rise counts (derivative on rising KL only, as Stooke et
+      al.): a falling KL does not cut beta early.
     - The error is ``log(KL / target)``: the KL of the regularised optimum falls roughly as a power
       of beta, so the loop is about linear in log space, symmetric for KL too high and too low, and
       independent of the unit and size of the target. It is clipped to +-1 (a 10x spike moves beta
       by at most ``exp(kp + ki)``).
-    - The proportional term does most of the work (``kp`` 1.2 against ``ki`` 0.1). A policy under
-      training keeps what its updates did: its KL answers a change of beta over several updates and
-      drifts while the reward still pulls, close to an integrating plant. On such a plant proportional
-      action restores at once, while a strong integral adds a second integrator and oscillates: with
-      ``kp`` 0.3 the KL on the sentiment task swung around the target with a period of about 10
-      updates. The integral only removes the steady-state error; the EMA averages a batch's noisy
-      reading over about ``2 / smoothing - 1`` updates.
-    - ``lookahead`` > 0 takes the error on a predicted KL, ``m + lookahead * slope`` (only a rising
-      slope counts, as Stooke et al.'s derivative on rising cost), so that beta rises before an
-      overshoot. It is off by default: with 32 sequences per update the slope of 10 readings is
-      noisy enough that it cost more tracking than it saved, in a model of the KL's response fitted
-      to runs of the sentiment task (README, "Results").
+    - The proportional term damps; the integral removes the steady-state error; the EMA averages a
+      batch's noisy reading over about ``2 / smoothing - 1`` updates.
 
     The defaults were chosen on one-token bandits whose equilibrium coefficient is known in closed
     form, from a start 5x below and 5x above it (``tests/test_convergence.py``), and on the default
@@ -504,10 +497,10 @@ class TrackingKLController(_LogSpaceController):
         self,
         kl_coef: float,
         target: float,
-        kp: float = 1.2,
+        kp: float = 0.3,
         ki: float = 0.1,
-        lookahead: float = 0.0,
-        smoothing: float = 0.5,
+        lookahead: float = 2.0,
+        smoothing: float = 0.3,
         window: int = 10,
         coef_min: float = 1e-4,
         coef_max: float = 10.0,
@@ -518,10 +511,10 @@ class TrackingKLController(_LogSpaceController):
         self.target = _check_positive(target, "target", "set kl_target to the KL you want, e.g. 4 (nats/sequence)")
         self.arm_fraction = _check_positive(arm_fraction, "arm_fraction", "the start-up hold ends at this fraction of the target, e.g. 0.8")
         self.startup_rate = _check_nonnegative(startup_rate, "startup_rate", "the share of ki used to lower beta before the KL first nears the target, e.g. 0.25")
-        self.kp = _check_nonnegative(kp, "kp", "gains must be >= 0 (defaults: kp=1.2, ki=0.1)")
-        self.ki = _check_nonnegative(ki, "ki", "gains must be >= 0 (defaults: kp=1.2, ki=0.1)")
-        self.lookahead = _check_nonnegative(lookahead, "lookahead", "it is a number of updates, e.g. 2 (0, the default, disables)")
-        self.smoothing = _check_positive(smoothing, "smoothing", "it is an EMA weight in (0, 1], e.g. 0.5")
+        self.kp = _check_nonnegative(kp, "kp", "gains must be >= 0 (defaults: kp=0.3, ki=0.1)")
+        self.ki = _check_nonnegative(ki, "ki", "gains must be >= 0 (defaults: kp=0.3, ki=0.1)")
+        self.lookahead = _check_nonnegative(lookahead, "lookahead", "it is a number of updates, e.g. 2 (0 disables)")
+        self.smoothing = _check_positive(smoothing, "smoothing", "it is an EMA weight in (0, 1], e.g. 0.3")
         if self.smoothing > 1:
             raise ValueError(f"smoothing must lie in (0, 1], got {self.smoothing}; 1 means no smoothing")
         if isinstance(window, bool) or int(window) != window or window < 3:

@@ -86,10 +86,10 @@ KLPPO_CONFIG_DOC = r"""
         kl_pid_integral_limit, kl_pid_error_clip (`float` or `None`, *optional*):
             Anti-windup bound of the PID integral and clip of its relative error; `None` keeps the defaults.
         kl_track_kp, kl_track_ki, kl_track_lookahead, kl_track_smoothing, kl_track_window (`float`/`int` or `None`, *optional*):
-            Settings of the `"tracking"` controller (`klppo.kl.TrackingKLController`): gains on log beta (1.2,
-            0.1), updates of lookahead on a rising KL (0: off), EMA weight of the reading (0.5), and the number
-            of recent updates whose trend decides whether the KL is still rising (10; before the KL first nears
-            the target, the integral does not fall while it is). `None` keeps the default.
+            Settings of the `"tracking"` controller (`klppo.kl.TrackingKLController`): gains on log beta (0.3,
+            0.1), updates of lookahead on a rising KL (2), EMA weight of the reading (0.3), and the number of
+            recent updates whose trend decides whether the KL is still rising (10; the integral does not
+            fall while it is). `None` keeps the default.
         kl_coef_min (`float`, *optional*, defaults to `1e-4`), kl_coef_max (`float`, *optional*, defaults to `10.0`):
             Bounds on beta for the adaptive, exponential and PID controllers.
         kl_log_ratio_clamp (`float` or `None`, *optional*, defaults to `40.0`):
