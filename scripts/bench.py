@@ -62,6 +62,8 @@ PHASE_ROWS = [
     ("score: values", "time/score_value", "time/score_value"),
     ("reward", "time/reward", "time/reward"),
     ("KL (peer: KL + rewards + GAE window)", "time/kl", "time/kl_rewards_gae"),
+    ("advantages (klppo: GAE and whitening)", "time/advantages", "time/advantages"),
+    ("undo copy for a non-finite step (klppo, LoRA)", "time/rollback_snapshot", "time/rollback_snapshot"),
     ("optimise (PPO epochs)", "time/optimise", "time/optimise"),
     ("explicit gc.collect() (peer only)", "time/gc", "time/gc"),
 ]
@@ -105,6 +107,15 @@ def parse_args(argv=None):
     if bad:
         parser.error(f"unknown workload(s) {bad}: choose from a, b (e.g. --workloads a,b)")
     args.with_peer = not args.no_peer and (args.peer or not args.quick)
+    if args.growth:
+        try:
+            args.growth_points = [tuple(int(x) for x in spec.lower().split("x")) for spec in args.growth.split(",")]
+        except ValueError:
+            parser.error(f"--growth {args.growth!r}: give points as PROMPTSxLENGTH, e.g. 8x24,8x96,8x256,32x24")
+        if len(set(args.growth_points)) != len(args.growth_points) or any(len(p) != 2 or min(p) < 1 for p in args.growth_points):
+            parser.error(f"--growth {args.growth!r}: points must be distinct pairs of positive integers, e.g. 8x24,8x96")
+        if args.profile:
+            parser.error("--profile applies to the workloads, not to --growth; run them separately")
     return args
 
 
@@ -517,8 +528,7 @@ def alternate(args, sides: list[str], workload: str, model_path: str, prompts: P
 def growth(args, model_path: str, workdir: Path, sides: list[str], command: str, revision, out_dir: Path) -> dict:
     """Workload b at several `prompts x response length` points, both sides alternating at each point."""
     points = []
-    for spec in args.growth.split(","):
-        batch, length = (int(x) for x in spec.lower().split("x"))
+    for batch, length in args.growth_points:
         point = argparse.Namespace(**{**vars(args), "batch_size": batch, "response_length": length})
         prompts = bench_assets.write_prompts(workdir / f"prompts-{batch}.json", batch * (args.warmup + args.updates))
         runs = alternate(point, sides, "b", model_path, prompts, workdir, tag=f" {batch}x{length}")
@@ -528,8 +538,9 @@ def growth(args, model_path: str, workdir: Path, sides: list[str], command: str,
         "machine": machine(), "warmup": args.warmup, "updates": args.updates, "repeats": args.repeats,
         "threads_per_run": args.threads, "sides": sides, "points": points,
     }  # fmt: skip
-    report["slopes"] = growth_slopes(points, sides)
     stem = out_dir / "growth"
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")  # the runs first, whatever follows
+    report["slopes"] = growth_slopes(points, sides)
     stem.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     stem.with_suffix(".md").write_text(growth_markdown(report))
     growth_plot(report, stem.with_suffix(".png"))
@@ -538,7 +549,9 @@ def growth(args, model_path: str, workdir: Path, sides: list[str], command: str,
 
 
 def _slope(xs, ys) -> float:
-    """Least-squares slope of log(ys) against log(xs)."""
+    """Least-squares slope of log(ys) against log(xs); NaN when it is undefined (a y <= 0, or a single x)."""
+    if min(ys) <= 0 or len(set(xs)) < 2:
+        return math.nan
     lx, ly = [math.log(x) for x in xs], [math.log(y) for y in ys]
     mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
     return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
@@ -564,13 +577,14 @@ def growth_slopes(points: list[dict], sides: list[str]) -> dict:
 def growth_markdown(report: dict) -> str:
     m, sides = report["machine"], report["sides"]
     lines = [
-        f"# How cost grows with the work: klppo vs TRL 1.12 PPO, workload b ({report['model']})", "",
+        f"# How cost grows with the work: {' vs '.join(SIDE_NAMES[x] for x in sides)}, workload b ({report['model']})", "",
         f"Command: `{report['command']}` (klppo at `{report['klppo_revision']}`)", "",
         f"Machine: {m['cpu_count']} CPUs ({m['processor']}), torch {m['torch']}. Per point: {report['warmup']} "
         f"warm-up + {report['updates']} measured update(s) per run, {report['repeats']} alternating repeat(s) per side, "
         f"fresh processes with {report['threads_per_run']} thread(s); medians. Workload b as in `smollm2.md`: klppo's "
-        "LoRA policy with a shared value head and the sentiment function; the peer's LoRA policy with separate value "
-        "and reward models. 2 PPO epochs, 1 mini-batch.", "",
+        "LoRA policy with a shared value head and the sentiment function"
+        + ("; the peer's LoRA policy with separate value and reward models" if "peer" in sides else "")
+        + ". 2 PPO epochs, 1 mini-batch.", "",
         "| prompts x tokens | klppo s/update | " + ("peer s/update | throughput ratio | " if "peer" in sides else "")
         + "klppo generation | klppo PPO epochs | klppo peak RSS MB | " + ("peer peak RSS MB | RSS ratio |" if "peer" in sides else ""),
         "| --- | ---: | " + ("---: | ---: | " if "peer" in sides else "") + "---: | ---: | ---: | " + ("---: | ---: |" if "peer" in sides else ""),
@@ -591,6 +605,9 @@ def growth_markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+SIDE_NAMES = {"klppo": "klppo", "peer": "TRL 1.12 PPO"}
+
+
 def growth_plot(report: dict, path: Path) -> None:
     import matplotlib
 
@@ -601,7 +618,8 @@ def growth_plot(report: dict, path: Path) -> None:
     for side, colour in (("klppo", "tab:blue"), ("peer", "tab:orange")):
         if side not in report["sides"]:
             continue
-        for batch, marker in sorted({(p["batch_size"], "o" if p["batch_size"] == 8 else "s") for p in report["points"]}):
+        batches = sorted({p["batch_size"] for p in report["points"]})
+        for batch, marker in zip(batches, "osD^v<>p*h"):
             line = sorted((p for p in report["points"] if p["batch_size"] == batch), key=lambda p: p["response_length"])
             ax.plot([p["batch_size"] * p["response_length"] for p in line], [p[side]["time_per_update_s"] for p in line],
                     marker=marker, color=colour, label=f"{side}, {batch} prompts")  # fmt: skip

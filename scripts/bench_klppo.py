@@ -92,7 +92,11 @@ def train(args) -> dict:
     if profiler is not None:
         trainer.add_callback(profiler)
     rss_setup = peak_rss_mb()
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        if profiler is not None:
+            profiler.stop()
     logs = [h for h in trainer.state.log_history if "time/update" in h]
     per_update = [
         {**{k: float(v) for k, v in log.items() if k.startswith("time/")}, "time/update_wall": seconds}
@@ -141,7 +145,7 @@ class UpdateProfiler(TrainerCallback):
     the PPO epochs' forward, backward, gradient clipping and optimizer step) and the top operators."""
 
     def __init__(self, warmup: int):
-        self.warmup, self.profile = warmup, None
+        self.warmup, self.profile, self.stopped = warmup, None, False
 
     def on_step_begin(self, args, state, control, **kwargs):
         if state.global_step == self.warmup and self.profile is None:
@@ -149,12 +153,18 @@ class UpdateProfiler(TrainerCallback):
             self.profile.__enter__()
 
     def on_train_end(self, *a, **k):
-        if self.profile is not None:
+        self.stop()
+
+    def stop(self):
+        if self.profile is not None and not self.stopped:
             self.profile.__exit__(None, None, None)
+            self.stopped = True
 
     def account(self, updates: int) -> dict:
         """Seconds per update of each `klppo/*` range (inclusive) and of the 12 operators with the most self
         CPU time (`aten::*` and the like, exclusive)."""
+        if self.profile is None or updates < 1:
+            raise SystemExit("--profile needs at least one measured update (--updates >= 1 after --warmup)")
         events = self.profile.key_averages()
         ranges = {e.key: e.cpu_time_total / 1e6 / updates for e in events if e.key.startswith("klppo/")}
         ops = sorted((e for e in events if not e.key.startswith("klppo/")), key=lambda e: -e.self_cpu_time_total)

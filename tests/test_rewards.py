@@ -30,6 +30,7 @@ def test_long_word_share_counts_words_of_seven_letters_or_more():
     assert long_word_share("abcdef abcdefg") == 0.5  # 6 letters is short, 7 is long
     assert long_word_share("") == 0.0 and long_word_share("42, ...") == 0.0  # no words
     assert long_word_share("well-known") == 0.0  # hyphens split words: well(4), known(5)
+    assert long_word_share("It's extraordinary") == 1 / 3  # It, s, extraordinary
     chat = [[{"role": "assistant", "content": " extraordinary"}]]
     assert long_word_reward(["p"], chat) == [1.0]
     assert long_word_reward(PROMPTS, COMPLETIONS) == [1 / 6, 0.0, 0.0]  # "wonderful"; "waiter" has 6 letters

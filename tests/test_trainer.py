@@ -386,13 +386,18 @@ def test_a_diverging_update_is_undone_and_the_log_says_so(tiny_path, prompts, tm
 
 
 def test_rollback_is_on_by_default_with_lora_and_off_for_full_fine_tuning(tiny_path, prompts, tmp_path, caplog):
-    """The undo copy costs 3x the trainable weights: taken by default only when they are a small share (LoRA).
+    """The undo copy costs 3x the trainable weights: taken by default only when they are a small share (LoRA with
+    the shared critic).
     Without it, a diverging update says how many of its steps were applied."""
     from peft import LoraConfig
 
     lora = make_trainer(tiny_path, prompts, make_args(tmp_path, critic="shared"),
                         peft_config=LoraConfig(r=4, target_modules=["q_proj"]))
     assert lora.rollback_updates
+    # a separately trained critic is a full copy of the model: its undo copy is not small
+    separate = make_trainer(tiny_path, prompts, make_args(tmp_path, critic="separate"),
+                            peft_config=LoraConfig(r=4, target_modules=["q_proj"]))
+    assert not separate.rollback_updates
     args = make_args(tmp_path, learning_rate=1e20, max_grad_norm=0.0, max_steps=1, num_ppo_epochs=3,
                      num_mini_batches=2, gradient_accumulation_steps=1, max_nonfinite_updates=5)
     full = make_trainer(tiny_path, prompts, args)

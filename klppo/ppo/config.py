@@ -187,10 +187,12 @@ KLPPO_CONFIG_DOC = r"""
             optimizer state and the scheduler are restored to the start of the update, so a skipped update
             changed nothing. With several optimizer steps per update this costs one copy of the trainable weights
             and of the optimizer state per update. `None` (the default) turns it on when the trainable weights
-            are at most 10% of the model's (LoRA: the copy is small) and off for full fine-tuning, where the copy
-            would hold the weights once more and Adam's two moments (3x the trainable weights); the log then says
-            how many optimizer steps of the skipped update had already been applied. `True` or `False` forces it.
-            With one step per update nothing is copied: a non-finite step is never applied.
+            (policy and critic) are at most 10% of all weights, as with LoRA and `critic="shared"`, where the copy
+            is small, and off otherwise (full fine-tuning, or a separately trained critic), where the copy would
+            hold those weights once more and Adam's two moments (3x the trainable weights); the log then says
+            how many optimizer steps of the skipped update had already been applied. `True` or `False` forces it
+            (on the command line `--nonfinite_rollback true` or `false`). With one step per update nothing is
+            copied: a non-finite step is never applied.
         health_patience (`int`, *optional*, defaults to `3`):
             Warn, naming the fix, when `policy/approxkl` (> 0.02), `policy/clipfrac` (> 0.2), `policy/entropy`
             (< half its first value) or `val/clipfrac` (> 0.5) stays outside its healthy range for this many

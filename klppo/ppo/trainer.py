@@ -206,11 +206,17 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
     @functools.cached_property
     def rollback_updates(self) -> bool:
         """Whether a non-finite step undoes its whole update: `nonfinite_rollback`, or when that is None, whether
-        the trainable weights are at most 10% of the model's (LoRA), so that the copy it takes is small."""
+        the trainable weights (policy and critic) are at most 10% of all weights, as with LoRA and the shared
+        critic, so that the copy it takes is small. Counted over all ranks (ZeRO-3 and FSDP shard the weights),
+        so every rank decides the same."""
         if self.args.nonfinite_rollback is not None:
             return bool(self.args.nonfinite_rollback)
-        params = list(self.accelerator.unwrap_model(self.model_wrapped).parameters())
-        return 10 * sum(p.numel() for p in params if p.requires_grad) <= sum(p.numel() for p in params)
+        counts = torch.zeros(2, dtype=torch.float64, device=self.accelerator.device)
+        for p in self.accelerator.unwrap_model(self.model_wrapped).parameters():
+            n = getattr(p, "ds_numel", p.numel())  # DeepSpeed ZeRO-3 leaves numel() 0 on a partitioned weight
+            counts += torch.tensor([n if p.requires_grad else 0, n], dtype=torch.float64, device=counts.device)
+        trainable, total = all_reduce_sum(counts, self.accelerator).tolist()
+        return 10 * trainable <= total
 
     def _after_optimise(self, result: OptimiseResult, snapshot: dict | None) -> dict[str, float]:
         """Roll back (or report) an update stopped by a non-finite loss or gradient."""
@@ -412,7 +418,8 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
     # ------------------------------------------------------------------ step 8: optimisation
     def optimise(self, rollout: Rollout, advantages: Advantages) -> OptimiseResult:
         """Step 8: `num_ppo_epochs` passes over shuffled mini-batches, one optimizer step each. A non-finite loss
-        or gradient drops that step's gradients and, with `nonfinite_rollback`, stops the update. With
+        or gradient drops that step's gradients and, when updates are rolled back (`rollback_updates`), stops the
+        update. With
         `kl_guard_margin`, a mini-batch whose KL to the reference (at the current policy) passes
         `kl_target * (1 + kl_guard_margin)` takes no step and ends the update."""
         args = self.args

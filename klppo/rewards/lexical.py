@@ -2,7 +2,7 @@
 
 A second built-in task next to sentiment, with a different shape: it rewards vocabulary, not tone, it is
 dense (every word counts) and bounded in [0, 1], and a policy can raise it by choosing longer words
-without any change of meaning. It runs offline in microseconds. klppo uses it to check that KL-control
+without any change of meaning (or, being a lexical rule, game it with long made-up words). It runs offline in microseconds. klppo uses it to check that KL-control
 settings chosen on the sentiment task carry over to another reward without retuning.
 """
 
@@ -17,7 +17,8 @@ LONG_WORD_LETTERS = 7
 
 
 def long_word_share(text: str, letters: int = LONG_WORD_LETTERS) -> float:
-    """Share of the words in ``text`` (runs of ASCII letters) with at least ``letters`` letters; 0 for no words."""
+    """Share of the words in ``text`` with at least ``letters`` letters; 0 for no words. A word is a run of ASCII
+    letters, so an apostrophe or a hyphen splits one ("it's" is "it" and "s") and a non-ASCII letter too."""
     words = _WORD.findall(text)
     if not words:
         return 0.0
