@@ -284,7 +284,7 @@ def test_learning_rate_defaults_differ_for_lora_and_full_fine_tuning(tiny_path, 
     from klppo.ppo.config import DEFAULT_FULL_LEARNING_RATE, DEFAULT_LORA_LEARNING_RATE
 
     full = make_trainer(tiny_path, prompts, make_args(tmp_path, learning_rate=None))
-    assert full.args.learning_rate == DEFAULT_FULL_LEARNING_RATE == 3e-6
+    assert full.args.learning_rate == DEFAULT_FULL_LEARNING_RATE == 3e-5
     lora = make_trainer(
         tiny_path, prompts, make_args(tmp_path, learning_rate=None), peft_config=LoraConfig(r=4, target_modules="all-linear")
     )
