@@ -211,10 +211,11 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
         so every rank decides the same."""
         if self.args.nonfinite_rollback is not None:
             return bool(self.args.nonfinite_rollback)
-        counts = torch.zeros(2, dtype=torch.float64, device=self.accelerator.device)
+        trainable = total = 0
         for p in self.accelerator.unwrap_model(self.model_wrapped).parameters():
             n = getattr(p, "ds_numel", p.numel())  # DeepSpeed ZeRO-3 leaves numel() 0 on a partitioned weight
-            counts += torch.tensor([n if p.requires_grad else 0, n], dtype=torch.float64, device=counts.device)
+            trainable, total = trainable + (n if p.requires_grad else 0), total + n
+        counts = torch.tensor([trainable, total], dtype=torch.float64, device=self.accelerator.device)
         trainable, total = all_reduce_sum(counts, self.accelerator).tolist()
         return 10 * trainable <= total
 
@@ -419,8 +420,7 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
     def optimise(self, rollout: Rollout, advantages: Advantages) -> OptimiseResult:
         """Step 8: `num_ppo_epochs` passes over shuffled mini-batches, one optimizer step each. A non-finite loss
         or gradient drops that step's gradients and, when updates are rolled back (`rollback_updates`), stops the
-        update. With
-        `kl_guard_margin`, a mini-batch whose KL to the reference (at the current policy) passes
+        update. With `kl_guard_margin`, a mini-batch whose KL to the reference (at the current policy) passes
         `kl_target * (1 + kl_guard_margin)` takes no step and ends the update."""
         args = self.args
         self.model_wrapped.train()

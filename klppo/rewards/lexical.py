@@ -2,8 +2,9 @@
 
 A second built-in task next to sentiment, with a different shape: it rewards vocabulary, not tone, it is
 dense (every word counts) and bounded in [0, 1], and a policy can raise it by choosing longer words
-without any change of meaning (or, being a lexical rule, game it with long made-up words). It runs offline in microseconds. klppo uses it to check that KL-control
-settings chosen on the sentiment task carry over to another reward without retuning.
+without any change of meaning (or, being a lexical rule, game it with long made-up words). It runs offline
+in microseconds. klppo uses it to check that KL-control settings chosen on the sentiment task carry over to
+another reward without retuning.
 """
 
 from __future__ import annotations
