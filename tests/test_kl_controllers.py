@@ -396,26 +396,45 @@ def test_tracking_single_steps_closed_form():
     assert c.last_error == 0.0 and c.value == pytest.approx(0.1)
 
 
-def test_tracking_start_up_hold_tells_rising_from_levelled_off():
+def test_tracking_start_up_hold_tells_on_course_from_levelled_off():
     target = 4.0
-    # rising steadily toward the target: the integral never falls, beta only dips by the P term
-    rising = TrackingKLController(0.1, target=target)  # window 20: 20 x 0.25 > 4
+    # rising steadily toward the target, fast enough to arrive within the window (20 x 0.25 = 5 nats): the
+    # integral never falls, beta only dips by the P term
+    rising = TrackingKLController(0.1, target=target, window=20)
     for t in range(15):
         rising.update(0.25 * t, 8)  # reaches 3.5 after 14 updates
         assert rising.integral >= 0.0
     assert rising.value >= 0.1 * math.exp(-rising.kp) * 0.999
     # levelled off at a tenth of the target: once the trend shows it, the integral falls and beta with it,
-    # at startup_rate * ki = 0.025 per update (e = -1) until the KL has first come near the target
+    # at startup_rate * ki per update (e = -1) until the KL has first come near the target
     flat = TrackingKLController(0.1, target=target, window=10)
     for t in range(60):
         flat.update(0.4 * (1 - math.exp(-t)), 8)
     assert not flat.holding and not flat.armed
-    assert -0.025 * 60 <= flat.integral < -1.0 and flat.value < 0.1 * math.exp(-1.3)
+    rate = flat.startup_rate * flat.ki
+    assert -rate * 60 <= flat.integral < -rate * 40 and flat.value < 0.1 * math.exp(-flat.kp - rate * 40)
     # a raw integrator (the PID controller) cuts beta while the KL is still rising
     pid = PIDKLController(0.1, target=target)
     for t in range(15):
         pid.update(0.25 * t, 8)
     assert pid.value < rising.value / 3
+
+
+def test_tracking_start_up_hold_cuts_beta_for_a_kl_that_creeps_too_slowly():
+    """A KL that rises significantly but would need far more than the window to reach the target is held
+    back too hard: the integral falls (a test of "rising" alone would hold beta for the whole run)."""
+    target = 4.0
+    creeping = TrackingKLController(0.1, target=target, window=10)
+    for t in range(40):
+        creeping.update(1.0 + 0.03 * t + 0.01 * (-1) ** t, 8)  # 1 -> 2.2 nats: 0.3 per window, gap ~2
+        assert creeping.slope * creeping.window < creeping.arm_fraction * target - creeping.smoothed
+    assert not creeping.holding and not creeping.armed
+    assert creeping.integral < -20 * creeping.startup_rate * creeping.ki * 0.3
+    # the same creep at ten times the speed is on course: it would arrive within the window, no cut
+    fast = TrackingKLController(0.1, target=target, window=10)
+    for t in range(6):
+        fast.update(1.0 + 0.3 * t + 0.01 * (-1) ** t, 8)
+    assert fast.holding and fast.integral == 0.0
 
 
 def test_tracking_hold_ends_once_the_target_was_approached():

@@ -458,10 +458,11 @@ class TrackingKLController(_LogSpaceController):
         p  =  m + lookahead * max(s, 0)                where the KL is heading
         e  =  clip(log(max(p, target / e) / target), -1, 1)
         I  <- I + ki * e; I never takes the output past a bound. Start-up hold: until m first reaches
-              arm_fraction * target, a negative e is not integrated while the window's readings rise
-              (s > 2 se and s > target / 200), or their mean is not above zero by twice its
-              standard error (the policy has not moved yet), or there are fewer than 3 of them;
-              otherwise it is integrated at startup_rate * ki
+              arm_fraction * target, a negative e is not integrated while the KL is on course (the
+              window's slope s exceeds twice its standard error se and would carry m to
+              arm_fraction * target within ``window`` updates), or the window's mean is not above zero
+              by twice its standard error (the policy has not moved yet), or there are fewer than 3
+              readings; otherwise it is integrated at startup_rate * ki
         log beta = log beta0 + kp * e + I,             clamped to [log coef_min, log coef_max]
 
     Why each piece (Stooke, Achiam & Abbeel, ICML 2020, "Responsive Safety in RL by PID Lagrangian
@@ -472,12 +473,14 @@ class TrackingKLController(_LogSpaceController):
       windup), and the KL then overshoots. The distinction that matters is whether the KL is still
       on its way: until the KL first comes near the target, the integral does not fall while the
       last ``window`` readings rise significantly (a least-squares slope above twice its standard
-      error: a noise-aware test), nor while their mean is indistinguishable from zero (the policy
-      has not started to move). The only cut meanwhile is the proportional term, which undoes
-      itself as the KL rises. When the KL levels off below the target, neither test holds and beta
-      falls, at ``startup_rate`` times the integral gain: a policy that moves late (a dead time
-      before its KL rises) reads exactly like one held back too hard, so until the KL has first come
-      near the target a cut is made slowly. After that, the integral acts at full gain both ways.
+      error: a noise-aware test) and fast enough to get there within ``window`` updates, nor while
+      their mean is indistinguishable from zero (the policy has not started to move). The only cut
+      meanwhile is the proportional term, which undoes itself as the KL rises. A KL that levels off
+      below the target, or creeps toward it too slowly to arrive within the window, is held back too
+      hard: the integral then falls at ``startup_rate`` times its gain, and stops falling again as
+      soon as the KL is on course. (A test of "rising" alone held beta for a whole run on a reward
+      whose KL crept up by about 0.05 nats per update while 2 nats below the target.) After the KL has
+      first come near the target, the integral acts at full gain both ways.
     - The error is taken on the predicted KL: beta rises while the KL is still climbing toward an
       overshoot, before it happens. Only a rise counts (derivative on rising KL only, as Stooke et
       al.): a falling KL does not cut beta early.
@@ -505,12 +508,12 @@ class TrackingKLController(_LogSpaceController):
         coef_min: float = 1e-4,
         coef_max: float = 10.0,
         arm_fraction: float = 0.8,
-        startup_rate: float = 0.25,
+        startup_rate: float = 0.75,
     ):
         kl_coef = _check_positive(kl_coef, "kl_coef", "an adaptive controller needs an initial coefficient > 0 (e.g. 0.05)")
         self.target = _check_positive(target, "target", "set kl_target to the KL you want, e.g. 4 (nats/sequence)")
         self.arm_fraction = _check_positive(arm_fraction, "arm_fraction", "the start-up hold ends at this fraction of the target, e.g. 0.8")
-        self.startup_rate = _check_nonnegative(startup_rate, "startup_rate", "the share of ki used to lower beta before the KL first nears the target, e.g. 0.25")
+        self.startup_rate = _check_nonnegative(startup_rate, "startup_rate", "the share of ki used to lower beta before the KL first nears the target, e.g. 0.75")
         self.kp = _check_nonnegative(kp, "kp", "gains must be >= 0 (defaults: kp=0.3, ki=0.1)")
         self.ki = _check_nonnegative(ki, "ki", "gains must be >= 0 (defaults: kp=0.3, ki=0.1)")
         self.lookahead = _check_nonnegative(lookahead, "lookahead", "it is a number of updates, e.g. 2 (0 disables)")
@@ -544,10 +547,13 @@ class TrackingKLController(_LogSpaceController):
         residual = sum((y - mean_y - slope * (i - mean_x)) ** 2 for i, y in enumerate(self.readings))
         return slope, math.sqrt(residual / (n - 2) / sxx)
 
-    def _rising(self, stderr: float) -> bool:
-        """The readings in the window rise significantly (slope above twice its standard error) and at a
-        rate that matters (at least target / 200 per update)."""
-        return len(self.readings) < 3 or self.slope > max(2.0 * stderr, self.target / 200)
+    def _on_course(self, stderr: float) -> bool:
+        """The readings in the window rise significantly (slope above twice its standard error) and fast
+        enough to carry the smoothed KL to ``arm_fraction * target`` within ``window`` updates."""
+        if len(self.readings) < 3:
+            return True
+        gap = self.arm_fraction * self.target - self.smoothed
+        return self.slope > 2.0 * stderr and self.slope * self.window >= gap
 
     def _moved(self) -> bool:
         """The mean reading of the window is significantly above zero (by twice its standard error)."""
@@ -565,8 +571,8 @@ class TrackingKLController(_LogSpaceController):
         if self.smoothed >= self.arm_fraction * self.target:
             self.armed = True
         # start-up hold: until the KL first comes near the target, the integral does not fall while the
-        # KL is still rising, or while the policy has not measurably moved from the reference
-        self.holding = not self.armed and (self._rising(stderr) or not self._moved())
+        # KL is on course to get there, or while the policy has not measurably moved from the reference
+        self.holding = not self.armed and (self._on_course(stderr) or not self._moved())
         self.predicted = self.smoothed + self.lookahead * max(self.slope, 0.0)
         error = math.log(max(self.predicted, self.target / math.e) / self.target)
         error = min(max(error, -1.0), 1.0)

@@ -24,7 +24,7 @@ TRAINABLE_STATE_NAME = "klppo_trainable.safetensors"
 STAGING_DIR = ".checkpoint-staging"
 # settings compared on resume: refused if changed / combined with the saved state / ignored for it
 RESUME_REFUSED = ("kl_controller", "kl_target_unit", "kl_mode")
-RESUME_COMBINED = ("kl_target", "kl_estimator", "kl_horizon", "kl_loss_scale")
+RESUME_COMBINED = ("kl_target", "kl_estimator", "kl_statistic", "kl_horizon", "kl_loss_scale")
 RESUME_IGNORED = ("kl_coef", "learning_rate")
 # what a complete klppo checkpoint holds (checked before resuming from "the latest")
 CHECKPOINT_FILES = (TRAINABLE_STATE_NAME, CONTROLLER_STATE_NAME, "trainer_state.json")

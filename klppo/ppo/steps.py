@@ -84,6 +84,7 @@ class Rollout(Sequences):
     ref_logp: torch.Tensor  # [B, R] the same under the reference
     values: torch.Tensor  # [B, R] the critic's value before each response token
     logits_kl: torch.Tensor | None = None  # [B, R] a logits-based estimator's KL (e.g. "full"), else None
+    statistic_kl: torch.Tensor | None = None  # [B, R] a logits-based `kl_statistic`'s KL, else None
 
 
 @dataclass

@@ -149,13 +149,14 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
     def _init_kl_control(self) -> None:
         args = self.args
         self.kl_estimator = get_kl_estimator_spec(args.kl_estimator)
+        self.kl_statistic_spec = get_kl_estimator_spec(args.kl_statistic)
         self.kl_controller = build_kl_controller(args)
         self.drift_monitor = KLDriftMonitor(args.kl_target, patience=args.kl_drift_patience) if args.kl_target else None
         self.health_monitor = PPOHealthMonitor(patience=args.health_patience)
         self.nonfinite_guard = NonfiniteGuard(args.max_nonfinite_updates)
         self.completion_samples: list[dict] = []
-        logger.info("KL applied in: %s (estimator %s, controller %s, statistic unit: %s)", args.kl_mode,
-                    args.kl_estimator, args.kl_controller, args.kl_target_unit)  # fmt: skip
+        logger.info("KL applied in: %s (estimator %s, controller %s, statistic %s in unit: %s)", args.kl_mode,
+                    args.kl_estimator, args.kl_controller, args.kl_statistic, args.kl_target_unit)  # fmt: skip
 
     def _place_frozen_models(self) -> None:
         """Reference and reward models live beside the policy (sharded under ZeRO-3 / FSDP)."""
@@ -236,11 +237,11 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
     def rollout(self, batch: PromptBatch, timings: dict | None = None) -> Rollout:
         """Steps 1-3: sample responses, truncate them at the stop token, score them. The sampling policy's
         log-probs (and a shared critic's values) are read from generation, except for a logits-based KL
-        estimator, which needs the policy's logits beside the reference's."""
+        estimator or statistic, which needs the policy's logits beside the reference's."""
         timings = timings if timings is not None else defaultdict(float)
         args, acc = self.args, self.accelerator
         input_ids, attention_mask = batch.input_ids.to(acc.device), batch.attention_mask.to(acc.device)
-        reuse = not self.kl_estimator.needs_logits
+        reuse = not self._needs_policy_logits
         with timed(timings, "time/generation", acc):
             with unwrap_model_for_generation(self.model_wrapped, acc) as unwrapped, clear_sampling_errors():
                 responses, logp, values = generate_responses(
@@ -276,7 +277,7 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
         unwrapped = acc.unwrap_model(self.model_wrapped)
         qr, attn, resp = seq.query_responses, seq.attention_mask, seq.responses
         pos = position_ids_from_mask(attn)
-        out = dict(logp=None, values=None, ref_logp=None, logits_kl=None)
+        out = dict(logp=None, values=None, ref_logp=None, logits_kl=None, statistic_kl=None)
         logits = values = None
         if need_policy:
             with timed(timings, "time/score_policy", acc):  # a shared critic's values come from this same pass
@@ -294,10 +295,20 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
         with timed(timings, "time/score_ref", acc):
             ref_logits = self.reference_logits(seq)
             out["ref_logp"] = response_logprobs(ref_logits, resp)
-        if self.kl_estimator.needs_logits:
-            with timed(timings, "time/kl", acc):
+        with timed(timings, "time/kl", acc):
+            if self.kl_estimator.needs_logits:
                 out["logits_kl"] = self._estimate_kl(logits=logits, ref_logits=ref_logits)
+            if self.kl_statistic_spec.needs_logits:
+                out["statistic_kl"] = (
+                    out["logits_kl"] if args.kl_statistic == args.kl_estimator
+                    else estimate_kl(args.kl_statistic, logits=logits, ref_logits=ref_logits, chunk_size=args.full_kl_chunk_size)
+                )  # fmt: skip
         return out
+
+    @property
+    def _needs_policy_logits(self) -> bool:
+        """A logits-based estimator or statistic needs the policy's full logits, which a scoring pass gives."""
+        return self.kl_estimator.needs_logits or self.kl_statistic_spec.needs_logits
 
     def reference_logits(self, seq: Sequences) -> torch.Tensor:
         """Temperature-scaled reference logits for the response positions `[B, R, V]`."""
@@ -367,8 +378,11 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
         stats.add("objective/non_score_reward", non_score.sum(), mask.shape[0])
         stats.add("objective/rlhf_reward", per_token.sum(), mask.shape[0])
         nonfinite, _ = reduce_sum_count((~torch.isfinite(per_token)).sum(), 0, acc)
+        statistic = self._statistic_per_token(rollout, kl)
+        if args.kl_statistic not in LOGGED_ESTIMATORS:
+            stats.add(f"kl/{args.kl_statistic}", (statistic * mask).sum(), per_seq_count)
         metrics = stats.means(acc)
-        value = kl_statistic(kl, mask, unit=args.kl_target_unit, accelerator=acc).item()
+        value = kl_statistic(statistic, mask, unit=args.kl_target_unit, accelerator=acc).item()
         finite = math.isfinite(value) and nonfinite.item() == 0
         if finite:
             self._update_controller(value, mask.shape[0] * acc.num_processes)
@@ -376,6 +390,17 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
         if args.kl_target:
             metrics.update({"kl/target": args.kl_target, "kl/error": (value - args.kl_target) / args.kl_target})
         return KLPenalty(kl, per_token, coef, finite, metrics)
+
+    def _statistic_per_token(self, rollout: Rollout, kl: torch.Tensor) -> torch.Tensor:
+        """`kl_statistic` per token: the configured estimator's values when they are the same estimator, else
+        the statistic's own (scored from logits, or from the log-probs)."""
+        args = self.args
+        if args.kl_statistic == args.kl_estimator:
+            return kl
+        if rollout.statistic_kl is not None:
+            return rollout.statistic_kl
+        return estimate_kl(args.kl_statistic, rollout.logp, rollout.ref_logp, old_logp=rollout.logp,
+                           log_ratio_clamp=args.kl_log_ratio_clamp, value_clamp=args.kl_value_clamp)  # fmt: skip
 
     def _update_controller(self, statistic: float, n_sequences: int) -> None:
         """Step 6 on every rank alike (the statistic is global); the drift monitor sees the same value."""

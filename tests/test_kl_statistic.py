@@ -1,0 +1,82 @@
+"""The controller statistic (`kl_statistic`): what it defaults to, and that `full` reads the exact KL of the
+sampled prefixes, checked against sums over the vocabulary of the tiny model's own next-token distributions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bandit import PROMPT, bandit_trainer, kl, policy_and_reference
+from klppo import KLPPOConfig
+from klppo.models import TINY_MODEL, resolve_model_path
+
+
+@pytest.fixture(scope="module")
+def tiny_path():
+    return resolve_model_path(TINY_MODEL)
+
+
+def _config(tmp_path, **overrides) -> KLPPOConfig:
+    base = dict(output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True, save_strategy="no")
+    return KLPPOConfig(**{**base, **overrides})
+
+
+def test_the_statistic_defaults_to_full_with_a_target_and_to_the_estimator_without(tmp_path):
+    assert _config(tmp_path, kl_target=4.0).kl_statistic == "full"
+    assert _config(tmp_path, kl_estimator="k3").kl_statistic == "k3"
+    assert _config(tmp_path, kl_target=4.0, kl_statistic="k1").kl_statistic == "k1"
+    with pytest.raises(ValueError, match="kl_statistic.*k1.*full"):
+        _config(tmp_path, kl_target=4.0, kl_statistic="k9")
+
+
+def _moved_policy_rollout(trainer, n: int):
+    """One rollout of `n` sequences after the policy's LM head was pushed away from the reference's."""
+    policy = trainer.accelerator.unwrap_model(trainer.model).policy
+    torch.manual_seed(3)
+    with torch.no_grad():
+        head = policy.get_output_embeddings().weight
+        head.add_(0.3 * torch.randn_like(head))  # not tied to the frozen reference copy
+    rollout = trainer.rollout(trainer.prompt_batch([PROMPT] * n))
+    penalty = trainer.apply_kl(rollout, trainer.compute_rewards(rollout))
+    return rollout, penalty.metrics
+
+
+def test_full_statistic_is_the_exact_kl_of_one_token_responses(tiny_path, tmp_path):
+    """With one-token responses the statistic in `sequence` unit is KL(pi || ref) itself: `full` must give it
+    exactly, whatever was sampled, while `k1` (the same expectation) scatters around it."""
+    trainer = bandit_trainer(tiny_path, tmp_path, kl_target=1.0, max_steps=1, per_device_train_batch_size=32,
+                             rollout_forward_batch_size=32)  # fmt: skip
+    assert trainer.args.kl_statistic == "full" and trainer.args.kl_estimator == "k1"
+    _, metrics = _moved_policy_rollout(trainer, 32)
+    exact = kl(*policy_and_reference(trainer))
+    assert exact > 0.1  # the policy has moved: a real KL to read
+    assert metrics["kl/value"] == pytest.approx(exact, rel=1e-4)
+    assert metrics["kl/full"] == metrics["kl/value"]
+    assert abs(metrics["kl/k1"] - exact) > 1e-3  # a sample estimate, not the exact value
+
+
+def test_full_statistic_sums_the_exact_kl_at_each_sampled_prefix(tiny_path, tmp_path):
+    """Two-token responses: the statistic is the mean over sequences of KL at the first position plus KL at the
+    second position given the sampled first token (the chain rule), each a sum over the vocabulary."""
+    trainer = bandit_trainer(tiny_path, tmp_path, response_length=2, kl_target=1.0, max_steps=1,
+                             per_device_train_batch_size=16, rollout_forward_batch_size=16)  # fmt: skip
+    rollout, metrics = _moved_policy_rollout(trainer, 16)
+    assert bool(rollout.response_mask.bool().all())  # fixed-length responses: both positions count
+    first_tokens = [int(t) for t in rollout.responses[:, 0]]
+    pol0, ref0 = policy_and_reference(trainer)
+    pol1, ref1 = policy_and_reference(trainer, [(t,) for t in first_tokens])
+    expected = kl(pol0, ref0) + sum(kl(pol1[i], ref1[i]) for i in range(16)) / 16
+    assert metrics["kl/value"] == pytest.approx(expected, rel=1e-4)
+
+
+def test_a_per_token_statistic_other_than_the_estimator(tiny_path, tmp_path):
+    """`kl_statistic: k3` beside `kl_estimator: k1`: the controller reads k3's per-sequence sums (logged as
+    `kl/k3`), while the reward keeps k1."""
+    trainer = bandit_trainer(tiny_path, tmp_path, response_length=2, kl_target=1.0, kl_statistic="k3",
+                             max_steps=2, per_device_train_batch_size=16, rollout_forward_batch_size=16)  # fmt: skip
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "kl/value" in h]
+    assert len(logs) == 2
+    for log in logs:
+        assert log["kl/value"] == pytest.approx(log["kl/k3"], rel=1e-6, abs=1e-9)
+        assert log["objective/non_score_reward"] == pytest.approx(-log["kl/coef"] * log["kl/k1"], rel=1e-4, abs=1e-7)
