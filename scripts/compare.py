@@ -76,6 +76,7 @@ UPDATE_KEYS = (
     "kl/k1",
     "kl/k2",
     "kl/k3",
+    "kl/full",
     "loss/policy",
     "loss/value",
     "policy/approxkl",
@@ -273,6 +274,7 @@ def run_metrics(record: dict, target: float, band: float, window: int) -> dict:
     n = len(ups)
     kl = [u.get("kl/value", float("nan")) for u in ups]
     second = kl[n // 2 :]  # the second half of the updates (the later half when n is odd)
+    k1 = [u.get("kl/k1", float("nan")) for u in ups]  # k1 is logged by every run: arms of any statistic compare
 
     def in_band(values):
         values = _finite(values)
@@ -289,6 +291,9 @@ def run_metrics(record: dict, target: float, band: float, window: int) -> dict:
         "tracking_error_all": _mean(abs(v - target) / target for v in _finite(kl)),
         "in_band_second_half": in_band(second),
         "in_band_all": in_band(kl),
+        "final_kl_k1": _mean(k1[-window:]),
+        "tracking_error_k1": _mean(abs(v - target) / target for v in _finite(k1[n // 2 :])),
+        "in_band_second_half_k1": in_band(k1[n // 2 :]),
         "perplexity_initial": ppl0,
         "perplexity_final": ppl1,
         "perplexity_change_pct": 100.0 * (ppl1 - ppl0) / ppl0 if ppl0 and ppl1 is not None else float("nan"),
@@ -320,6 +325,9 @@ METRIC_NAMES = (
     "tracking_error_all",
     "in_band_second_half",
     "in_band_all",
+    "final_kl_k1",
+    "tracking_error_k1",
+    "in_band_second_half_k1",
     "perplexity_change_pct",
     "eval_reward_initial",
     "eval_reward_final",
@@ -469,7 +477,7 @@ def write_markdown(summary: dict, out: Path) -> None:
         f"Task: model `{meta['model']}`, {meta['updates']} PPO updates of {meta['sequences_per_update']} sequences, "
         f"seeds {meta['seeds']}. KL target {meta['kl_target']:g} nats per {unit} (statistic: "
         + ("mean over sequences of the per-sequence sum" if unit == "sequence" else "token-weighted mean")
-        + f" of `{meta['kl_estimator']}`, KL in the {meta['kl_mode']}), band ±{meta['band']:.0%}. Fixed-coefficient arms are "
+        + f" of `{meta.get('kl_statistic', meta['kl_estimator'])}`, KL in the {meta['kl_mode']} as `{meta['kl_estimator']}`), band ±{meta['band']:.0%}. Fixed-coefficient arms are "
         "measured against the same target (they do not aim at it; it is the experiment's target).",
         "",
         "Metrics (mean ± std over seeds; per-seed values and min/max in summary.json):",
@@ -491,6 +499,20 @@ def write_markdown(summary: dict, out: Path) -> None:
             f"| {_fmt(m['tracking_error'], '.2f')} | {_fmt(m['in_band_second_half'], '.2f')} "
             f"| {_fmt(m['in_band_all'], '.2f')} | {_fmt(m['perplexity_change_pct'], '.2f')} "
             f"| {_fmt(m['eval_reward_final'], '.3f')} | {_fmt(m['final_coef'], '.3g', std_spec='.2g')} |"
+        )
+    lines += [
+        "",
+        "The same KL read with `k1` (logged by every run, whatever its statistic), so that arms whose statistic "
+        "differs compare:",
+        "",
+        "| arm | final KL (k1) | tracking error (k1, 2nd half) | in band (k1, 2nd half) |",
+        "| --- | --- | --- | --- |",
+    ]
+    for arm, entry in arms.items():
+        m = entry["metrics"]
+        lines.append(
+            f"| {arm} | {_fmt(m['final_kl_k1'], '.2f')} | {_fmt(m['tracking_error_k1'], '.2f')} "
+            f"| {_fmt(m['in_band_second_half_k1'], '.2f')} |"
         )
     ranked = sorted(
         (a for a in arms if arms[a]["metrics"]["tracking_error"]["mean"] is not None),
@@ -618,6 +640,7 @@ def main(argv=None) -> int:
         "kl_target": target,
         "kl_target_unit": training_args.kl_target_unit,
         "kl_estimator": training_args.kl_estimator,
+        "kl_statistic": training_args.kl_statistic,
         "kl_mode": training_args.kl_mode,
         "band": spec["band"],
         "final_window": spec["final_window"],

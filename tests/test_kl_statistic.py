@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from bandit import PROMPT, bandit_trainer, kl, policy_and_reference
-from klppo import KLPPOConfig
+from datasets import Dataset
+
+from klppo import KLPPOConfig, KLPPOTrainer
 from klppo.models import TINY_MODEL, resolve_model_path
 
 
@@ -80,3 +82,28 @@ def test_a_per_token_statistic_other_than_the_estimator(tiny_path, tmp_path):
     for log in logs:
         assert log["kl/value"] == pytest.approx(log["kl/k3"], rel=1e-6, abs=1e-9)
         assert log["objective/non_score_reward"] == pytest.approx(-log["kl/coef"] * log["kl/k1"], rel=1e-4, abs=1e-7)
+
+
+@pytest.mark.parametrize("max_mb", [1024.0, 0.0])
+def test_the_statistic_from_generation_logits_equals_a_scoring_pass(tiny_path, tmp_path, max_mb):
+    """`full` reads the generation's logits when they fit in `generation_logits_max_mb` (else a scoring pass
+    computes them): either way the statistic per token, the old log-probs and the shared critic's values equal
+    what forward passes over the finished sequences give. Chunks of 2 sequences with end-of-sequence stops, so
+    chunks may end at different lengths."""
+    prompts = ["The day was", "My friend said", "A letter came", "The food tasted", "Our team lost", "It rained"]
+    args = _config(tmp_path, kl_target=2.0, per_device_train_batch_size=6, rollout_forward_batch_size=2,
+                   response_length=8, temperature=0.7, critic="shared", stop_token="eos", seed=0,
+                   num_sample_generations=0, generation_logits_max_mb=max_mb)  # fmt: skip
+    trainer = KLPPOTrainer(model=tiny_path, args=args, train_dataset=Dataset.from_dict({"prompt": prompts}),
+                           reward_funcs=lambda prompts, completions, **kw: [0.0] * len(prompts))  # fmt: skip
+    assert trainer._generation_logits_fit(6) == (max_mb > 0)
+    with torch.no_grad():
+        head = trainer.accelerator.unwrap_model(trainer.model).policy.get_output_embeddings().weight
+        head.add_(0.3 * torch.randn_like(head, generator=torch.Generator().manual_seed(0)))
+    torch.manual_seed(1)
+    rollout = trainer.rollout(trainer.prompt_batch(prompts))
+    scored = trainer.score(rollout.sequences())
+    mask = rollout.response_mask.bool()
+    assert rollout.statistic_kl is not None and float(rollout.statistic_kl[mask].sum()) > 0
+    for name in ("statistic_kl", "logp", "values"):
+        torch.testing.assert_close(getattr(rollout, name)[mask], getattr(scored, name)[mask], rtol=1e-4, atol=1e-4)

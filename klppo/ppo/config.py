@@ -67,7 +67,7 @@ KLPPO_CONFIG_DOC = r"""
             `kl_estimator`. `"full"` sums the exact KL over the vocabulary at each sampled position: the same
             expectation as `k1`'s sum (the chain rule of KL), without `k1`'s per-token sampling noise (1.6-3x less
             noise in a reading of 32 sequences of 12 tokens; README, "The KL statistic"). It costs one policy forward
-            pass per update, since the generation's log-probs no longer suffice. `None`: `"full"` when a
+            pass per update when the generation's logits exceed `generation_logits_max_mb`. `None`: `"full"` when a
             `kl_target` is set, else `kl_estimator`.
         kl_coef (`float`, *optional*, defaults to `0.05`):
             Initial KL coefficient beta.
@@ -129,6 +129,11 @@ KLPPO_CONFIG_DOC = r"""
             mini-batches are skipped. Logged as `kl/guard_fired`; `kl/during_update` is the statistic. None: off.
         full_kl_chunk_size (`int`, *optional*, defaults to `1024`):
             Positions per chunk for `kl_estimator="full"`.
+        generation_logits_max_mb (`float`, *optional*, defaults to `1024`):
+            A logits-based `kl_statistic` reads the policy's logits from generation (no scoring pass) when a
+            rollout's response logits, `sequences x response_length x vocabulary` float32 values per process,
+            fit in this many MiB (the default job: 75 MiB); above it, one policy forward per update scores them
+            in chunks of `rollout_forward_batch_size` sequences.
 
         > PPO
 
@@ -279,6 +284,7 @@ class KLPPOConfig(TrainingArguments):
     kl_drift_patience: int = field(default=5, metadata=_doc("kl_drift_patience"))
     kl_guard_margin: float | None = field(default=None, metadata=_doc("kl_guard_margin"))
     full_kl_chunk_size: int = field(default=1024, metadata=_doc("full_kl_chunk_size"))
+    generation_logits_max_mb: float = field(default=1024.0, metadata=_doc("generation_logits_max_mb"))
 
     # PPO
     num_ppo_epochs: int = field(default=4, metadata=_doc("num_ppo_epochs"))

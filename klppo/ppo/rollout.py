@@ -174,18 +174,21 @@ def generate_responses(
     temperature: float | None = None,
     value_head=None,
     suppressed: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    keep_logits: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, list[torch.Tensor] | None]:
     """Sample responses for left-padded prompts in chunks of `chunk` sequences.
 
     With `temperature`, the log-probs of the sampled tokens under `softmax(logits / temperature)` are read
     from the generation's own logits, so scoring needs no second policy forward pass; with `value_head` too,
     the values of the states before each token come from the generation's last hidden states (a shared
     critic). `suppressed` token ids are masked out of the scored log-softmax, as in `response_logits`.
-    Full-vocabulary logits exist for one chunk at a time.
+    Full-vocabulary logits exist for one chunk at a time, unless `keep_logits` (with `temperature`) returns
+    them: the scaled, masked logits of each chunk, for a logits-based KL statistic without a scoring pass.
 
     Returns:
-        `(responses [B, R], logp [B, R] or None, values [B, R] or None)`, right-padded (pad token / 0),
-        R <= `max_new_tokens`.
+        `(responses [B, R], logp [B, R] or None, values [B, R] or None, logits)`, right-padded (pad token /
+        0), R <= `max_new_tokens`; `logits` is None or one `[chunk, R_chunk, V]` tensor per chunk
+        (`R_chunk <= R`: a chunk stops when all its sequences have).
     """
     pad = generation_config.pad_token_id
     with_scores = temperature is not None
@@ -193,7 +196,7 @@ def generate_responses(
     generation_config.return_dict_in_generate = True
     generation_config.output_logits = with_scores
     with_values = with_scores and value_head is not None
-    pieces, logps, values = [], [], []
+    pieces, logps, values, kept = [], [], [], []
     for start in range(0, input_ids.shape[0], chunk):
         with last_hidden_states(policy) if with_values else nullcontext() as hidden:
             out = policy.generate(
@@ -204,8 +207,10 @@ def generate_responses(
         tokens = out.sequences[:, input_ids.shape[1] :]
         pieces.append(tokens)
         if with_scores:
-            step_logits = torch.stack(out.logits, dim=1)  # [b, R, V], unprocessed
-            logps.append(response_logprobs(mask_suppressed(step_logits / temperature, suppressed), tokens))
+            step_logits = mask_suppressed(torch.stack(out.logits, dim=1) / temperature, suppressed)  # [b, R, V]
+            logps.append(response_logprobs(step_logits, tokens))
+            if keep_logits:
+                kept.append(step_logits)
             del step_logits
             if with_values:
                 # the last hidden state at the last position of every step: the state before each token
@@ -217,7 +222,8 @@ def generate_responses(
         width = max(p.shape[1] for p in parts)
         return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=value) for p in parts], dim=0)
 
-    return cat(pieces, pad), cat(logps, 0.0) if logps else None, cat(values, 0.0) if values else None
+    logp_out, values_out = cat(logps, 0.0) if logps else None, cat(values, 0.0) if values else None
+    return cat(pieces, pad), logp_out, values_out, kept if keep_logits and with_scores else None
 
 
 def last_positions(n: int, length: int, device) -> torch.Tensor | int:

@@ -241,13 +241,16 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
         timings = timings if timings is not None else defaultdict(float)
         args, acc = self.args, self.accelerator
         input_ids, attention_mask = batch.input_ids.to(acc.device), batch.attention_mask.to(acc.device)
-        reuse = not self._needs_policy_logits
+        # a logits-based statistic reads the generation's own logits when they fit in `generation_logits_max_mb`
+        keep = self.kl_statistic_spec.needs_logits and self._generation_logits_fit(input_ids.shape[0])
+        reuse = not self.kl_estimator.needs_logits and (keep or not self.kl_statistic_spec.needs_logits)
         with timed(timings, "time/generation", acc):
             with unwrap_model_for_generation(self.model_wrapped, acc) as unwrapped, clear_sampling_errors():
-                responses, logp, values = generate_responses(
+                responses, logp, values, policy_logits = generate_responses(
                     unwrapped.policy, input_ids, attention_mask, self.generation_config,
                     args.rollout_forward_batch_size, temperature=args.temperature if reuse else None,
                     value_head=unwrapped.value_head if reuse else None, suppressed=self.suppressed_ids,
+                    keep_logits=keep and reuse,
                 )  # fmt: skip
         responses, response_mask = truncate_at_stop(responses, self.stop_token_id, self.processing_class.pad_token_id)
         sequences = Sequences(
@@ -255,24 +258,34 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
             attention_mask=torch.cat([attention_mask, response_mask], dim=1), responses=responses,
             response_mask=response_mask, context_length=input_ids.shape[1],
         )  # fmt: skip
-        return self.score(sequences, logp=logp, values=values, timings=timings)
+        return self.score(sequences, logp=logp, values=values, timings=timings, policy_logits=policy_logits)
+
+    def _generation_logits_fit(self, n_sequences: int) -> bool:
+        """Whether the generation's logits of a whole rollout (float32) stay within `generation_logits_max_mb`."""
+        vocab = self.accelerator.unwrap_model(self.model_wrapped).policy.config.vocab_size
+        return n_sequences * self.args.response_length * vocab * 4 <= self.args.generation_logits_max_mb * 2**20
 
     @torch.no_grad()
-    def score(self, sequences: Sequences, logp=None, values=None, timings: dict | None = None) -> Rollout:
+    def score(self, sequences: Sequences, logp=None, values=None, timings: dict | None = None,
+              policy_logits: list[torch.Tensor] | None = None) -> Rollout:  # fmt: skip
         """Step 3: forward passes in chunks of `rollout_forward_batch_size` sequences for what is not given: the
-        policy's log-probs (`logp`), the critic's values (`values`); always the reference's log-probs."""
+        policy's log-probs (`logp`), the critic's values (`values`); always the reference's log-probs.
+        `policy_logits` (the generation's scaled logits, one tensor per chunk) feed a logits-based statistic."""
         timings = timings if timings is not None else defaultdict(float)
         chunk = self.args.rollout_forward_batch_size
+        need_policy = logp is None or (self.kl_statistic_spec.needs_logits and policy_logits is None)
         parts = [
-            self._score_chunk(sequences.select(slice(i, i + chunk)), logp is None, values is None, timings)
-            for i in range(0, sequences.batch_size, chunk)
+            self._score_chunk(sequences.select(slice(i, i + chunk)), need_policy, values is None, timings,
+                              None if policy_logits is None else policy_logits[k])  # fmt: skip
+            for k, i in enumerate(range(0, sequences.batch_size, chunk))
         ]
         scored = {k: torch.cat([p[k] for p in parts], dim=0) if parts[0][k] is not None else None for k in parts[0]}
         scored["logp"] = logp if logp is not None else scored["logp"]
         scored["values"] = values if values is not None else scored["values"]
         return Rollout(**vars(sequences.sequences()), **scored)
 
-    def _score_chunk(self, seq: Sequences, need_policy: bool, need_values: bool, timings: dict) -> dict:
+    def _score_chunk(self, seq: Sequences, need_policy: bool, need_values: bool, timings: dict,
+                     policy_logits: torch.Tensor | None = None) -> dict:  # fmt: skip
         acc, args = self.accelerator, self.args
         unwrapped = acc.unwrap_model(self.model_wrapped)
         qr, attn, resp = seq.query_responses, seq.attention_mask, seq.responses
@@ -299,16 +312,14 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
             if self.kl_estimator.needs_logits:
                 out["logits_kl"] = self._estimate_kl(logits=logits, ref_logits=ref_logits)
             if self.kl_statistic_spec.needs_logits:
+                if logits is None:  # the generation's logits, shorter when this chunk stopped early
+                    width = resp.shape[1] - policy_logits.shape[1]
+                    logits = torch.nn.functional.pad(policy_logits, (0, 0, 0, width)) if width else policy_logits
                 out["statistic_kl"] = (
                     out["logits_kl"] if args.kl_statistic == args.kl_estimator
                     else estimate_kl(args.kl_statistic, logits=logits, ref_logits=ref_logits, chunk_size=args.full_kl_chunk_size)
                 )  # fmt: skip
         return out
-
-    @property
-    def _needs_policy_logits(self) -> bool:
-        """A logits-based estimator or statistic needs the policy's full logits, which a scoring pass gives."""
-        return self.kl_estimator.needs_logits or self.kl_statistic_spec.needs_logits
 
     def reference_logits(self, seq: Sequences) -> torch.Tensor:
         """Temperature-scaled reference logits for the response positions `[B, R, V]`."""
