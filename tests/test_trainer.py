@@ -422,9 +422,11 @@ def test_every_config_field_is_documented_once_in_the_class_docstring():
 
 
 def test_kl_guard_ends_an_update_once_the_kl_passes_its_bound(tiny_path, prompts, tmp_path, caplog):
-    """With `kl_guard_margin`, a mini-batch whose KL at the current policy passes target * (1 + margin) takes no
-    step and ends the update. Full fine-tuning: the first mini-batch of update 1 is at the reference (KL 0), so
-    it steps; after that the KL passes a bound of 1.5e-6 nats within each update."""
+    """With `kl_guard_margin`, a mini-batch whose KL at the current policy passes target * (1 + margin), and
+    which the update has pushed up, takes no step and ends the update. Full fine-tuning: the first mini-batch
+    of update 1 is at the reference (KL 0), so it steps; update 2's rollout already reads above the bound of
+    1.5e-6 nats, yet its first mini-batch steps too (the update has not raised it yet: a guard that fired there
+    would freeze the policy for good); after a step the KL passes the bound within each update."""
     kw = dict(max_steps=2, num_ppo_epochs=2, num_mini_batches=2, kl_target=1e-6, kl_controller="fixed")
     guarded = make_trainer(tiny_path, prompts, make_args(tmp_path, kl_guard_margin=0.5, **kw))
     with caplog.at_level("INFO"):
@@ -433,12 +435,32 @@ def test_kl_guard_ends_an_update_once_the_kl_passes_its_bound(tiny_path, prompts
     assert fired == [1.0, 1.0]
     messages = [r.getMessage() for r in caplog.records if "KL guard" in r.getMessage()]
     steps = [int(m.split("after ")[1].split(" ")[0]) for m in messages]
-    assert len(steps) == 2 and steps[0] >= 1 and guarded.lr_scheduler.last_epoch == sum(steps) < 8
+    assert len(steps) == 2 and min(steps) >= 1 and guarded.lr_scheduler.last_epoch == sum(steps) < 8
     free = make_trainer(tiny_path, prompts, make_args(tmp_path, **kw))
     free.train()
     assert free.lr_scheduler.last_epoch == 8 and not any("kl/guard_fired" in h for h in free.state.log_history)
     with pytest.raises(ValueError, match="kl_guard_margin"):
         make_args(tmp_path, kl_guard_margin=0.5)  # no kl_target
+
+
+def test_kl_guard_does_not_freeze_a_policy_whose_rollout_already_reads_above_the_bound(tiny_path, prompts, tmp_path):
+    """A rollout whose KL is already far above the guard's bound: the update still steps (the first mini-batch,
+    at the rollout's own policy, has not been pushed up), so a higher beta can bring the policy back. A guard
+    that fired there would take no step in this update or any later one."""
+    args = make_args(tmp_path, kl_guard_margin=0.5, kl_target=1e-3, kl_controller="fixed", num_ppo_epochs=2,
+                     num_mini_batches=2, per_device_train_batch_size=4, gradient_accumulation_steps=1)  # fmt: skip
+    trainer = make_trainer(tiny_path, prompts, args)
+    with torch.no_grad():
+        head = trainer.accelerator.unwrap_model(trainer.model).policy.get_output_embeddings().weight
+        head.add_(0.5 * torch.randn_like(head, generator=torch.Generator().manual_seed(0)))
+    trainer.setup_optimisation(1)
+    torch.manual_seed(0)
+    rollout = trainer.rollout(trainer.prompt_batch(prompts["prompt"][:8]))
+    rewards = trainer.compute_rewards(rollout)
+    penalty = trainer.apply_kl(rollout, rewards)
+    assert penalty.metrics["kl/k1"] > 100 * 1.5e-3  # far above the bound before any step
+    result = trainer.optimise(rollout, trainer.compute_advantages(rollout, rewards, penalty))
+    assert result.applied_steps >= 1
 
 
 def test_a_resumed_run_continues_the_tracking_controller_exactly(tiny_path, prompts, tmp_path):

@@ -124,9 +124,11 @@ KLPPO_CONFIG_DOC = r"""
         kl_guard_margin (`float` or `None`, *optional*, defaults to `None`):
             A hard guard on top of the controller: within an update, a mini-batch whose KL statistic at the current
             policy (k1 on the rollout's tokens weighted by pi / pi_old, in `kl_target_unit`, reduced over all
-            processes) passes
-            `kl_target * (1 + kl_guard_margin)` takes no optimizer step, and the rest of the update's epochs and
-            mini-batches are skipped. Logged as `kl/guard_fired`; `kl/during_update` is the statistic. None: off.
+            processes) passes `kl_target * (1 + kl_guard_margin)`, and is above what the same tokens read at the
+            rollout (the update pushed it up), takes no optimizer step, and the rest of the update's epochs and
+            mini-batches are skipped. A rollout that already reads above the bound still takes its steps, so
+            that a higher beta can bring the policy back. Logged as `kl/guard_fired`; `kl/during_update` is the
+            statistic. None: off.
         full_kl_chunk_size (`int`, *optional*, defaults to `1024`):
             Positions per chunk for `kl_estimator="full"`.
         generation_logits_max_mb (`float`, *optional*, defaults to `1024`):

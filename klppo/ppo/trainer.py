@@ -491,7 +491,8 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
         # Global counts of the mini-batch: every loss is a global mean, whatever the split
         tokens, seqs = reduce_sum_count(rollout.response_mask[mb_idx].sum().double(), float(len(mb_idx)), acc)
         counts = dict(num_tokens=tokens, num_seqs=seqs)
-        checks = torch.zeros(3, dtype=torch.float64, device=acc.device)  # non-finite losses, KL sum, KL count
+        # non-finite losses; the guard's KL sum and count at the current policy; the same tokens' KL sum at the rollout
+        checks = torch.zeros(4, dtype=torch.float64, device=acc.device)
         for micro_start in range(0, len(mb_idx), micro):
             idx = mb_idx[micro_start : micro_start + micro]
             last_micro = micro_start + micro >= len(mb_idx)
@@ -503,13 +504,18 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
                 # still goes through backward on every rank (DDP stays in step); its gradients are dropped below.
                 with record_function("klppo/backward"):
                     acc.backward(loss * world * (args.gradient_accumulation_steps if self.is_deepspeed_enabled else 1))
-            checks[1:] += torch.stack([torch.as_tensor(x, dtype=torch.float64) for x in parts["kl/during_update"]])
+            checks[1:3] += torch.stack([torch.as_tensor(x, dtype=torch.float64) for x in parts["kl/during_update"]])
+            checks[3] += ((rollout.logp[idx] - rollout.ref_logp[idx]) * rollout.response_mask[idx]).sum().double()
             for name, (total, count) in parts.items():
                 stats.add(name, total, count)
-        bad, kl_sum, kl_count = all_reduce_sum(checks, acc).tolist()  # one collective and host sync per step
-        if bad == 0 and args.kl_guard_margin is not None and kl_sum / kl_count > args.kl_target * (1 + args.kl_guard_margin):
-            self.optimizer.zero_grad(set_to_none=True)
-            return "guard"
+        bad, kl_sum, kl_count, kl_rollout = all_reduce_sum(checks, acc).tolist()  # one collective and host sync per step
+        if bad == 0 and args.kl_guard_margin is not None:
+            # the guard stops an update that has pushed these tokens' KL up and past the bound; a rollout that
+            # already read above it still takes its steps (else the policy, never stepping, could not come back)
+            bound = args.kl_target * (1 + args.kl_guard_margin)
+            if kl_sum / kl_count > bound and kl_sum - kl_rollout > 1e-3 * bound * kl_count:
+                self.optimizer.zero_grad(set_to_none=True)
+                return "guard"
         grad_norm = None
         ok = bad == 0
         if ok and args.max_grad_norm and args.max_grad_norm > 0:
