@@ -149,8 +149,9 @@ def test_fixed_length_responses_never_train_the_suppressed_end_token(tiny_path, 
     assert kl(end["logp"], end["ref"]) < 1.0
 
 
+@pytest.mark.parametrize("mode", ["reward", "loss"])
 @pytest.mark.parametrize("start", [0.2, 5.0])
-def test_tracking_controller_settles_on_the_equilibrium_coefficient(tiny_path, tmp_path, start):
+def test_tracking_controller_settles_on_the_equilibrium_coefficient(tiny_path, tmp_path, start, mode):
     """With a KL target, the tracking controller (the default) must find the beta* whose optimum has exactly
     that KL, from 5x below and 5x above it, without a large overshoot of the KL.
 
@@ -160,7 +161,9 @@ def test_tracking_controller_settles_on_the_equilibrium_coefficient(tiny_path, t
     the KL peaked at 2.84x the target; from 5 beta*, the KL peaked at 1.28x; the mean beta over the last 80
     updates was 1.09 beta* and 1.05 beta*, with the mean KL at 0.99x and 1.02x the target (the policy's own
     update noise adds KL, so the target is met at a beta slightly above beta*). Ziegler's rule and the PID
-    controller fell to their floor of 1e-4 from beta*/5 on the same bandit at lr 1e-3.
+    controller fell to their floor of 1e-4 from beta*/5 on the same bandit at lr 1e-3. In loss mode (`k2`, whose
+    gradient is that of the same reverse KL, so the same beta* holds): mean beta 1.02 and 1.00 beta*, the KL
+    peaking at 2.84x and 1.24x, its mean at 0.95x and 0.97x the target.
     """
     state = one_token_state(bandit_trainer(tiny_path, tmp_path, max_steps=1))
     target = kl(tilted(state["ref"], state["reward"], BETA), state["ref"])
@@ -168,6 +171,7 @@ def test_tracking_controller_settles_on_the_equilibrium_coefficient(tiny_path, t
     assert beta_star == pytest.approx(BETA, rel=1e-6)
     trainer = bandit_trainer(
         tiny_path, tmp_path, kl_target=target, kl_coef=start * beta_star, max_steps=200, learning_rate=3e-3,
+        kl_mode=mode, kl_estimator="k1" if mode == "reward" else "k2",
         per_device_train_batch_size=128, rollout_forward_batch_size=128,
     )
     assert trainer.args.kl_controller == "tracking"  # the default whenever kl_target is set
