@@ -181,6 +181,7 @@ def run_worker(job: dict) -> None:
         "kl_target": args.kl_target,
         "kl_target_unit": args.kl_target_unit,
         "kl_controller": args.kl_controller,
+        "kl_statistic": args.kl_statistic,
         "kl_coef_initial": args.kl_coef,
         "kl_coef_final": trainer.kl_controller.value,
         "controller_state": trainer.kl_controller.state_dict(),
@@ -640,7 +641,9 @@ def main(argv=None) -> int:
         "kl_target": target,
         "kl_target_unit": training_args.kl_target_unit,
         "kl_estimator": training_args.kl_estimator,
-        "kl_statistic": training_args.kl_statistic,
+        # what the runs read (records older than `kl_statistic` read their estimator, `k1` in every shipped run)
+        "kl_statistic": ", ".join(sorted({r.get("kl_statistic", training_args.kl_estimator)
+                                          for runs in records.values() for r in runs})),  # fmt: skip
         "kl_mode": training_args.kl_mode,
         "band": spec["band"],
         "final_window": spec["final_window"],
