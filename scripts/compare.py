@@ -515,13 +515,15 @@ def write_markdown(summary: dict, out: Path) -> None:
             f"| {arm} | {_fmt(m['final_kl_k1'], '.2f')} | {_fmt(m['tracking_error_k1'], '.2f')} "
             f"| {_fmt(m['in_band_second_half_k1'], '.2f')} |"
         )
+    # arms that read different statistics are ranked on k1, which every run logs
+    key = "tracking_error_k1" if "," in str(meta.get("kl_statistic", "")) else "tracking_error"
     ranked = sorted(
-        (a for a in arms if arms[a]["metrics"]["tracking_error"]["mean"] is not None),
-        key=lambda a: arms[a]["metrics"]["tracking_error"]["mean"],
+        (a for a in arms if arms[a]["metrics"][key]["mean"] is not None),
+        key=lambda a: arms[a]["metrics"][key]["mean"],
     )
     if ranked:
-        lines += ["", "Tracking error, best first: " + ", ".join(
-            f"{a} ({arms[a]['metrics']['tracking_error']['mean']:.2f})" for a in ranked) + "."]
+        lines += ["", f"Tracking error{' on k1' if key.endswith('k1') else ''}, best first: " + ", ".join(
+            f"{a} ({arms[a]['metrics'][key]['mean']:.2f})" for a in ranked) + "."]
     lines += ["", "Plots: reward.png, kl.png (target band shaded), coef.png (log scale), perplexity.png, "
               "eval_reward.png. Per-update records: runs/<arm>-seed<k>.json.", ""]
 

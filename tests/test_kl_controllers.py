@@ -437,6 +437,17 @@ def test_tracking_start_up_hold_cuts_beta_for_a_kl_that_creeps_too_slowly():
     assert fast.holding and fast.integral == 0.0
 
 
+def test_tracking_hold_keeps_beta_while_a_never_negative_statistic_reads_a_tiny_floor():
+    """`full` is never negative and has little noise: a steady reading of a thousandth of the target is
+    significantly above zero, but it is not a policy on its way (a numerical floor, or a move too small to
+    matter). The hold keeps the integral; only the proportional term acts."""
+    c = TrackingKLController(0.1, target=4.0)
+    for t in range(15):
+        c.update(4e-3 * (1 + 0.05 * (-1) ** t), 8)
+        assert c.holding and c.integral == 0.0
+    assert c.value == pytest.approx(0.1 * math.exp(-c.kp))
+
+
 def test_tracking_hold_ends_once_the_target_was_approached():
     c = TrackingKLController(0.1, target=1.0, window=10)
     for kl in [0.2, 0.5, 0.9, 1.0, 1.0, 1.0]:  # the EMA passes 0.8 at the sixth reading

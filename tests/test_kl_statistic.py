@@ -3,6 +3,8 @@ sampled prefixes, checked against sums over the vocabulary of the tiny model's o
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -53,7 +55,7 @@ def test_full_statistic_is_the_exact_kl_of_one_token_responses(tiny_path, tmp_pa
     exact = kl(*policy_and_reference(trainer))
     assert exact > 0.1  # the policy has moved: a real KL to read
     assert metrics["kl/value"] == pytest.approx(exact, rel=1e-4)
-    assert metrics["kl/full"] == metrics["kl/value"]
+    assert metrics["kl/full"] == pytest.approx(metrics["kl/value"], rel=1e-5)
     assert abs(metrics["kl/k1"] - exact) > 1e-3  # a sample estimate, not the exact value
 
 
@@ -84,26 +86,65 @@ def test_a_per_token_statistic_other_than_the_estimator(tiny_path, tmp_path):
         assert log["objective/non_score_reward"] == pytest.approx(-log["kl/coef"] * log["kl/k1"], rel=1e-4, abs=1e-7)
 
 
+def _statistic_trainer(tiny_path, tmp_path, prompts, **overrides) -> KLPPOTrainer:
+    args = _config(tmp_path, kl_target=2.0, per_device_train_batch_size=len(prompts), rollout_forward_batch_size=2,
+                   response_length=6, temperature=0.7, critic="shared", stop_token="eos", seed=0,
+                   num_sample_generations=0, **overrides)  # fmt: skip
+    trainer = KLPPOTrainer(model=tiny_path, args=args, train_dataset=Dataset.from_dict({"prompt": prompts}),
+                           reward_funcs=lambda prompts, completions, **kw: [0.0] * len(prompts))  # fmt: skip
+    with torch.no_grad():
+        head = trainer.accelerator.unwrap_model(trainer.model).policy.get_output_embeddings().weight
+        head.add_(0.3 * torch.randn_like(head, generator=torch.Generator().manual_seed(0)))
+    return trainer
+
+
+PROMPTS = ["The day was", "My friend said", "A letter came", "The food tasted", "Our team lost", "It rained"]
+
+
 @pytest.mark.parametrize("max_mb", [1024.0, 0.0])
 def test_the_statistic_from_generation_logits_equals_a_scoring_pass(tiny_path, tmp_path, max_mb):
     """`full` reads the generation's logits when they fit in `generation_logits_max_mb` (else a scoring pass
     computes them): either way the statistic per token, the old log-probs and the shared critic's values equal
-    what forward passes over the finished sequences give. Chunks of 2 sequences with end-of-sequence stops, so
-    chunks may end at different lengths."""
-    prompts = ["The day was", "My friend said", "A letter came", "The food tasted", "Our team lost", "It rained"]
-    args = _config(tmp_path, kl_target=2.0, per_device_train_batch_size=6, rollout_forward_batch_size=2,
-                   response_length=8, temperature=0.7, critic="shared", stop_token="eos", seed=0,
-                   num_sample_generations=0, generation_logits_max_mb=max_mb)  # fmt: skip
-    trainer = KLPPOTrainer(model=tiny_path, args=args, train_dataset=Dataset.from_dict({"prompt": prompts}),
-                           reward_funcs=lambda prompts, completions, **kw: [0.0] * len(prompts))  # fmt: skip
-    assert trainer._generation_logits_fit(6) == (max_mb > 0)
-    with torch.no_grad():
-        head = trainer.accelerator.unwrap_model(trainer.model).policy.get_output_embeddings().weight
-        head.add_(0.3 * torch.randn_like(head, generator=torch.Generator().manual_seed(0)))
+    what forward passes over the finished sequences give."""
+    trainer = _statistic_trainer(tiny_path, tmp_path, PROMPTS, generation_logits_max_mb=max_mb)
     torch.manual_seed(1)
-    rollout = trainer.rollout(trainer.prompt_batch(prompts))
+    timings = {}
+    rollout = trainer.rollout(trainer.prompt_batch(PROMPTS), timings=timings)
+    assert ("time/score_policy" in timings) == (max_mb == 0)  # a policy forward only when the logits do not fit
     scored = trainer.score(rollout.sequences())
     mask = rollout.response_mask.bool()
     assert rollout.statistic_kl is not None and float(rollout.statistic_kl[mask].sum()) > 0
     for name in ("statistic_kl", "logp", "values"):
         torch.testing.assert_close(getattr(rollout, name)[mask], getattr(scored, name)[mask], rtol=1e-4, atol=1e-4)
+
+
+def test_a_chunk_that_stopped_early_pads_its_generation_logits(tiny_path, tmp_path):
+    """Generation runs in chunks of `rollout_forward_batch_size`, and a chunk stops when all its sequences have
+    met the stop token, so its logits can be shorter than the rollout's responses. Here the second chunk is made
+    to stop after 3 tokens (its last token replaced by the stop token): its padded positions are masked, and the
+    statistic on the rest equals a scoring pass's."""
+    trainer = _statistic_trainer(tiny_path, tmp_path, PROMPTS[:4])
+    policy = trainer.accelerator.unwrap_model(trainer.model).policy
+    generate, widths = policy.generate, []
+
+    def stop_early(*args, **kwargs):
+        if len(widths) == 1:
+            kwargs["generation_config"] = copy.deepcopy(kwargs["generation_config"])
+            kwargs["generation_config"].max_new_tokens = 3
+            kwargs["generation_config"].min_new_tokens = None
+        out = generate(*args, **kwargs)
+        if len(widths) == 1:
+            out.sequences[:, -1] = trainer.stop_token_id
+        widths.append(len(out.logits))
+        return out
+
+    policy.generate = stop_early
+    torch.manual_seed(1)
+    rollout = trainer.rollout(trainer.prompt_batch(PROMPTS[:4]))
+    del policy.generate
+    assert widths == [6, 3] and rollout.responses.shape[1] == 6
+    mask = rollout.response_mask.bool()
+    assert mask[2:, :3].all() and not mask[2:, 3:].any()
+    scored = trainer.score(rollout.sequences())
+    torch.testing.assert_close(rollout.statistic_kl[mask], scored.statistic_kl[mask], rtol=1e-4, atol=1e-4)
+    assert float(rollout.statistic_kl[2:, :3].sum()) > 0

@@ -443,7 +443,8 @@ def test_kl_guard_ends_an_update_once_the_kl_passes_its_bound(tiny_path, prompts
         make_args(tmp_path, kl_guard_margin=0.5)  # no kl_target
 
 
-def test_kl_guard_does_not_freeze_a_policy_whose_rollout_already_reads_above_the_bound(tiny_path, prompts, tmp_path):
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_kl_guard_does_not_freeze_a_policy_whose_rollout_already_reads_above_the_bound(tiny_path, prompts, tmp_path, seed):
     """A rollout whose KL is already far above the guard's bound: the update still steps (the first mini-batch,
     at the rollout's own policy, has not been pushed up), so a higher beta can bring the policy back. A guard
     that fired there would take no step in this update or any later one."""
@@ -452,9 +453,9 @@ def test_kl_guard_does_not_freeze_a_policy_whose_rollout_already_reads_above_the
     trainer = make_trainer(tiny_path, prompts, args)
     with torch.no_grad():
         head = trainer.accelerator.unwrap_model(trainer.model).policy.get_output_embeddings().weight
-        head.add_(0.5 * torch.randn_like(head, generator=torch.Generator().manual_seed(0)))
+        head.add_(0.5 * torch.randn_like(head, generator=torch.Generator().manual_seed(seed)))
     trainer.setup_optimisation(1)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     rollout = trainer.rollout(trainer.prompt_batch(prompts["prompt"][:8]))
     rewards = trainer.compute_rewards(rollout)
     penalty = trainer.apply_kl(rollout, rewards)

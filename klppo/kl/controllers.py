@@ -461,7 +461,7 @@ class TrackingKLController(_LogSpaceController):
               arm_fraction * target, a negative e is not integrated while the KL is on course (the
               window's slope s exceeds twice its standard error se and would carry m to
               arm_fraction * target within ``window`` updates), or the window's mean is not above zero
-              by twice its standard error (the policy has not moved yet), or there are fewer than 3
+              by twice its standard error and by target / 100 (the policy has not moved yet), or there are fewer than 3
               readings; otherwise it is integrated at startup_rate * ki
         log beta = log beta0 + kp * e + I,             clamped to [log coef_min, log coef_max]
 
@@ -556,13 +556,15 @@ class TrackingKLController(_LogSpaceController):
         return self.slope > 2.0 * stderr and self.slope * self.window >= gap
 
     def _moved(self) -> bool:
-        """The mean reading of the window is significantly above zero (by twice its standard error)."""
+        """The mean reading of the window is significantly above zero (by twice its standard error) and above
+        a hundredth of the target: a statistic that is never negative (``full``) reads a tiny steady floor with
+        little noise, which is not a policy on its way."""
         n = len(self.readings)
         if n < 3:
             return False
         mean = sum(self.readings) / n
         std = math.sqrt(sum((y - mean) ** 2 for y in self.readings) / (n - 1))
-        return mean > 2.0 * std / math.sqrt(n)
+        return mean > max(2.0 * std / math.sqrt(n), self.target / 100)
 
     def _step(self, kl: float, n_steps: int) -> float:
         self.smoothed = kl if self.smoothed is None else self.smoothed + self.smoothing * (kl - self.smoothed)

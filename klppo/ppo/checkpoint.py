@@ -144,6 +144,8 @@ class CheckpointMixin:
         warn (naming each field and both values) about what is combined or ignored."""
         if not saved:
             return
+        if "kl_statistic" not in saved and "kl_estimator" in saved:  # written before kl_statistic: it read the estimator
+            saved = {**saved, "kl_statistic": saved["kl_estimator"]}
         changed = {
             k: (v, getattr(self.args, k)) for k, v in saved.items() if hasattr(self.args, k) and v != getattr(self.args, k)
         }

@@ -242,7 +242,7 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
         args, acc = self.args, self.accelerator
         input_ids, attention_mask = batch.input_ids.to(acc.device), batch.attention_mask.to(acc.device)
         # a logits-based statistic reads the generation's own logits when they fit in `generation_logits_max_mb`
-        keep = self.kl_statistic_spec.needs_logits and self._generation_logits_fit(input_ids.shape[0])
+        keep = self.kl_statistic_spec.needs_logits and self._generation_logits_fit()
         reuse = not self.kl_estimator.needs_logits and (keep or not self.kl_statistic_spec.needs_logits)
         with timed(timings, "time/generation", acc):
             with unwrap_model_for_generation(self.model_wrapped, acc) as unwrapped, clear_sampling_errors():
@@ -260,10 +260,14 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
         )  # fmt: skip
         return self.score(sequences, logp=logp, values=values, timings=timings, policy_logits=policy_logits)
 
-    def _generation_logits_fit(self, n_sequences: int) -> bool:
-        """Whether the generation's logits of a whole rollout (float32) stay within `generation_logits_max_mb`."""
-        vocab = self.accelerator.unwrap_model(self.model_wrapped).policy.config.vocab_size
-        return n_sequences * self.args.response_length * vocab * 4 <= self.args.generation_logits_max_mb * 2**20
+    def _generation_logits_fit(self) -> bool:
+        """Whether the generation's logits of a whole rollout (float32) stay within `generation_logits_max_mb`.
+        Decided from the configured per-process rollout size, so every process takes the same path (evaluation
+        may sample fewer rows on some processes)."""
+        config = self.accelerator.unwrap_model(self.model_wrapped).policy.config
+        vocab = (config.get_text_config() if hasattr(config, "get_text_config") else config).vocab_size
+        size = self.args.local_rollout_batch_size * self.args.response_length * vocab * 4
+        return size <= self.args.generation_logits_max_mb * 2**20
 
     @torch.no_grad()
     def score(self, sequences: Sequences, logp=None, values=None, timings: dict | None = None,
@@ -469,7 +473,7 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
                 break  # the whole update is undone (or the guard fired): no point in more steps
             order = torch.randperm(n_local, device=rollout.responses.device)
             for mb_start in range(0, n_local, mb_size):
-                status = self._optimizer_step(rollout, advantages, order[mb_start : mb_start + mb_size], stats)
+                status = self._optimizer_step(rollout, advantages, order[mb_start : mb_start + mb_size], stats, applied)
                 skipped, applied = skipped or status == "nonfinite", applied + int(status == "applied")
                 guarded = status == "guard"
                 if (status == "nonfinite" and self.rollback_updates) or guarded:
@@ -482,7 +486,7 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
                             "the rest of this update was skipped.", 1 + args.kl_guard_margin, applied)  # fmt: skip
         return OptimiseResult(metrics, skipped, applied)
 
-    def _optimizer_step(self, rollout: Rollout, advantages: Advantages, mb_idx: torch.Tensor, stats) -> str:
+    def _optimizer_step(self, rollout: Rollout, advantages: Advantages, mb_idx: torch.Tensor, stats, applied: int = 0) -> str:
         """One mini-batch: gradient accumulation over micro-batches, clipping, one optimizer step. Returns
         "applied", or "nonfinite" / "guard" (the gradients are dropped) when any rank saw a non-finite loss or
         gradient norm, or when the mini-batch's global KL statistic passed the guard's bound."""
@@ -505,15 +509,18 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
                 with record_function("klppo/backward"):
                     acc.backward(loss * world * (args.gradient_accumulation_steps if self.is_deepspeed_enabled else 1))
             checks[1:3] += torch.stack([torch.as_tensor(x, dtype=torch.float64) for x in parts["kl/during_update"]])
-            checks[3] += ((rollout.logp[idx] - rollout.ref_logp[idx]) * rollout.response_mask[idx]).sum().double()
+            checks[3] += ((rollout.logp[idx].double() - rollout.ref_logp[idx].double()) * rollout.response_mask[idx]).sum()
             for name, (total, count) in parts.items():
                 stats.add(name, total, count)
         bad, kl_sum, kl_count, kl_rollout = all_reduce_sum(checks, acc).tolist()  # one collective and host sync per step
         if bad == 0 and args.kl_guard_margin is not None:
-            # the guard stops an update that has pushed these tokens' KL up and past the bound; a rollout that
-            # already read above it still takes its steps (else the policy, never stepping, could not come back)
+            # the guard stops an update that has pushed these tokens' KL up and past the bound. The update's first
+            # step always goes ahead (the policy is the rollout's; a difference there is rounding), and a rollout
+            # that already read above the bound keeps stepping while its KL does not rise (else the policy, never
+            # stepping, could not come back); every process sees the same sums and counts
             bound = args.kl_target * (1 + args.kl_guard_margin)
-            if kl_sum / kl_count > bound and kl_sum - kl_rollout > 1e-3 * bound * kl_count:
+            pushed_up = kl_sum - kl_rollout > 1e-3 * max(bound * kl_count, abs(kl_rollout))
+            if applied > 0 and kl_sum / kl_count > bound and pushed_up:
                 self.optimizer.zero_grad(set_to_none=True)
                 return "guard"
         grad_norm = None
