@@ -31,6 +31,8 @@ def test_the_statistic_defaults_to_full_with_a_target_and_to_the_estimator_witho
     assert _config(tmp_path, kl_target=4.0, kl_statistic="k1").kl_statistic == "k1"
     with pytest.raises(ValueError, match="kl_statistic.*k1.*full"):
         _config(tmp_path, kl_target=4.0, kl_statistic="k9")
+    with pytest.raises(ValueError, match="generation_logits_max_mb"):
+        _config(tmp_path, kl_target=4.0, generation_logits_max_mb=-1)
 
 
 def _moved_policy_rollout(trainer, n: int):

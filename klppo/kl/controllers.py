@@ -461,8 +461,8 @@ class TrackingKLController(_LogSpaceController):
               arm_fraction * target, a negative e is not integrated while the KL is on course (the
               window's slope s exceeds twice its standard error se and would carry m to
               arm_fraction * target within ``window`` updates), or the window's mean is not above zero
-              by twice its standard error and by target / 100 (the policy has not moved yet), or there are fewer than 3
-              readings; otherwise it is integrated at startup_rate * ki
+              by twice its standard error and by target / 100 (the policy has not moved yet), or there
+              are fewer than 3 readings; otherwise it is integrated at startup_rate * ki
         log beta = log beta0 + kp * e + I,             clamped to [log coef_min, log coef_max]
 
     Why each piece (Stooke, Achiam & Abbeel, ICML 2020, "Responsive Safety in RL by PID Lagrangian

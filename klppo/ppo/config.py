@@ -400,6 +400,11 @@ class KLPPOConfig(TrainingArguments):
             raise ValueError(f"`kl_drift_patience` must be >= 1, got {self.kl_drift_patience}.")
         if self.full_kl_chunk_size < 1:
             raise ValueError(f"`full_kl_chunk_size` must be >= 1, got {self.full_kl_chunk_size}.")
+        if not self.generation_logits_max_mb >= 0:
+            raise ValueError(
+                f"`generation_logits_max_mb` must be >= 0 (MiB), got {self.generation_logits_max_mb}; 0 always scores "
+                "the policy's logits in a forward pass, the default 1024 keeps the generation's when they fit."
+            )
 
     def _validate_ppo_fields(self) -> None:
         if self.critic not in CRITIC_KINDS:

@@ -315,14 +315,13 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
         with timed(timings, "time/kl", acc):
             if self.kl_estimator.needs_logits:
                 out["logits_kl"] = self._estimate_kl(logits=logits, ref_logits=ref_logits)
-            if self.kl_statistic_spec.needs_logits:
+            if self.kl_statistic_spec.needs_logits and args.kl_statistic != args.kl_estimator:
                 if logits is None:  # the generation's logits, shorter when this chunk stopped early
                     width = resp.shape[1] - policy_logits.shape[1]
                     logits = torch.nn.functional.pad(policy_logits, (0, 0, 0, width)) if width else policy_logits
-                out["statistic_kl"] = (
-                    out["logits_kl"] if args.kl_statistic == args.kl_estimator
-                    else estimate_kl(args.kl_statistic, logits=logits, ref_logits=ref_logits, chunk_size=args.full_kl_chunk_size)
-                )  # fmt: skip
+                out["statistic_kl"] = estimate_kl(
+                    args.kl_statistic, logits=logits, ref_logits=ref_logits, chunk_size=args.full_kl_chunk_size
+                )
         return out
 
     def reference_logits(self, seq: Sequences) -> torch.Tensor:
