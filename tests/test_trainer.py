@@ -464,6 +464,30 @@ def test_kl_guard_does_not_freeze_a_policy_whose_rollout_already_reads_above_the
     assert result.applied_steps >= 1
 
 
+def test_kl_guard_reads_the_rollout_reading_plus_the_change_the_update_made(tiny_path, prompts, tmp_path):
+    """The guard's KL is the rollout's reading (the controller's statistic, passed by `ppo_update`) plus the
+    change the update made on the mini-batch's tokens. Full fine-tuning from the reference, target 1e-6: after
+    one step the mini-batch's own KL passes the bound, so the guard fires when given no reading; given a reading
+    far below the bound, the same change keeps the estimate below it and every step is taken; given the rollout's
+    own reading (as `ppo_update` does), it fires as with no reading."""
+    args = dict(kl_guard_margin=0.5, kl_target=1e-6, kl_controller="fixed", num_ppo_epochs=2, num_mini_batches=2,
+                per_device_train_batch_size=4, gradient_accumulation_steps=1)  # fmt: skip
+    applied = {}
+    for reading in ("none", "low", "rollout"):
+        trainer = make_trainer(tiny_path, prompts, make_args(tmp_path, **args))
+        trainer.setup_optimisation(1)
+        torch.manual_seed(0)
+        rollout = trainer.rollout(trainer.prompt_batch(prompts["prompt"][:8]))
+        rewards = trainer.compute_rewards(rollout)
+        penalty = trainer.apply_kl(rollout, rewards)
+        assert abs(penalty.metrics["kl/value"]) < 1e-6  # the rollout is the reference's own
+        kl_reading = {"none": None, "low": -1e3, "rollout": penalty.metrics["kl/value"]}[reading]
+        result = trainer.optimise(rollout, trainer.compute_advantages(rollout, rewards, penalty), kl_reading=kl_reading)
+        applied[reading] = (result.applied_steps, result.metrics["kl/guard_fired"])
+    assert applied["none"] == (1, 1.0) and applied["rollout"] == (1, 1.0)
+    assert applied["low"] == (4, 0.0)
+
+
 def test_a_resumed_run_continues_the_tracking_controller_exactly(tiny_path, prompts, tmp_path):
     """Resumed from checkpoint-1, a run ends with the same full controller state (EMA, integral, trend history,
     hold / armed flags, beta) and the same per-update log as the run that was never interrupted."""

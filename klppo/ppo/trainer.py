@@ -193,7 +193,7 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
                 with timed(timings, "time/rollback_snapshot", self.accelerator):
                     snapshot = snapshot_optimisation(self.accelerator.unwrap_model(self.model_wrapped), self.optimizer, self.lr_scheduler)
             with timed(timings, "time/optimise", self.accelerator):
-                result = self.optimise(rollout, advantages)  # step 8
+                result = self.optimise(rollout, advantages, kl_reading=penalty.metrics["kl/value"])  # step 8
             metrics.update(result.metrics, **advantages.metrics)
             metrics.update(self._after_optimise(result, snapshot))
         timings["time/update"] = now(self.accelerator) - start
@@ -456,11 +456,13 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
         return Advantages(advantages, returns, kl_loss_coef, {"policy/advantage_std": std})
 
     # ------------------------------------------------------------------ step 8: optimisation
-    def optimise(self, rollout: Rollout, advantages: Advantages) -> OptimiseResult:
+    def optimise(self, rollout: Rollout, advantages: Advantages, kl_reading: float | None = None) -> OptimiseResult:
         """Step 8: `num_ppo_epochs` passes over shuffled mini-batches, one optimizer step each. A non-finite loss
         or gradient drops that step's gradients and, when updates are rolled back (`rollback_updates`), stops the
-        update. With `kl_guard_margin`, a mini-batch whose KL to the reference (at the current policy) passes
-        `kl_target * (1 + kl_guard_margin)` takes no step and ends the update."""
+        update. With `kl_guard_margin`, once the KL to the reference at the current policy passes
+        `kl_target * (1 + kl_guard_margin)`, the mini-batch takes no step and the update ends. That KL is estimated
+        as the rollout's reading `kl_reading` (the controller's statistic) plus the change the update has made on
+        the mini-batch's tokens; without a reading, as the mini-batch's own KL."""
         args = self.args
         self.model_wrapped.train()
         n_local, mb_size = rollout.batch_size, args.local_mini_batch_size
@@ -472,7 +474,7 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
                 break  # the whole update is undone (or the guard fired): no point in more steps
             order = torch.randperm(n_local, device=rollout.responses.device)
             for mb_start in range(0, n_local, mb_size):
-                status = self._optimizer_step(rollout, advantages, order[mb_start : mb_start + mb_size], stats, applied)
+                status = self._optimizer_step(rollout, advantages, order[mb_start : mb_start + mb_size], stats, applied, kl_reading)
                 skipped, applied = skipped or status == "nonfinite", applied + int(status == "applied")
                 guarded = status == "guard"
                 if (status == "nonfinite" and self.rollback_updates) or guarded:
@@ -485,7 +487,8 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
                             "the rest of this update was skipped.", 1 + args.kl_guard_margin, applied)  # fmt: skip
         return OptimiseResult(metrics, skipped, applied)
 
-    def _optimizer_step(self, rollout: Rollout, advantages: Advantages, mb_idx: torch.Tensor, stats, applied: int = 0) -> str:
+    def _optimizer_step(self, rollout: Rollout, advantages: Advantages, mb_idx: torch.Tensor, stats, applied: int = 0,
+                        kl_reading: float | None = None) -> str:
         """One mini-batch: gradient accumulation over micro-batches, clipping, one optimizer step. Returns
         "applied", or "nonfinite" / "guard" (the gradients are dropped) when any rank saw a non-finite loss or
         gradient norm, or when the mini-batch's global KL statistic passed the guard's bound."""
@@ -517,9 +520,13 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
             # step always goes ahead (the policy is the rollout's; a difference there is rounding), and a rollout
             # that already read above the bound keeps stepping while its KL does not rise (else the policy, never
             # stepping, could not come back); every process sees the same sums and counts
+            # The KL now is read as the rollout's reading plus this update's change on the mini-batch's tokens: the
+            # change is measured on the same tokens before and after, so it is far less noisy than the mini-batch's
+            # own level (a few sequences' k1)
             bound = args.kl_target * (1 + args.kl_guard_margin)
             pushed_up = kl_sum - kl_rollout > 1e-3 * max(bound * kl_count, abs(kl_rollout))
-            if applied > 0 and kl_sum / kl_count > bound and pushed_up:
+            now_kl = kl_sum / kl_count if kl_reading is None else kl_reading + (kl_sum - kl_rollout) / kl_count
+            if applied > 0 and now_kl > bound and pushed_up:
                 self.optimizer.zero_grad(set_to_none=True)
                 return "guard"
         grad_norm = None
