@@ -122,13 +122,15 @@ KLPPO_CONFIG_DOC = r"""
             Warn when the controller statistic stays above 2x or below 0.5x the target for this many
             consecutive updates.
         kl_guard_margin (`float` or `None`, *optional*, defaults to `None`):
-            A hard guard on top of the controller: within an update, a mini-batch whose KL statistic at the current
-            policy (k1 on the rollout's tokens weighted by pi / pi_old, in `kl_target_unit`, reduced over all
-            processes) passes `kl_target * (1 + kl_guard_margin)`, and is above what the same tokens read at the
-            rollout (the update pushed it up), takes no optimizer step, and the rest of the update's epochs and
-            mini-batches are skipped. A rollout that already reads above the bound still takes its steps, so
-            that a higher beta can bring the policy back. Logged as `kl/guard_fired`; `kl/during_update` is the
-            statistic. None: off.
+            A hard guard on top of the controller: within an update, once the KL to the reference at the current
+            policy passes `kl_target * (1 + kl_guard_margin)` and the update has pushed it up, the mini-batch takes
+            no optimizer step and the rest of the update's epochs and mini-batches are skipped. That KL is the
+            rollout's reading of the controller statistic plus the change the update has made on the mini-batch's
+            tokens (k1 weighted by pi / pi_old, in `kl_target_unit`, reduced over all processes): the change is
+            measured on the same tokens before and after, so it is far less noisy than a few sequences' own KL.
+            The update's first step always goes ahead, and a rollout that already reads above the bound keeps
+            stepping while its KL does not rise, so that a higher beta can bring the policy back. Logged as
+            `kl/guard_fired`; `kl/during_update` is the mini-batches' own KL at the current policy. None: off.
         full_kl_chunk_size (`int`, *optional*, defaults to `1024`):
             Positions per chunk for `kl_estimator="full"`.
         generation_logits_max_mb (`float`, *optional*, defaults to `1024`):
