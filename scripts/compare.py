@@ -83,6 +83,8 @@ UPDATE_KEYS = (
     "policy/clipfrac",
     "policy/entropy",
     "time/update",
+    "kl/guard_fired",
+    "kl/during_update",
 )
 
 # --quick: the tiny random model of configs/tiny.yaml, two arms, one seed, two updates.

@@ -488,6 +488,29 @@ def test_kl_guard_reads_the_rollout_reading_plus_the_change_the_update_made(tiny
     assert applied["low"] == (4, 0.0)
 
 
+@pytest.mark.parametrize("reset", [True, False])
+def test_kl_guard_clears_the_optimizers_momentum_when_it_fires(tiny_path, prompts, tmp_path, reset):
+    """When the guard fires, Adam's first moments are zeroed (the push that made it fire does not carry into the
+    next update's steps) and the second moments kept; with `kl_guard_reset_momentum=False` both are kept."""
+    args = make_args(tmp_path, kl_guard_margin=0.5, kl_target=1e-6, kl_controller="fixed", num_ppo_epochs=2,
+                     num_mini_batches=2, per_device_train_batch_size=4, gradient_accumulation_steps=1,
+                     kl_guard_reset_momentum=reset)  # fmt: skip
+    trainer = make_trainer(tiny_path, prompts, args)
+    trainer.setup_optimisation(1)
+    torch.manual_seed(0)
+    rollout = trainer.rollout(trainer.prompt_batch(prompts["prompt"][:8]))
+    rewards = trainer.compute_rewards(rollout)
+    penalty = trainer.apply_kl(rollout, rewards)
+    result = trainer.optimise(rollout, trainer.compute_advantages(rollout, rewards, penalty), kl_reading=0.0)
+    assert (result.applied_steps, result.metrics["kl/guard_fired"]) == (1, 1.0)
+    states = [s for s in trainer.optimizer.optimizer.state.values() if "exp_avg" in s]
+    assert states
+    first = max(float(s["exp_avg"].abs().max()) for s in states)
+    second = max(float(s["exp_avg_sq"].abs().max()) for s in states)
+    assert second > 0
+    assert (first == 0) if reset else (first > 0)
+
+
 def test_a_resumed_run_continues_the_tracking_controller_exactly(tiny_path, prompts, tmp_path):
     """Resumed from checkpoint-1, a run ends with the same full controller state (EMA, integral, trend history,
     hold / armed flags, beta) and the same per-update log as the run that was never interrupted."""

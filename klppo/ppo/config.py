@@ -131,6 +131,11 @@ KLPPO_CONFIG_DOC = r"""
             The update's first step always goes ahead, and a rollout that already reads above the bound keeps
             stepping while its KL does not rise, so that a higher beta can bring the policy back. Logged as
             `kl/guard_fired`; `kl/during_update` is the mini-batches' own KL at the current policy. None: off.
+        kl_guard_reset_momentum (`bool`, *optional*, defaults to `True`):
+            When the guard fires, also zero the optimizer's first moments (Adam's `exp_avg`, SGD's
+            `momentum_buffer`). The update's first step always goes ahead, and with momentum it continues the push
+            that made the guard fire (Adam's first moment, beta1 = 0.9, remembers about ten steps); cleared, the
+            next steps follow their own gradients, which carry the KL penalty. The second moments are kept.
         full_kl_chunk_size (`int`, *optional*, defaults to `1024`):
             Positions per chunk for `kl_estimator="full"`.
         generation_logits_max_mb (`float`, *optional*, defaults to `1024`):
@@ -287,6 +292,7 @@ class KLPPOConfig(TrainingArguments):
     kl_loss_scale: str = field(default="advantage_std", metadata=_doc("kl_loss_scale"))
     kl_drift_patience: int = field(default=5, metadata=_doc("kl_drift_patience"))
     kl_guard_margin: float | None = field(default=None, metadata=_doc("kl_guard_margin"))
+    kl_guard_reset_momentum: bool = field(default=True, metadata=_doc("kl_guard_reset_momentum"))
     full_kl_chunk_size: int = field(default=1024, metadata=_doc("full_kl_chunk_size"))
     generation_logits_max_mb: float = field(default=1024.0, metadata=_doc("generation_logits_max_mb"))
 

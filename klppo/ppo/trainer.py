@@ -528,6 +528,8 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
             now_kl = kl_sum / kl_count if kl_reading is None else kl_reading + (kl_sum - kl_rollout) / kl_count
             if applied > 0 and now_kl > bound and pushed_up:
                 self.optimizer.zero_grad(set_to_none=True)
+                if args.kl_guard_reset_momentum:
+                    self._reset_momentum()
                 return "guard"
         grad_norm = None
         ok = bad == 0
@@ -544,6 +546,15 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
                 stats.add("train/grad_norm", torch.as_tensor(grad_norm, dtype=torch.float64) / world, 1.0 / world)
         self.optimizer.zero_grad(set_to_none=True)
         return "applied" if ok else "nonfinite"
+
+    def _reset_momentum(self) -> None:
+        """Zero the optimizer's first moments (`exp_avg` of Adam / AdamW, `momentum_buffer` of SGD): the push that
+        made the KL guard fire does not carry into the next steps. Second moments and step counts are kept."""
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper
+        for state in optimizer.state.values():
+            for key in ("exp_avg", "momentum_buffer"):
+                if isinstance(state.get(key), torch.Tensor):
+                    state[key].zero_()
 
     def micro_batch_loss(self, mb: Rollout, advantages: Advantages, idx: torch.Tensor, counts: dict):
         """Loss of one micro-batch `mb` (rows `idx` of the rollout), normalised by the mini-batch's GLOBAL
