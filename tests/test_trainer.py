@@ -436,11 +436,28 @@ def test_kl_guard_ends_an_update_once_the_kl_passes_its_bound(tiny_path, prompts
     messages = [r.getMessage() for r in caplog.records if "KL guard" in r.getMessage()]
     steps = [int(m.split("after ")[1].split(" ")[0]) for m in messages]
     assert len(steps) == 2 and min(steps) >= 1 and guarded.lr_scheduler.last_epoch == sum(steps) < 8
-    free = make_trainer(tiny_path, prompts, make_args(tmp_path, **kw))
+    free = make_trainer(tiny_path, prompts, make_args(tmp_path, **kw))  # a fixed controller: the guard is off
     free.train()
     assert free.lr_scheduler.last_epoch == 8 and not any("kl/guard_fired" in h for h in free.state.log_history)
     with pytest.raises(ValueError, match="kl_guard_margin"):
         make_args(tmp_path, kl_guard_margin=0.5)  # no kl_target
+
+
+def test_the_guard_holds_the_target_by_default_with_the_tracking_controller_only(tmp_path):
+    """Unset, `kl_guard_margin` is 0 with the tracking controller (the default whenever kl_target is set) and off
+    with every other controller and without a target; `inf` turns it off; a negative or non-numeric margin is an
+    error that names the fix."""
+    assert make_args(tmp_path, kl_target=4.0).kl_guard_margin == 0.0
+    assert make_args(tmp_path, kl_target=4.0, kl_controller="tracking", kl_guard_margin=0.25).kl_guard_margin == 0.25
+    assert make_args(tmp_path, kl_target=4.0, kl_guard_margin=float("inf")).kl_guard_margin is None
+    assert make_args(tmp_path, kl_target=4.0, kl_guard_margin="inf").kl_guard_margin is None
+    for controller in ("adaptive", "pid", "exponential", "fixed"):
+        assert make_args(tmp_path, kl_target=4.0, kl_controller=controller).kl_guard_margin is None
+    assert make_args(tmp_path).kl_guard_margin is None
+    with pytest.raises(ValueError, match="inf to turn the guard off"):
+        make_args(tmp_path, kl_target=4.0, kl_guard_margin=-0.1)
+    with pytest.raises(ValueError, match="kl_guard_margin.*number"):
+        make_args(tmp_path, kl_target=4.0, kl_guard_margin="tight")
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])

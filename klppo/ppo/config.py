@@ -130,7 +130,10 @@ KLPPO_CONFIG_DOC = r"""
             measured on the same tokens before and after, so it is far less noisy than a few sequences' own KL.
             The update's first step always goes ahead, and a rollout that already reads above the bound keeps
             stepping while its KL does not rise, so that a higher beta can bring the policy back. Logged as
-            `kl/guard_fired`; `kl/during_update` is the mini-batches' own KL at the current policy. None: off.
+            `kl/guard_fired`; `kl/during_update` is the mini-batches' own KL at the current policy. None: 0 (the
+            guard holds the target itself) with the `tracking` controller, klppo's default whenever `kl_target`
+            is set; off with every other controller, so that they behave as published. `inf` turns it off. It acts
+            only where an update takes more than one step (`num_mini_batches * num_ppo_epochs > 1`).
         kl_guard_reset_momentum (`bool`, *optional*, defaults to `True`):
             When the guard fires, also zero the optimizer's first moments (Adam's `exp_avg`, SGD's
             `momentum_buffer`). The update's first step always goes ahead, and with momentum it continues the push
@@ -399,11 +402,20 @@ class KLPPOConfig(TrainingArguments):
             )
         if self.kl_value_clamp is not None and not self.kl_value_clamp > 0:
             raise ValueError(f"`kl_value_clamp` must be > 0 or None (off), got {self.kl_value_clamp}.")
-        if self.kl_guard_margin is not None and (self.kl_target is None or not self.kl_guard_margin >= 0):
-            raise ValueError(
-                f"`kl_guard_margin`={self.kl_guard_margin} needs a `kl_target` and a margin >= 0 (e.g. 0.5: stop an "
-                "update once the KL passes 1.5 x kl_target); leave it unset to turn the guard off."
-            )
+        if self.kl_guard_margin is None:
+            self.kl_guard_margin = 0.0 if self.kl_controller == "tracking" and self.kl_target is not None else None
+        else:
+            try:
+                self.kl_guard_margin = float(self.kl_guard_margin)
+            except (TypeError, ValueError):
+                raise ValueError(f"`kl_guard_margin` must be a number >= 0 or inf (off), got {self.kl_guard_margin!r}.") from None
+            if math.isinf(self.kl_guard_margin) and self.kl_guard_margin > 0:
+                self.kl_guard_margin = None  # off
+            elif self.kl_target is None or not self.kl_guard_margin >= 0:
+                raise ValueError(
+                    f"`kl_guard_margin`={self.kl_guard_margin} needs a `kl_target` and a margin >= 0 (e.g. 0: stop an "
+                    "update once the KL passes kl_target; 0.5: at 1.5 x kl_target); set it to inf to turn the guard off."
+                )
         if self.kl_drift_patience < 1:
             raise ValueError(f"`kl_drift_patience` must be >= 1, got {self.kl_drift_patience}.")
         if self.full_kl_chunk_size < 1:
