@@ -142,8 +142,13 @@ def train_argv(base_config: Path, fields: dict, seed: int, output_dir: str) -> l
     return argv
 
 
-def fingerprint(base: dict, fields: dict, seed: int) -> str:
-    text = json.dumps({"base": base, "arm": fields, "seed": seed}, sort_keys=True, default=str)
+# settings a run resolves from defaults that can change between versions: part of a run's fingerprint, so that a
+# record written under other defaults is trained again rather than kept
+RESOLVED_KEYS = ("kl_controller", "kl_statistic", "kl_guard_margin", "kl_guard_reset_momentum")
+
+
+def fingerprint(base: dict, fields: dict, seed: int, resolved: dict | None = None) -> str:
+    text = json.dumps({"base": base, "arm": fields, "seed": seed, "resolved": resolved}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -184,6 +189,8 @@ def run_worker(job: dict) -> None:
         "kl_target_unit": args.kl_target_unit,
         "kl_controller": args.kl_controller,
         "kl_statistic": args.kl_statistic,
+        "kl_guard_margin": args.kl_guard_margin if math.isfinite(args.kl_guard_margin) else None,  # null: off
+        "kl_guard_reset_momentum": args.kl_guard_reset_momentum,
         "kl_coef_initial": args.kl_coef,
         "kl_coef_final": trainer.kl_controller.value,
         "controller_state": trainer.kl_controller.state_dict(),
@@ -610,7 +617,7 @@ def main(argv=None) -> int:
             fields = spec["arms"][arm]
             name = f"{arm}-seed{seed}"
             record = out / "runs" / f"{name}.json"
-            fp = fingerprint(base, fields, seed)
+            fp = fingerprint(base, fields, seed, {k: getattr(parsed[arm][1], k) for k in RESOLVED_KEYS})
             if record_is_done(record, fp):
                 print(f"  {name}: already done, kept", flush=True)
                 continue

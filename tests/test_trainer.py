@@ -444,20 +444,42 @@ def test_kl_guard_ends_an_update_once_the_kl_passes_its_bound(tiny_path, prompts
 
 
 def test_the_guard_holds_the_target_by_default_with_the_tracking_controller_only(tmp_path):
-    """Unset, `kl_guard_margin` is 0 with the tracking controller (the default whenever kl_target is set) and off
-    with every other controller and without a target; `inf` turns it off; a negative or non-numeric margin is an
-    error that names the fix."""
+    """Unset, `kl_guard_margin` resolves to 0 with the tracking controller (the default whenever kl_target is set)
+    and to inf (off) with every other controller and without a target; `inf` turns it off; resolving a resolved
+    config again changes nothing; a negative or non-numeric margin is an error that names the fix."""
+    import dataclasses
+
     assert make_args(tmp_path, kl_target=4.0).kl_guard_margin == 0.0
     assert make_args(tmp_path, kl_target=4.0, kl_controller="tracking", kl_guard_margin=0.25).kl_guard_margin == 0.25
-    assert make_args(tmp_path, kl_target=4.0, kl_guard_margin=float("inf")).kl_guard_margin is None
-    assert make_args(tmp_path, kl_target=4.0, kl_guard_margin="inf").kl_guard_margin is None
+    for off in (float("inf"), "inf"):
+        args = make_args(tmp_path, kl_target=4.0, kl_guard_margin=off)
+        assert args.kl_guard_margin == math.inf
+        assert dataclasses.replace(args).kl_guard_margin == math.inf  # stays off when resolved again
     for controller in ("adaptive", "pid", "exponential", "fixed"):
-        assert make_args(tmp_path, kl_target=4.0, kl_controller=controller).kl_guard_margin is None
-    assert make_args(tmp_path).kl_guard_margin is None
+        assert make_args(tmp_path, kl_target=4.0, kl_controller=controller).kl_guard_margin == math.inf
+    assert make_args(tmp_path).kl_guard_margin == math.inf
     with pytest.raises(ValueError, match="inf to turn the guard off"):
         make_args(tmp_path, kl_target=4.0, kl_guard_margin=-0.1)
     with pytest.raises(ValueError, match="kl_guard_margin.*number"):
         make_args(tmp_path, kl_target=4.0, kl_guard_margin="tight")
+
+
+def test_the_default_guard_fires_in_training_and_an_old_checkpoint_says_it_is_now_on(tiny_path, prompts, tmp_path, caplog):
+    """The tracking controller's default guard acts in `train()` (4 steps per update, a target the first step
+    passes), and a checkpoint written before the guard's settings were saved resumes with a warning naming
+    them."""
+    args = make_args(tmp_path, kl_target=1e-6, num_mini_batches=2, num_ppo_epochs=2, per_device_train_batch_size=4,
+                     gradient_accumulation_steps=1, max_steps=2)  # fmt: skip
+    assert args.kl_controller == "tracking" and args.kl_guard_margin == 0.0
+    trainer = make_trainer(tiny_path, prompts, args)
+    trainer.train()
+    assert [h["kl/guard_fired"] for h in trainer.state.log_history if "kl/guard_fired" in h] == [1.0, 1.0]
+    saved = {k: v for k, v in trainer._klppo_state()["settings"].items() if not k.startswith("kl_guard")}
+    with caplog.at_level("WARNING"):
+        trainer._check_resume_settings(saved)
+    messages = " ".join(r.getMessage() for r in caplog.records)
+    assert "kl_guard_margin changed from inf to 0.0" in messages
+    assert "kl_guard_reset_momentum changed from False to True" in messages
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
@@ -477,32 +499,39 @@ def test_kl_guard_does_not_freeze_a_policy_whose_rollout_already_reads_above_the
     rewards = trainer.compute_rewards(rollout)
     penalty = trainer.apply_kl(rollout, rewards)
     assert penalty.metrics["kl/k1"] > 100 * 1.5e-3  # far above the bound before any step
-    result = trainer.optimise(rollout, trainer.compute_advantages(rollout, rewards, penalty))
+    advantages = trainer.compute_advantages(rollout, rewards, penalty)
+    result = trainer.optimise(rollout, advantages, kl_reading=penalty.metrics["kl/value"])
     assert result.applied_steps >= 1
 
 
-def test_kl_guard_reads_the_rollout_reading_plus_the_change_the_update_made(tiny_path, prompts, tmp_path):
+@pytest.mark.parametrize("unit", ["sequence", "token"])
+def test_kl_guard_reads_the_rollout_reading_plus_the_change_the_update_made(tiny_path, prompts, tmp_path, unit):
     """The guard's KL is the rollout's reading (the controller's statistic, passed by `ppo_update`) plus the
-    change the update made on the mini-batch's tokens. Full fine-tuning from the reference, target 1e-6: after
-    one step the mini-batch's own KL passes the bound, so the guard fires when given no reading; given a reading
-    far below the bound, the same change keeps the estimate below it and every step is taken; given the rollout's
-    own reading (as `ppo_update` does), it fires as with no reading."""
-    args = dict(kl_guard_margin=0.5, kl_target=1e-6, kl_controller="fixed", num_ppo_epochs=2, num_mini_batches=2,
-                per_device_train_batch_size=4, gradient_accumulation_steps=1)  # fmt: skip
+    change the update made on the mini-batch's tokens, in `kl_target_unit`. Full fine-tuning from the reference:
+    - target 1e-6: after one step the mini-batch's own KL passes the bound, so the guard fires given no reading
+      or the rollout's own (about 0); given a reading far below the bound, the same change stays below it and
+      every step is taken;
+    - target 1 (bound 1.5): the mini-batch's own KL after a step stays below the bound, so the guard holds
+      still given no reading; given a reading above the bound, the update's rise fires it after one step."""
     applied = {}
-    for reading in ("none", "low", "rollout"):
-        trainer = make_trainer(tiny_path, prompts, make_args(tmp_path, **args))
+    for target, reading in ((1e-6, "none"), (1e-6, "low"), (1e-6, "rollout"), (1.0, "none"), (1.0, "high")):
+        args = make_args(tmp_path, kl_guard_margin=0.5, kl_target=target, kl_target_unit=unit, kl_controller="fixed",
+                         num_ppo_epochs=2, num_mini_batches=2, per_device_train_batch_size=4,
+                         gradient_accumulation_steps=1)  # fmt: skip
+        trainer = make_trainer(tiny_path, prompts, args)
         trainer.setup_optimisation(1)
         torch.manual_seed(0)
         rollout = trainer.rollout(trainer.prompt_batch(prompts["prompt"][:8]))
         rewards = trainer.compute_rewards(rollout)
         penalty = trainer.apply_kl(rollout, rewards)
         assert abs(penalty.metrics["kl/value"]) < 1e-6  # the rollout is the reference's own
-        kl_reading = {"none": None, "low": -1e3, "rollout": penalty.metrics["kl/value"]}[reading]
+        kl_reading = {"none": None, "low": -1e3, "high": 2.0, "rollout": penalty.metrics["kl/value"]}[reading]
         result = trainer.optimise(rollout, trainer.compute_advantages(rollout, rewards, penalty), kl_reading=kl_reading)
-        applied[reading] = (result.applied_steps, result.metrics["kl/guard_fired"])
-    assert applied["none"] == (1, 1.0) and applied["rollout"] == (1, 1.0)
-    assert applied["low"] == (4, 0.0)
+        applied[target, reading] = (result.applied_steps, result.metrics["kl/guard_fired"], result.metrics["kl/during_update"])
+    assert applied[1e-6, "none"][:2] == (1, 1.0) and applied[1e-6, "rollout"][:2] == (1, 1.0)
+    assert applied[1e-6, "low"][:2] == (4, 0.0)
+    assert applied[1.0, "none"][:2] == (4, 0.0) and applied[1.0, "none"][2] < 1.5  # the level stayed below
+    assert applied[1.0, "high"][:2] == (1, 1.0)
 
 
 @pytest.mark.parametrize("reset", [True, False])

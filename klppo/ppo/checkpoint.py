@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -24,7 +25,8 @@ TRAINABLE_STATE_NAME = "klppo_trainable.safetensors"
 STAGING_DIR = ".checkpoint-staging"
 # settings compared on resume: refused if changed / combined with the saved state / ignored for it
 RESUME_REFUSED = ("kl_controller", "kl_target_unit", "kl_mode")
-RESUME_COMBINED = ("kl_target", "kl_estimator", "kl_statistic", "kl_horizon", "kl_loss_scale")
+RESUME_COMBINED = ("kl_target", "kl_estimator", "kl_statistic", "kl_horizon", "kl_loss_scale", "kl_guard_margin",
+                   "kl_guard_reset_momentum")
 RESUME_IGNORED = ("kl_coef", "learning_rate")
 # what a complete klppo checkpoint holds (checked before resuming from "the latest")
 CHECKPOINT_FILES = (TRAINABLE_STATE_NAME, CONTROLLER_STATE_NAME, "trainer_state.json")
@@ -146,6 +148,8 @@ class CheckpointMixin:
             return
         if "kl_statistic" not in saved and "kl_estimator" in saved:  # written before kl_statistic: it read the estimator
             saved = {**saved, "kl_statistic": saved["kl_estimator"]}
+        if "kl_guard_margin" not in saved:  # written before the guard was saved: it was off unless set
+            saved = {**saved, "kl_guard_margin": math.inf, "kl_guard_reset_momentum": False}
         changed = {
             k: (v, getattr(self.args, k)) for k, v in saved.items() if hasattr(self.args, k) and v != getattr(self.args, k)
         }

@@ -121,24 +121,30 @@ KLPPO_CONFIG_DOC = r"""
         kl_drift_patience (`int`, *optional*, defaults to `5`):
             Warn when the controller statistic stays above 2x or below 0.5x the target for this many
             consecutive updates.
-        kl_guard_margin (`float` or `None`, *optional*, defaults to `None`):
+        kl_guard_margin (`float` or `None`, *optional*, defaults to `None`: 0 with `tracking`, else `inf`):
             A hard guard on top of the controller: within an update, once the KL to the reference at the current
             policy passes `kl_target * (1 + kl_guard_margin)` and the update has pushed it up, the mini-batch takes
             no optimizer step and the rest of the update's epochs and mini-batches are skipped. That KL is the
             rollout's reading of the controller statistic plus the change the update has made on the mini-batch's
             tokens (k1 weighted by pi / pi_old, in `kl_target_unit`, reduced over all processes): the change is
             measured on the same tokens before and after, so it is far less noisy than a few sequences' own KL.
-            The update's first step always goes ahead, and a rollout that already reads above the bound keeps
-            stepping while its KL does not rise, so that a higher beta can bring the policy back. Logged as
-            `kl/guard_fired`; `kl/during_update` is the mini-batches' own KL at the current policy. None: 0 (the
-            guard holds the target itself) with the `tracking` controller, klppo's default whenever `kl_target`
-            is set; off with every other controller, so that they behave as published. `inf` turns it off. It acts
-            only where an update takes more than one step (`num_mini_batches * num_ppo_epochs > 1`).
+            (With a `kl_statistic` whose expectation is not KL(pi || ref), such as `k2` or `abs`, the reading and
+            the k1 change measure different things.) The update's first step always goes ahead, and a rollout
+            that already reads above the bound keeps stepping while its KL does not rise, so that a higher beta
+            can bring the policy back. Logged as `kl/guard_fired`; `kl/during_update` is the mini-batches' own KL
+            at the current policy. Unset, it resolves to 0 (the guard holds the target itself) with the `tracking`
+            controller, klppo's default whenever `kl_target` is set, and to `inf` (off) with every other
+            controller, so that they behave as published. It acts only where an update takes more than one step
+            (`num_mini_batches * num_ppo_epochs > 1`). Under DeepSpeed, accelerate applies the optimizer step
+            inside `backward`, so the guard cannot hold back the step it checks there.
         kl_guard_reset_momentum (`bool`, *optional*, defaults to `True`):
             When the guard fires, also zero the optimizer's first moments (Adam's `exp_avg`, SGD's
-            `momentum_buffer`). The update's first step always goes ahead, and with momentum it continues the push
-            that made the guard fire (Adam's first moment, beta1 = 0.9, remembers about ten steps); cleared, the
-            next steps follow their own gradients, which carry the KL penalty. The second moments are kept.
+            `momentum_buffer`). The update's first step always goes ahead, and with momentum it would continue the
+            push that made the guard fire (Adam's first moment, beta1 = 0.9, remembers about ten steps). Cleared,
+            the momentum restarts from the new gradients, which carry the KL penalty: with Adam the next steps are
+            about 10%, 19%, 27%, 34%, ... of a full step (second moments and step counts are kept), a brake that
+            fades over about ten steps. Optimizers whose state has neither tensor (8-bit or paged optimizers, for
+            instance) are left as they are, with a warning.
         full_kl_chunk_size (`int`, *optional*, defaults to `1024`):
             Positions per chunk for `kl_estimator="full"`.
         generation_logits_max_mb (`float`, *optional*, defaults to `1024`):
@@ -402,20 +408,21 @@ class KLPPOConfig(TrainingArguments):
             )
         if self.kl_value_clamp is not None and not self.kl_value_clamp > 0:
             raise ValueError(f"`kl_value_clamp` must be > 0 or None (off), got {self.kl_value_clamp}.")
+        # resolved to a number either way (inf: off), so that resolving a resolved config again changes nothing
         if self.kl_guard_margin is None:
-            self.kl_guard_margin = 0.0 if self.kl_controller == "tracking" and self.kl_target is not None else None
-        else:
-            try:
-                self.kl_guard_margin = float(self.kl_guard_margin)
-            except (TypeError, ValueError):
-                raise ValueError(f"`kl_guard_margin` must be a number >= 0 or inf (off), got {self.kl_guard_margin!r}.") from None
-            if math.isinf(self.kl_guard_margin) and self.kl_guard_margin > 0:
-                self.kl_guard_margin = None  # off
-            elif self.kl_target is None or not self.kl_guard_margin >= 0:
-                raise ValueError(
-                    f"`kl_guard_margin`={self.kl_guard_margin} needs a `kl_target` and a margin >= 0 (e.g. 0: stop an "
-                    "update once the KL passes kl_target; 0.5: at 1.5 x kl_target); set it to inf to turn the guard off."
-                )
+            on = self.kl_controller == "tracking" and self.kl_target is not None
+            self.kl_guard_margin = 0.0 if on else math.inf
+        try:
+            self.kl_guard_margin = float(self.kl_guard_margin)
+        except (TypeError, ValueError):
+            raise ValueError(f"`kl_guard_margin` must be a number >= 0 or inf (off), got {self.kl_guard_margin!r}.") from None
+        if not math.isinf(self.kl_guard_margin) and (self.kl_target is None or not self.kl_guard_margin >= 0):
+            raise ValueError(
+                f"`kl_guard_margin`={self.kl_guard_margin} needs a `kl_target` and a margin >= 0 (e.g. 0: stop an "
+                "update once the KL passes kl_target; 0.5: at 1.5 x kl_target); set it to inf to turn the guard off."
+            )
+        if self.kl_guard_margin == -math.inf:
+            raise ValueError("`kl_guard_margin` must be >= 0, or inf to turn the guard off; got -inf.")
         if self.kl_drift_patience < 1:
             raise ValueError(f"`kl_drift_patience` must be >= 1, got {self.kl_drift_patience}.")
         if self.full_kl_chunk_size < 1:

@@ -8,7 +8,8 @@ nothing in place:
     rewards  = trainer.compute_rewards(rollout)               Rewards      step 4
     penalty  = trainer.apply_kl(rollout, rewards)             KLPenalty    steps 5-6
     adv      = trainer.compute_advantages(rollout, rewards, penalty)  Advantages  step 7
-    result   = trainer.optimise(rollout, adv)                 OptimiseResult  step 8
+    result   = trainer.optimise(rollout, adv, kl_reading=penalty.metrics["kl/value"])  OptimiseResult  step 8
+                                           (the reading is what the KL guard starts from)
 
 Shapes: `B` sequences on this rank, `P` prompt length (left-padded), `R` response length. Every per-sequence
 field can be sliced with `select(rows)`, e.g. to give each rank its share of one rollout.

@@ -480,7 +480,7 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
                 if (status == "nonfinite" and self.rollback_updates) or guarded:
                     break
         metrics = stats.means(self.accelerator)
-        if args.kl_guard_margin is not None:
+        if math.isfinite(args.kl_guard_margin):
             metrics["kl/guard_fired"] = float(guarded)
             if guarded and self.is_world_process_zero():
                 logger.info("KL guard: the KL to the reference passed %g x kl_target after %d optimizer step(s); "
@@ -491,7 +491,8 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
                         kl_reading: float | None = None) -> str:
         """One mini-batch: gradient accumulation over micro-batches, clipping, one optimizer step. Returns
         "applied", or "nonfinite" / "guard" (the gradients are dropped) when any rank saw a non-finite loss or
-        gradient norm, or when the mini-batch's global KL statistic passed the guard's bound."""
+        gradient norm, or when the KL at the current policy (the rollout's reading `kl_reading` plus the change
+        this update made on the mini-batch's tokens, reduced over all ranks) passed the guard's bound."""
         args, acc, model = self.args, self.accelerator, self.model_wrapped
         world, micro = acc.num_processes, args.per_device_train_batch_size
         # Global counts of the mini-batch: every loss is a global mean, whatever the split
@@ -515,7 +516,7 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
             for name, (total, count) in parts.items():
                 stats.add(name, total, count)
         bad, kl_sum, kl_count, kl_rollout = all_reduce_sum(checks, acc).tolist()  # one collective and host sync per step
-        if bad == 0 and args.kl_guard_margin is not None:
+        if bad == 0 and math.isfinite(args.kl_guard_margin):
             # the guard stops an update that has pushed these tokens' KL up and past the bound. The update's first
             # step always goes ahead (the policy is the rollout's; a difference there is rounding), and a rollout
             # that already read above the bound keeps stepping while its KL does not rise (else the policy, never
@@ -549,12 +550,24 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
 
     def _reset_momentum(self) -> None:
         """Zero the optimizer's first moments (`exp_avg` of Adam / AdamW, `momentum_buffer` of SGD): the push that
-        made the KL guard fire does not carry into the next steps. Second moments and step counts are kept."""
+        made the KL guard fire does not carry into the next steps. Second moments and step counts are kept. An
+        optimizer with state but neither tensor is left alone, with a warning (once)."""
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper
-        for state in optimizer.state.values():
+        states = [s for s in optimizer.state.values() if s]
+        reset = 0
+        for state in states:
             for key in ("exp_avg", "momentum_buffer"):
-                if isinstance(state.get(key), torch.Tensor):
-                    state[key].zero_()
+                value = state.get(key)
+                if isinstance(value, torch.Tensor) and value.is_floating_point():
+                    value.zero_()
+                    reset += 1
+        if states and not reset and not getattr(self, "_warned_momentum", False):
+            self._warned_momentum = True
+            logger.warning(
+                "kl_guard_reset_momentum: %s keeps no exp_avg or momentum_buffer tensor, so its momentum was not "
+                "cleared when the KL guard fired. Set kl_guard_reset_momentum=False to silence this.",
+                type(optimizer).__name__,
+            )
 
     def micro_batch_loss(self, mb: Rollout, advantages: Advantages, idx: torch.Tensor, counts: dict):
         """Loss of one micro-batch `mb` (rows `idx` of the rollout), normalised by the mini-batch's GLOBAL
