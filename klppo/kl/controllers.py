@@ -494,6 +494,11 @@ class TrackingKLController(_LogSpaceController):
     The defaults were chosen on one-token bandits whose equilibrium coefficient is known in closed
     form, from a start 5x below and 5x above it (``tests/test_convergence.py``), and on the default
     sentiment task (README, "Results").
+
+    Beta acts on the KL two readings after the one that set it, and each update moves the KL by an amount
+    beta does not decide, so no setting of these gains holds the KL much tighter than a fixed beta near the
+    equilibrium would. ``KLPPOTrainer`` therefore pairs this controller, by default, with a guard inside the
+    update (``kl_guard_margin=0``): an update that has pushed the KL past the target takes no more steps.
     """
 
     def __init__(
