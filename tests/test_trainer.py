@@ -504,6 +504,20 @@ def test_kl_guard_does_not_freeze_a_policy_whose_rollout_already_reads_above_the
     assert result.applied_steps >= 1
 
 
+def guarded_update(tiny_path, prompts, args, kl_reading="rollout"):
+    """One rollout of 8 prompts (seed 0) and its PPO epochs under `args`; returns (trainer, penalty, result).
+    `kl_reading` is passed to `optimise`: a number, None, or "rollout" for the rollout's own reading."""
+    trainer = make_trainer(tiny_path, prompts, args)
+    trainer.setup_optimisation(1)
+    torch.manual_seed(0)
+    rollout = trainer.rollout(trainer.prompt_batch(prompts["prompt"][:8]))
+    rewards = trainer.compute_rewards(rollout)
+    penalty = trainer.apply_kl(rollout, rewards)
+    reading = penalty.metrics["kl/value"] if kl_reading == "rollout" else kl_reading
+    result = trainer.optimise(rollout, trainer.compute_advantages(rollout, rewards, penalty), kl_reading=reading)
+    return trainer, penalty, result
+
+
 @pytest.mark.parametrize("unit", ["sequence", "token"])
 def test_kl_guard_reads_the_rollout_reading_plus_the_change_the_update_made(tiny_path, prompts, tmp_path, unit):
     """The guard's KL is the rollout's reading (the controller's statistic, passed by `ppo_update`) plus the
@@ -518,15 +532,9 @@ def test_kl_guard_reads_the_rollout_reading_plus_the_change_the_update_made(tiny
         args = make_args(tmp_path, kl_guard_margin=0.5, kl_target=target, kl_target_unit=unit, kl_controller="fixed",
                          num_ppo_epochs=2, num_mini_batches=2, per_device_train_batch_size=4,
                          gradient_accumulation_steps=1)  # fmt: skip
-        trainer = make_trainer(tiny_path, prompts, args)
-        trainer.setup_optimisation(1)
-        torch.manual_seed(0)
-        rollout = trainer.rollout(trainer.prompt_batch(prompts["prompt"][:8]))
-        rewards = trainer.compute_rewards(rollout)
-        penalty = trainer.apply_kl(rollout, rewards)
+        kl_reading = {"none": None, "low": -1e3, "high": 2.0, "rollout": "rollout"}[reading]
+        _, penalty, result = guarded_update(tiny_path, prompts, args, kl_reading)
         assert abs(penalty.metrics["kl/value"]) < 1e-6  # the rollout is the reference's own
-        kl_reading = {"none": None, "low": -1e3, "high": 2.0, "rollout": penalty.metrics["kl/value"]}[reading]
-        result = trainer.optimise(rollout, trainer.compute_advantages(rollout, rewards, penalty), kl_reading=kl_reading)
         applied[target, reading] = (result.applied_steps, result.metrics["kl/guard_fired"], result.metrics["kl/during_update"])
     assert applied[1e-6, "none"][:2] == (1, 1.0) and applied[1e-6, "rollout"][:2] == (1, 1.0)
     assert applied[1e-6, "low"][:2] == (4, 0.0)
@@ -541,13 +549,7 @@ def test_kl_guard_clears_the_optimizers_momentum_when_it_fires(tiny_path, prompt
     args = make_args(tmp_path, kl_guard_margin=0.5, kl_target=1e-6, kl_controller="fixed", num_ppo_epochs=2,
                      num_mini_batches=2, per_device_train_batch_size=4, gradient_accumulation_steps=1,
                      kl_guard_reset_momentum=reset)  # fmt: skip
-    trainer = make_trainer(tiny_path, prompts, args)
-    trainer.setup_optimisation(1)
-    torch.manual_seed(0)
-    rollout = trainer.rollout(trainer.prompt_batch(prompts["prompt"][:8]))
-    rewards = trainer.compute_rewards(rollout)
-    penalty = trainer.apply_kl(rollout, rewards)
-    result = trainer.optimise(rollout, trainer.compute_advantages(rollout, rewards, penalty), kl_reading=0.0)
+    trainer, _, result = guarded_update(tiny_path, prompts, args, kl_reading=0.0)
     assert (result.applied_steps, result.metrics["kl/guard_fired"]) == (1, 1.0)
     states = [s for s in trainer.optimizer.optimizer.state.values() if "exp_avg" in s]
     assert states
