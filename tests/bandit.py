@@ -81,7 +81,8 @@ def bandit_trainer(tiny_path, tmp_path, response_length: int = 1, modulus: int =
         rollout_forward_batch_size=64,
     )
     base.update(overrides)
-    prompts = Dataset.from_dict({"prompt": [PROMPT] * base["per_device_train_batch_size"]})
+    rollout_batch = base["per_device_train_batch_size"] * base["gradient_accumulation_steps"] * base["num_mini_batches"]
+    prompts = Dataset.from_dict({"prompt": [PROMPT] * rollout_batch})
     return KLPPOTrainer(model=tiny_path, args=KLPPOConfig(**base), train_dataset=prompts, reward_funcs=reward)
 
 
