@@ -147,7 +147,7 @@ def train_argv(base_config: Path, fields: dict, seed: int, output_dir: str) -> l
 RESOLVED_KEYS = ("kl_controller", "kl_statistic", "kl_guard_margin", "kl_guard_reset_momentum")
 
 
-def fingerprint(base: dict, fields: dict, seed: int, resolved: dict | None = None) -> str:
+def fingerprint(base: dict, fields: dict, seed: int, resolved: dict) -> str:
     text = json.dumps({"base": base, "arm": fields, "seed": seed, "resolved": resolved}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

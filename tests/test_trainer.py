@@ -480,6 +480,12 @@ def test_the_default_guard_fires_in_training_and_an_old_checkpoint_says_it_is_no
     messages = " ".join(r.getMessage() for r in caplog.records)
     assert "kl_guard_margin changed from inf to 0.0" in messages
     assert "kl_guard_reset_momentum changed from False to True" in messages
+    caplog.clear()  # with the guard off now (another controller), an old checkpoint has nothing to report
+    adaptive = make_trainer(tiny_path, prompts, make_args(tmp_path, kl_target=1e-6, kl_controller="adaptive"))
+    saved = {k: v for k, v in adaptive._klppo_state()["settings"].items() if not k.startswith("kl_guard")}
+    with caplog.at_level("WARNING"):
+        adaptive._check_resume_settings(saved)
+    assert not any("kl_guard" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])

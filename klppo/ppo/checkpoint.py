@@ -148,8 +148,10 @@ class CheckpointMixin:
             return
         if "kl_statistic" not in saved and "kl_estimator" in saved:  # written before kl_statistic: it read the estimator
             saved = {**saved, "kl_statistic": saved["kl_estimator"]}
-        if "kl_guard_margin" not in saved:  # written before the guard was saved: it was off unless set
-            saved = {**saved, "kl_guard_margin": math.inf, "kl_guard_reset_momentum": False}
+        if "kl_guard_margin" not in saved:  # written before the guard was saved: off unless set, and no momentum reset
+            guard_now = math.isfinite(self.args.kl_guard_margin)  # with the guard off, the reset is moot
+            reset = False if guard_now else self.args.kl_guard_reset_momentum
+            saved = {**saved, "kl_guard_margin": math.inf, "kl_guard_reset_momentum": reset}
         changed = {
             k: (v, getattr(self.args, k)) for k, v in saved.items() if hasattr(self.args, k) and v != getattr(self.args, k)
         }

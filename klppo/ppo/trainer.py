@@ -517,13 +517,12 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
                 stats.add(name, total, count)
         bad, kl_sum, kl_count, kl_rollout = all_reduce_sum(checks, acc).tolist()  # one collective and host sync per step
         if bad == 0 and math.isfinite(args.kl_guard_margin):
-            # the guard stops an update that has pushed these tokens' KL up and past the bound. The update's first
-            # step always goes ahead (the policy is the rollout's; a difference there is rounding), and a rollout
-            # that already read above the bound keeps stepping while its KL does not rise (else the policy, never
-            # stepping, could not come back); every process sees the same sums and counts
-            # The KL now is read as the rollout's reading plus this update's change on the mini-batch's tokens: the
-            # change is measured on the same tokens before and after, so it is far less noisy than the mini-batch's
-            # own level (a few sequences' k1)
+            # the guard stops an update that has pushed these tokens' KL up and past the bound. The KL now is the
+            # rollout's reading plus this update's change on the mini-batch's tokens (measured on the same tokens
+            # before and after: far less noisy than a few sequences' own k1). The update's first step always goes
+            # ahead (the policy is the rollout's; a difference there is rounding), and a rollout that already read
+            # above the bound keeps stepping while its KL does not rise (else the policy, never stepping, could not
+            # come back); every process sees the same sums and counts
             bound = args.kl_target * (1 + args.kl_guard_margin)
             pushed_up = kl_sum - kl_rollout > 1e-3 * max(bound * kl_count, abs(kl_rollout))
             now_kl = kl_sum / kl_count if kl_reading is None else kl_reading + (kl_sum - kl_rollout) / kl_count
