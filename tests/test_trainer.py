@@ -242,6 +242,43 @@ def test_generation_logprobs_and_values_match_a_scoring_forward(tiny_path, promp
     assert rollout.logp[mask].abs().sum() > 0
 
 
+@pytest.mark.parametrize("merge", [True, False])
+def test_a_lora_policy_samples_merged_and_its_base_weights_come_back_bit_for_bit(tiny_path, prompts, tmp_path, merge):
+    """With `merge_adapter_for_generation`, every LoRA layer runs merged while sampling; the log-probs read from
+    generation still equal a scoring pass through the unmerged adapter, and afterwards the base weights (the
+    adapter-disabled reference) are the very same bits and no layer is left merged."""
+    peft = pytest.importorskip("peft")
+    from peft.tuners.lora import LoraLayer
+
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+    args = make_args(tmp_path, critic="shared", temperature=0.7, response_length=8, merge_adapter_for_generation=merge)
+    trainer = make_trainer(tiny_path, prompts, args, peft_config=lora)
+    policy = trainer.accelerator.unwrap_model(trainer.model_wrapped).policy
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.3)  # an adapter that moves the policy away from the base
+    base = {n: p.detach().clone() for n, p in policy.named_parameters() if "lora_" not in n}
+    layers = [m for m in policy.modules() if isinstance(m, LoraLayer)]
+    seen = []
+    # every pass with the adapter on (generation here; the reference pass disables it)
+    hooks = [layer.register_forward_pre_hook(lambda m, a: seen.append(m.merged) if not m.disable_adapters else None)
+             for layer in layers]  # fmt: skip
+    torch.manual_seed(1)
+    rollout = trainer.rollout(trainer.prompt_batch(prompts["prompt"][:6]))
+    for hook in hooks:
+        hook.remove()
+    assert layers and seen and set(seen) == {merge}
+    mask = rollout.response_mask.bool()
+    scored = trainer.score(rollout.sequences())
+    torch.testing.assert_close(rollout.logp[mask], scored.logp[mask], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(rollout.values[mask], scored.values[mask], rtol=1e-4, atol=1e-4)
+    assert (rollout.logp - rollout.ref_logp)[mask].abs().max() > 0.05  # the adapter matters here
+    assert not any(layer.merged for layer in layers)
+    assert all(torch.equal(p, base[n]) for n, p in policy.named_parameters() if "lora_" not in n)
+
+
 def test_evaluation_does_not_change_the_training_run(tiny_path, prompts, tmp_path):
     kw = dict(heldout_texts=["some held-out words"] * 2, eval_dataset=prompts.select(range(4)))
     plain = make_trainer(tiny_path, prompts, make_args(tmp_path, max_steps=2), **kw)

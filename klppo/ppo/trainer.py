@@ -22,7 +22,7 @@ import functools
 import logging
 import math
 from collections import defaultdict
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -58,9 +58,11 @@ from .rollback import restore_optimisation, snapshot_optimisation
 from .rollout import (
     clear_sampling_errors,
     collate_prompts,
+    contiguous_lm_head_input,
     ends_with_stop,
     generate_responses,
     last_positions,
+    merged_lora,
     position_ids_from_mask,
     response_logits,
     response_logprobs,
@@ -245,7 +247,8 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
         keep = self.kl_statistic_spec.needs_logits and self._generation_logits_fit()
         reuse = not self.kl_estimator.needs_logits and (keep or not self.kl_statistic_spec.needs_logits)
         with timed(timings, "time/generation", acc):
-            with unwrap_model_for_generation(self.model_wrapped, acc) as unwrapped, clear_sampling_errors():
+            with unwrap_model_for_generation(self.model_wrapped, acc) as unwrapped, clear_sampling_errors(), \
+                    self._sampling_form(unwrapped.policy):  # fmt: skip
                 responses, logp, values, policy_logits = generate_responses(
                     unwrapped.policy, input_ids, attention_mask, self.generation_config,
                     args.rollout_forward_batch_size, temperature=args.temperature if reuse else None,
@@ -259,6 +262,15 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
             response_mask=response_mask, context_length=input_ids.shape[1],
         )  # fmt: skip
         return self.score(sequences, logp=logp, values=values, timings=timings, policy_logits=policy_logits)
+
+    @contextmanager
+    def _sampling_form(self, policy):
+        """The policy as it samples: the LM head's input made contiguous (generation's first step); a LoRA adapter
+        merged into copies of the base weights (`merge_adapter_for_generation`), except under DeepSpeed or FSDP,
+        whose sharded parameters are not plain tensors to copy."""
+        merge = self.args.merge_adapter_for_generation and not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
+        with contiguous_lm_head_input(policy), merged_lora(policy) if merge else nullcontext():
+            yield
 
     def _generation_logits_fit(self) -> bool:
         """Whether the generation's logits of a whole rollout (float32) stay within `generation_logits_max_mb`.
