@@ -298,15 +298,19 @@ def generate_responses(
     return cat(pieces, pad), logp_out, values_out, kept if keep_logits and with_scores else None
 
 
-def last_positions(n: int, length: int, device) -> torch.Tensor | int:
-    """`logits_to_keep` for the last `n` of `length` positions, as an index tensor (0 keeps every position).
+def response_positions(response_length: int, length: int, device) -> torch.Tensor:
+    """`logits_to_keep` for a forward pass over `length` positions whose last `response_length` tokens are the
+    response: the indices of the positions that predict those tokens, `length - response_length - 1` to
+    `length - 2`. The LM head then runs on these positions only: not on the prompt, and not on the last position,
+    which predicts past the response.
 
-    Transformers' causal LMs run their LM head on `hidden_states[:, -n:]` for an int, a strided view that
-    matmul cannot fold into one matrix product: it takes a batched path that cost 1.5-1.8x the LM head's
-    forward and backward time on CPU (SmolLM2, 8 x 25 positions, 49,152-token vocabulary). An index tensor
-    gathers the positions into a contiguous tensor first; the logits are the same.
+    An index tensor rather than an int: for an int, transformers' causal LMs run their LM head on
+    `hidden_states[:, -n:]`, a strided view that matmul cannot fold into one matrix product; it takes a batched
+    path that cost 1.5-1.8x the LM head's forward and backward time on CPU (SmolLM2, 8 x 25 positions,
+    49,152-token vocabulary). And the logits are exactly the response's, so no slice of them has to be
+    differentiated (a slice's backward fills a zero gradient of the whole logits tensor first).
     """
-    return torch.arange(length - n, length, device=device) if 0 < n < length else 0
+    return torch.arange(length - response_length - 1, length - 1, device=device)
 
 
 def response_logits(
@@ -315,11 +319,12 @@ def response_logits(
     """Logits that predict the `response_length` response tokens, scaled by the sampling temperature, with
     the `suppressed` token ids (never sampled) masked out.
 
-    `logits` is `[B, L, V]` for the whole sequence or `[B, K, V]` with `K >= response_length + 1` (a forward
-    pass with `logits_to_keep=response_length + 1`, which skips the LM head on prompt positions); either way
-    the result is `[B, response_length, V]`.
+    `logits` is `[B, response_length, V]`, from a forward pass with `logits_to_keep=response_positions(...)`
+    (the LM head on the predicting positions only), or `[B, L, V]` for the whole sequence of `L >
+    response_length` positions; either way the result is `[B, response_length, V]`.
     """
-    logits = logits[:, -(response_length + 1) : -1]
+    if logits.shape[1] != response_length:
+        logits = logits[:, -(response_length + 1) : -1]
     if temperature == 1.0:
         return mask_suppressed(logits, suppressed)
     return mask_suppressed(logits / temperature, suppressed, inplace=True)  # the quotient is a new tensor

@@ -61,11 +61,11 @@ from .rollout import (
     contiguous_lm_head_input,
     ends_with_stop,
     generate_responses,
-    last_positions,
     merged_lora,
     position_ids_from_mask,
     response_logits,
     response_logprobs,
+    response_positions,
     sampling_setup,
     truncate_at_stop,
 )
@@ -312,7 +312,7 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
             with timed(timings, "time/score_policy", acc):  # a shared critic's values come from this same pass
                 logits, values = self.model_wrapped(
                     qr, attention_mask=attn, position_ids=pos, compute_values=need_values and unwrapped.shared,
-                    logits_to_keep=resp.shape[1] + 1,  # the LM head runs on response positions only
+                    response_length=resp.shape[1],  # the LM head runs on the response's predicting positions only
                 )  # fmt: skip
                 logits = response_logits(logits, resp.shape[1], args.temperature, self.suppressed_ids)
                 out["logp"] = response_logprobs(logits, resp)
@@ -341,7 +341,7 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
         pos = position_ids_from_mask(seq.attention_mask)
         kwargs = dict(
             input_ids=seq.query_responses, attention_mask=seq.attention_mask, position_ids=pos, use_cache=False,
-            logits_to_keep=last_positions(seq.responses.shape[1] + 1, seq.query_responses.shape[1], pos.device),
+            logits_to_keep=response_positions(seq.responses.shape[1], seq.query_responses.shape[1], pos.device),
         )  # fmt: skip
         if self.use_adapter_reference:
             policy = self.accelerator.unwrap_model(self.model_wrapped).policy
@@ -587,7 +587,7 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
         mask, resp = mb.response_mask, mb.responses
         pos = position_ids_from_mask(mb.attention_mask)
         logits, values = self.model_wrapped(
-            mb.query_responses, attention_mask=mb.attention_mask, position_ids=pos, logits_to_keep=resp.shape[1] + 1
+            mb.query_responses, attention_mask=mb.attention_mask, position_ids=pos, response_length=resp.shape[1]
         )
         logits = response_logits(logits, resp.shape[1], args.temperature, self.suppressed_ids)
         values = values[:, mb.context_length - 1 : -1].float()

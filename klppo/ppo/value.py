@@ -105,7 +105,8 @@ class ActorCritic(nn.Module):
     """Policy and critic as one module, so that one optimizer and one data-parallel wrapper cover both.
 
     `forward(input_ids, attention_mask, position_ids) -> (logits, values)`; with `compute_values=False`
-    the critic is skipped; `logits_to_keep=K` computes logits for the last K positions only.
+    the critic is skipped; `response_length=R` computes logits only at the R positions that predict the last R
+    tokens (`rollout.response_positions`), `[B, R, V]`.
     """
 
     def __init__(
@@ -133,11 +134,11 @@ class ActorCritic(nn.Module):
         return self.policy.config
 
     def forward(
-        self, input_ids, attention_mask=None, position_ids=None, compute_values: bool = True, logits_to_keep: int = 0
+        self, input_ids, attention_mask=None, position_ids=None, compute_values: bool = True, response_length: int = 0
     ):
-        from .rollout import last_positions
+        from .rollout import response_positions
 
-        keep = last_positions(logits_to_keep, input_ids.shape[1], input_ids.device) if logits_to_keep else 0
+        keep = response_positions(response_length, input_ids.shape[1], input_ids.device) if response_length else 0
         shared_values = compute_values and self.shared
         with last_hidden_states(self.policy) if shared_values else nullcontext([None]) as hidden:
             out = self.policy(
