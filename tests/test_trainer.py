@@ -279,6 +279,26 @@ def test_a_lora_policy_samples_merged_and_its_base_weights_come_back_bit_for_bit
     assert all(torch.equal(p, base[n]) for n, p in policy.named_parameters() if "lora_" not in n)
 
 
+def test_lora_layers_sharing_a_base_weight_sample_unmerged(tiny_path):
+    """Two LoRA layers on one base weight (as with tied embeddings) would merge each other's update: such a model
+    samples unmerged, and its weights stay as they were."""
+    peft = pytest.importorskip("peft")
+    from peft.tuners.lora import LoraLayer
+
+    from klppo.models import load_causal_lm
+    from klppo.ppo.rollout import merged_lora
+
+    model = peft.get_peft_model(load_causal_lm(tiny_path), peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    with merged_lora(model):
+        assert all(layer.merged for layer in layers)  # the plain case merges
+    layers[1].get_base_layer().weight = layers[0].get_base_layer().weight  # now shared
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with merged_lora(model):
+        assert not any(layer.merged for layer in layers)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
 def test_evaluation_does_not_change_the_training_run(tiny_path, prompts, tmp_path):
     kw = dict(heldout_texts=["some held-out words"] * 2, eval_dataset=prompts.select(range(4)))
     plain = make_trainer(tiny_path, prompts, make_args(tmp_path, max_steps=2), **kw)

@@ -182,19 +182,25 @@ def contiguous_lm_head_input(model):
 
 
 def _mergeable_lora_layers(model) -> list | None:
-    """The LoRA layers of a PEFT `model` whose active adapters can be merged into a plain floating-point base
-    weight, or None when some LoRA layer cannot (quantized or otherwise special base layers) or none exists."""
+    """The LoRA layers of a PEFT `model` when every one is a plain `lora.Linear` whose active adapters can be
+    merged into a floating-point base weight of its own; None when none exists or any layer is otherwise (quantized
+    base layers, LoRA variants such as DoRA or aLoRA, `target_parameters` wrappers, or a base weight shared with
+    another parameter, as tied embeddings are: merging one module's update would change the other's)."""
     try:
         from peft.tuners.lora import LoraLayer
+        from peft.tuners.lora import Linear as LoraLinear
     except ImportError:
         return None
     layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    storages = [p.data_ptr() for _, p in model.named_parameters(remove_duplicate=False)]
     for layer in layers:
         base = layer.get_base_layer()
         weight = getattr(base, "weight", None)
-        if layer.merged or not isinstance(weight, nn.Parameter) or type(weight) is not nn.Parameter:
+        if type(layer) is not LoraLinear or layer.merged or getattr(layer, "disable_adapters", False):
             return None
-        if not weight.is_floating_point() or getattr(layer, "disable_adapters", False):
+        if getattr(layer, "lora_variant", None) or getattr(layer, "parameter_name", None):
+            return None
+        if type(weight) is not nn.Parameter or not weight.is_floating_point() or storages.count(weight.data_ptr()) != 1:
             return None
     return layers or None
 
@@ -211,7 +217,7 @@ def merged_lora(model):
     changes, not even by rounding, as subtracting the update again would. The copies cost one extra set of the
     targeted base weights while sampling. The logits differ from the unmerged model's by rounding only (about
     1e-5 in float32). No-op for a model without LoRA layers, or with a layer whose base weight is not a plain
-    floating-point parameter (quantized layers keep the unmerged path)."""
+    floating-point parameter of its own (see `_mergeable_lora_layers`: those keep the unmerged path)."""
     layers = _mergeable_lora_layers(model)
     if not layers:
         yield
@@ -229,7 +235,7 @@ def merged_lora(model):
                 layer.merge()  # in place, on the copies
         yield
     finally:
-        for layer, base, weight, bias, merged in saved:
+        for layer, base, weight, bias, merged in reversed(saved):
             base.weight.data = weight
             if bias is not None:
                 base.bias.data = bias
@@ -310,6 +316,8 @@ def response_positions(response_length: int, length: int, device) -> torch.Tenso
     49,152-token vocabulary). And the logits are exactly the response's, so no slice of them has to be
     differentiated (a slice's backward fills a zero gradient of the whole logits tensor first).
     """
+    if length <= response_length:
+        raise ValueError(f"{length} positions cannot hold a prompt and a response of {response_length} tokens.")
     return torch.arange(length - response_length - 1, length - 1, device=device)
 
 
