@@ -205,8 +205,9 @@ KLPPO_CONFIG_DOC = r"""
             Sample from a LoRA policy with its adapter merged into copies of the base weights (put back, bit for
             bit, after sampling): no per-layer adapter overhead at every decoding step, at the cost of one extra
             set of the targeted base weights while sampling. Log-probs read from generation then differ from a
-            scoring pass by rounding only (about 1e-5). Skipped under DeepSpeed and FSDP, and for quantized base
-            layers.
+            scoring pass by rounding only (about 1e-5 to 1e-4). Skipped under DeepSpeed and FSDP, and for LoRA
+            layers that cannot merge into a base weight of their own (quantized, DoRA and other variants, tied
+            embeddings).
 
         > Optimisation
 
