@@ -9,7 +9,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from trl.trainer.utils import selective_log_softmax
 
 from ..rewards.text import is_conversational
@@ -243,6 +243,70 @@ def merged_lora(model):
             layer.merged_adapters = merged
 
 
+def sample_categorical(probs: torch.Tensor, block: int = 256, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of `probs [B, V]` (non-negative, each row with a positive sum; need not be normalised),
+    drawn by inverse transform sampling in two levels: a block of `block` tokens by its cumulative mass, then a
+    token inside it. Exact up to float64 rounding of the cumulative sums, and never a token of probability 0.
+
+    The same distribution as `torch.multinomial(probs, 1)`, which on CPU draws an exponential variate for every
+    entry: 12-14 ms per decoding step for 8 x 49,152 probabilities on one thread, against 1 ms here. One uniform
+    variate per row is taken from `generator` (torch's default generator when None), so seeded runs repeat.
+    """
+    rows, vocab = probs.shape
+    pad = (-vocab) % block
+    blocks = torch.nn.functional.pad(probs, (0, pad)).view(rows, -1, block)  # [B, n, block]
+    mass = blocks.sum(-1, dtype=torch.float64).cumsum(-1)  # [B, n]
+    u = torch.rand(rows, 1, dtype=torch.float64, device=probs.device, generator=generator) * mass[:, -1:]
+    # the first block whose cumulative mass passes u; u reaching the total by rounding takes the last non-empty one
+    last_block = (mass < mass[:, -1:]).sum(-1, keepdim=True)
+    b = torch.minimum(torch.searchsorted(mass, u, right=True), last_block)  # [B, 1]
+    before = torch.where(b > 0, mass.gather(1, (b - 1).clamp(min=0)), torch.zeros_like(u))
+    inside = blocks.gather(1, b.unsqueeze(-1).expand(rows, 1, block)).squeeze(1)  # [B, block]
+    cumulative = inside.cumsum(-1, dtype=torch.float64)
+    last_token = (cumulative < cumulative[:, -1:]).sum(-1, keepdim=True)
+    j = torch.minimum(torch.searchsorted(cumulative, u - before, right=True), last_token)
+    return (b * block + j).squeeze(1)
+
+
+class InverseCDFSampler(LogitsProcessor):
+    """Temperature sampling as the last logits processor of a greedy `generate`: draws the token from
+    `softmax(scores / temperature)` with `sample_categorical` and returns scores whose only finite entry is that
+    token, which the greedy step then picks. The draws follow the distribution of `do_sample=True` with the same
+    temperature (and no top-k / top-p), without `torch.multinomial`'s cost on CPU. Generation's raw logits
+    (`output_logits`) are untouched."""
+
+    def __init__(self, temperature: float):
+        self.temperature = float(temperature)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(scores.float() / self.temperature, dim=-1)
+        token = sample_categorical(probs)
+        return torch.full_like(scores, float("-inf")).scatter_(1, token[:, None], 0.0)
+
+
+def inverse_cdf_sampling(generation_config: GenerationConfig) -> tuple[GenerationConfig, LogitsProcessorList | None]:
+    """`(config, logits_processor)` for `generate`: a pure temperature sampler (one beam, no top-k / top-p / min-p
+    / typical / epsilon / eta truncation) becomes greedy decoding with an `InverseCDFSampler` last, which draws
+    from the same distribution; any other configuration is returned as it is, with no processor."""
+    g = generation_config
+    untruncated = (
+        g.do_sample
+        and (g.num_beams or 1) == 1
+        and g.top_k in (None, 0)
+        and g.top_p in (None, 1.0)
+        and g.min_p is None
+        and g.typical_p in (None, 1.0)
+        and not g.epsilon_cutoff
+        and not g.eta_cutoff
+    )
+    if not untruncated:
+        return generation_config, None
+    sampler = InverseCDFSampler(g.temperature if g.temperature is not None else 1.0)
+    greedy = copy.deepcopy(g)
+    greedy.do_sample, greedy.temperature, greedy.top_k, greedy.top_p = False, None, None, None
+    return greedy, LogitsProcessorList([sampler])
+
+
 @torch.no_grad()
 def generate_responses(
     policy,
@@ -271,7 +335,7 @@ def generate_responses(
     """
     pad = generation_config.pad_token_id
     with_scores = temperature is not None
-    generation_config = copy.deepcopy(generation_config)
+    generation_config, processors = inverse_cdf_sampling(copy.deepcopy(generation_config))
     generation_config.return_dict_in_generate = True
     generation_config.output_logits = with_scores
     with_values = with_scores and value_head is not None
@@ -282,6 +346,7 @@ def generate_responses(
                 input_ids=input_ids[start : start + chunk],
                 attention_mask=attention_mask[start : start + chunk],
                 generation_config=generation_config,
+                logits_processor=processors,
             )
         tokens = out.sequences[:, input_ids.shape[1] :]
         pieces.append(tokens)
