@@ -255,9 +255,11 @@ def test_sample_categorical_draws_exactly_the_given_probabilities(monkeypatch):
     se = (p.double() * (1 - p.double()) / n).sqrt()
     assert (freq - p.double()).abs().le(5 * se + 1e-12).all(), (freq, p)
     assert freq[p == 0].sum() == 0
-    # unnormalised rows are sampled in proportion
+    # an unnormalised row (total 0.37) is sampled in proportion: 1/4 and 3/4
     torch.manual_seed(1)
-    assert (sample_categorical(torch.tensor([[0.0, 3.0, 0.0]]).repeat(1000, 1), block=2) == 1).all()
+    draws = sample_categorical(torch.tensor([[0.0925, 0.0, 0.2775]]).repeat(n, 1), block=2)
+    share = (draws == 2).double().mean()
+    assert abs(share - 0.75) < 5 * (0.75 * 0.25 / n) ** 0.5 and set(draws.tolist()) == {0, 2}
     real_rand = torch.rand
     monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones_like(real_rand(*a, **k)))
     assert sample_categorical(p[None], block=3).item() == 7  # u == total mass: the last positive token, not a 0
@@ -297,6 +299,42 @@ def test_generation_samples_softmax_of_the_logits_over_temperature(tiny_model_an
     se = (probs[top] * (1 - probs[top]) / n).sqrt()
     assert (freq[top] - probs[top]).abs().le(5 * se).all(), (freq[top], probs[top])
     torch.testing.assert_close(logp[:, 0], probs.log()[tokens[:, 0]].float(), rtol=1e-4, atol=1e-4)
+
+
+def test_the_inverse_cdf_sampler_applies_only_to_plain_temperature_sampling():
+    """Greedy + `InverseCDFSampler` replaces `do_sample=True` only when nothing truncates or reshapes the
+    distribution, counting what the model's own generation config fills into unset fields (as `generate` does)."""
+    from transformers import GenerationConfig
+
+    from klppo.ppo.rollout import InverseCDFSampler, inverse_cdf_sampling
+
+    plain = GenerationConfig(do_sample=True, temperature=0.7, top_k=0, top_p=1.0, max_new_tokens=4)
+    config, processors = inverse_cdf_sampling(plain)
+    assert not config.do_sample and isinstance(processors[0], InverseCDFSampler)
+    assert processors[0].temperature == 0.7
+    # the caller's explicit values win over the model's, as in `generate`
+    assert inverse_cdf_sampling(plain, GenerationConfig(temperature=0.2, top_p=0.9))[1][0].temperature == 0.7
+    for model_default in ({"min_p": 0.05}, {"typical_p": 0.9}, {"epsilon_cutoff": 3e-4}, {"penalty_alpha": 0.6}):
+        assert inverse_cdf_sampling(plain, GenerationConfig(**model_default))[1] is None, model_default
+    unset_top_k = GenerationConfig(do_sample=True, temperature=0.7, max_new_tokens=4)  # transformers' top-k 50
+    two_per_prompt = GenerationConfig(do_sample=True, temperature=0.7, top_k=0, num_return_sequences=2)
+    for other in (unset_top_k, two_per_prompt, GenerationConfig(do_sample=False)):
+        assert inverse_cdf_sampling(other) == (other, None)
+
+
+def test_sampling_from_non_finite_logits_says_the_weights_diverged(tiny_model_and_tokenizer):
+    from transformers import GenerationConfig
+
+    from klppo.ppo.rollout import clear_sampling_errors, generate_responses
+
+    model, tokenizer = tiny_model_and_tokenizer
+    with torch.no_grad():
+        model.get_output_embeddings().weight.fill_(float("nan"))
+    enc = tokenizer(["a", "b"], return_tensors="pt", padding=True)
+    config = GenerationConfig(do_sample=True, temperature=0.7, top_k=0, top_p=1.0, max_new_tokens=3,
+                              pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    with pytest.raises(RuntimeError, match="weights have diverged"), clear_sampling_errors():
+        generate_responses(model, enc.input_ids, enc.attention_mask, config, chunk=2, temperature=0.7)
 
 
 @pytest.mark.parametrize("merge", [True, False])

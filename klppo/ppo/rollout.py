@@ -272,38 +272,58 @@ class InverseCDFSampler(LogitsProcessor):
     """Temperature sampling as the last logits processor of a greedy `generate`: draws the token from
     `softmax(scores / temperature)` with `sample_categorical` and returns scores whose only finite entry is that
     token, which the greedy step then picks. The draws follow the distribution of `do_sample=True` with the same
-    temperature (and no top-k / top-p), without `torch.multinomial`'s cost on CPU. Generation's raw logits
-    (`output_logits`) are untouched."""
+    temperature (and no truncation), without `torch.multinomial`'s cost on CPU. Generation's raw logits
+    (`output_logits`) are untouched; its `output_scores` would hold the one-hot scores. Non-finite scores raise
+    as `torch.multinomial` does (a message naming inf and nan, which `clear_sampling_errors` explains)."""
 
     def __init__(self, temperature: float):
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
         self.temperature = float(temperature)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(scores.float() / self.temperature, dim=-1)
+        if not bool(torch.isfinite(probs).all()):  # NaN or +inf logits, or a row with every token masked
+            raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
         token = sample_categorical(probs)
         return torch.full_like(scores, float("-inf")).scatter_(1, token[:, None], 0.0)
 
 
-def inverse_cdf_sampling(generation_config: GenerationConfig) -> tuple[GenerationConfig, LogitsProcessorList | None]:
-    """`(config, logits_processor)` for `generate`: a pure temperature sampler (one beam, no top-k / top-p / min-p
-    / typical / epsilon / eta truncation) becomes greedy decoding with an `InverseCDFSampler` last, which draws
-    from the same distribution; any other configuration is returned as it is, with no processor."""
-    g = generation_config
-    untruncated = (
-        g.do_sample
-        and (g.num_beams or 1) == 1
-        and g.top_k in (None, 0)
-        and g.top_p in (None, 1.0)
-        and g.min_p is None
-        and g.typical_p in (None, 1.0)
-        and not g.epsilon_cutoff
-        and not g.eta_cutoff
-    )
-    if not untruncated:
+# settings under which `do_sample=True` is plain temperature sampling: each field's value (after the model's own
+# generation config fills the unset ones, as `generate` does) must be one of these
+_UNTRUNCATED = {
+    "top_k": (0,),  # unset means transformers' default of 50
+    "top_p": (None, 1.0),
+    "min_p": (None, 0.0),
+    "typical_p": (None, 1.0),
+    "epsilon_cutoff": (None, 0.0),
+    "eta_cutoff": (None, 0.0),
+    "top_h": (None,),
+    "num_beams": (None, 1),
+    "num_return_sequences": (None, 1),
+    "penalty_alpha": (None,),
+    "watermarking_config": (None,),
+    "assistant_model": (None,),
+    "prompt_lookup_num_tokens": (None,),
+}
+
+
+def inverse_cdf_sampling(
+    generation_config: GenerationConfig, model_generation_config: GenerationConfig | None = None
+) -> tuple[GenerationConfig, LogitsProcessorList | None]:
+    """`(config, logits_processor)` for `generate`: plain temperature sampling (no top-k / top-p / min-p / typical /
+    epsilon / eta / top-h truncation, one beam, one sequence per prompt, no watermark or assistant), judged after
+    `model_generation_config` (the model's `generation_config`) fills the fields `generation_config` leaves unset,
+    becomes greedy decoding with an `InverseCDFSampler` last, which draws from the same distribution. Any other
+    configuration is returned as it is, with no processor, and samples with `torch.multinomial`."""
+    merged = copy.deepcopy(generation_config)
+    if model_generation_config is not None:
+        merged.update(**model_generation_config.to_dict(), defaults_only=True)
+    if not merged.do_sample or any(getattr(merged, k, None) not in ok for k, ok in _UNTRUNCATED.items()):
         return generation_config, None
-    sampler = InverseCDFSampler(g.temperature if g.temperature is not None else 1.0)
-    greedy = copy.deepcopy(g)
-    greedy.do_sample, greedy.temperature, greedy.top_k, greedy.top_p = False, None, None, None
+    sampler = InverseCDFSampler(merged.temperature if merged.temperature is not None else 1.0)
+    greedy = copy.deepcopy(merged)
+    greedy.do_sample, greedy.temperature, greedy.top_p = False, 1.0, 1.0
     return greedy, LogitsProcessorList([sampler])
 
 
@@ -335,7 +355,8 @@ def generate_responses(
     """
     pad = generation_config.pad_token_id
     with_scores = temperature is not None
-    generation_config, processors = inverse_cdf_sampling(copy.deepcopy(generation_config))
+    generation_config, processors = inverse_cdf_sampling(generation_config, getattr(policy, "generation_config", None))
+    generation_config = copy.deepcopy(generation_config)
     generation_config.return_dict_in_generate = True
     generation_config.output_logits = with_scores
     with_values = with_scores and value_head is not None
