@@ -323,7 +323,8 @@ def inverse_cdf_sampling(
         return generation_config, None
     sampler = InverseCDFSampler(merged.temperature if merged.temperature is not None else 1.0)
     greedy = copy.deepcopy(merged)
-    greedy.do_sample, greedy.temperature, greedy.top_p = False, 1.0, 1.0
+    # neutral values: a greedy config that sets sampling flags makes transformers warn that they are ignored
+    greedy.do_sample, greedy.temperature, greedy.top_p, greedy.top_k = False, 1.0, 1.0, None
     return greedy, LogitsProcessorList([sampler])
 
 
