@@ -585,15 +585,18 @@ def growth_markdown(report: dict) -> str:
         "LoRA policy with a shared value head and the sentiment function"
         + ("; the peer's LoRA policy with separate value and reward models" if "peer" in sides else "")
         + ". 2 PPO epochs, 1 mini-batch.", "",
-        "| prompts x tokens | klppo s/update | " + ("peer s/update | throughput ratio | " if "peer" in sides else "")
+        "| prompts x tokens | klppo s/update | "
+        + ("peer s/update | throughput ratio | per repeat | " if "peer" in sides else "")
         + "klppo generation | klppo PPO epochs | klppo peak RSS MB | " + ("peer peak RSS MB | RSS ratio |" if "peer" in sides else ""),
-        "| --- | ---: | " + ("---: | ---: | " if "peer" in sides else "") + "---: | ---: | ---: | " + ("---: | ---: |" if "peer" in sides else ""),
+        "| --- | ---: | " + ("---: | ---: | ---: | " if "peer" in sides else "") + "---: | ---: | ---: | " + ("---: | ---: |" if "peer" in sides else ""),
     ]  # fmt: skip
     for p in report["points"]:
         k = p["klppo"]
         row = f"| {p['batch_size']} x {p['response_length']} | {fmt(k['time_per_update_s'])} | "
         if "peer" in sides:
+            per_repeat = ", ".join(f"{1 / r:.2f}" for r in p["ratios"]["time_ratio_per_repeat"])
             row += f"{fmt(p['peer']['time_per_update_s'])} | {fmt(p['ratios']['throughput_ratio_peer_time_over_klppo_time'])} | "
+            row += f"{per_repeat} | "
         row += f"{fmt(k['phases_s']['time/generation'])} | {fmt(k['phases_s']['time/optimise'])} | {fmt(k['peak_rss_mb'])} | "
         if "peer" in sides:
             row += f"{fmt(p['peer']['peak_rss_mb'])} | {fmt(p['ratios']['peak_rss_ratio_klppo_over_peer'])} |"
@@ -651,8 +654,19 @@ def write_report(report: dict, stem: Path) -> None:
 
 
 def render(path: Path) -> dict:
-    """Recompute the summaries of a saved report from its raw runs and rewrite its .json and .md."""
+    """Recompute the summaries of a saved report from its raw runs and rewrite its .json and .md (and, for a
+    growth report, its plot)."""
     report = json.loads(path.read_text())
+    if "points" in report:
+        report["points"] = [
+            {"batch_size": p["batch_size"], "response_length": p["response_length"], **summarise_workload(p["runs"])}
+            for p in report["points"]
+        ]  # fmt: skip
+        report["slopes"] = growth_slopes(report["points"], report["sides"])
+        path.write_text(json.dumps(report, indent=1) + "\n")
+        path.with_suffix(".md").write_text(growth_markdown(report))
+        growth_plot(report, path.with_suffix(".png"))
+        return report
     for name, workload in report["workloads"].items():
         profile = workload.get("profile")
         report["workloads"][name] = summarise_workload(workload["runs"])
