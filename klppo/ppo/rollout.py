@@ -273,20 +273,29 @@ class InverseCDFSampler(LogitsProcessor):
     `softmax(scores / temperature)` with `sample_categorical` and returns scores whose only finite entry is that
     token, which the greedy step then picks. The draws follow the distribution of `do_sample=True` with the same
     temperature (and no truncation), without `torch.multinomial`'s cost on CPU. Generation's raw logits
-    (`output_logits`) are untouched; its `output_scores` would hold the one-hot scores. Non-finite scores raise
-    as `torch.multinomial` does (a message naming inf and nan, which `clear_sampling_errors` explains)."""
+    (`output_logits`) are untouched; its `output_scores` would hold the one-hot scores.
+
+    Non-finite probabilities (NaN or +inf logits, or a row with every token masked) are noted on the device, with
+    no host sync per decoding step; `raise_if_nonfinite` after `generate` raises as `torch.multinomial` does (a
+    message naming inf and nan, which `clear_sampling_errors` explains)."""
 
     def __init__(self, temperature: float):
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self.temperature = float(temperature)
+        self.nonfinite = None  # a device bool: any non-finite probability since the last check
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(scores.float() / self.temperature, dim=-1)
-        if not bool(torch.isfinite(probs).all()):  # NaN or +inf logits, or a row with every token masked
-            raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+        bad = ~torch.isfinite(probs).all()
+        self.nonfinite = bad if self.nonfinite is None else self.nonfinite | bad
         token = sample_categorical(probs)
         return torch.full_like(scores, float("-inf")).scatter_(1, token[:, None], 0.0)
+
+    def raise_if_nonfinite(self) -> None:
+        nonfinite, self.nonfinite = self.nonfinite, None
+        if nonfinite is not None and bool(nonfinite):  # one sync per `generate` call
+            raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
 
 
 # settings under which `do_sample=True` is plain temperature sampling: each field's value (after the model's own
@@ -303,7 +312,6 @@ _UNTRUNCATED = {
     "num_return_sequences": (None, 1),
     "penalty_alpha": (None,),
     "watermarking_config": (None,),
-    "assistant_model": (None,),
     "prompt_lookup_num_tokens": (None,),
 }
 
@@ -312,7 +320,7 @@ def inverse_cdf_sampling(
     generation_config: GenerationConfig, model_generation_config: GenerationConfig | None = None
 ) -> tuple[GenerationConfig, LogitsProcessorList | None]:
     """`(config, logits_processor)` for `generate`: plain temperature sampling (no top-k / top-p / min-p / typical /
-    epsilon / eta / top-h truncation, one beam, one sequence per prompt, no watermark or assistant), judged after
+    epsilon / eta / top-h truncation, one beam, one sequence per prompt, no watermark or prompt lookup), judged after
     `model_generation_config` (the model's `generation_config`) fills the fields `generation_config` leaves unset,
     becomes greedy decoding with an `InverseCDFSampler` last, which draws from the same distribution. Any other
     configuration is returned as it is, with no processor, and samples with `torch.multinomial`."""
@@ -370,6 +378,8 @@ def generate_responses(
                 generation_config=generation_config,
                 logits_processor=processors,
             )
+        if processors is not None:
+            processors[0].raise_if_nonfinite()
         tokens = out.sequences[:, input_ids.shape[1] :]
         pieces.append(tokens)
         if with_scores:
