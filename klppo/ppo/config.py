@@ -423,11 +423,12 @@ class KLPPOConfig(TrainingArguments):
         try:
             self.kl_guard_margin = float(self.kl_guard_margin)
         except (TypeError, ValueError):
-            raise ValueError(f"`kl_guard_margin` must be a number >= 0 or inf (off), got {self.kl_guard_margin!r}.") from None
-        if self.kl_guard_margin != math.inf and (self.kl_target is None or not self.kl_guard_margin >= 0):
+            raise ValueError(f"`kl_guard_margin` must be a number > -1 or inf (off), got {self.kl_guard_margin!r}.") from None
+        if self.kl_guard_margin != math.inf and (self.kl_target is None or not self.kl_guard_margin > -1):
             raise ValueError(
-                f"`kl_guard_margin`={self.kl_guard_margin} needs a `kl_target` and a margin >= 0 (e.g. 0: stop an "
-                "update once the KL passes kl_target; 0.5: at 1.5 x kl_target); set it to inf to turn the guard off."
+                f"`kl_guard_margin`={self.kl_guard_margin} needs a `kl_target` and a margin > -1 (e.g. 0: stop an "
+                "update once the KL passes kl_target; -0.1: at 0.9 x kl_target; 0.5: at 1.5 x kl_target); set it to "
+                "inf to turn the guard off."
             )
         if self.kl_drift_patience < 1:
             raise ValueError(f"`kl_drift_patience` must be >= 1, got {self.kl_drift_patience}.")
