@@ -598,7 +598,8 @@ def test_kl_guard_ends_an_update_once_the_kl_passes_its_bound(tiny_path, prompts
 def test_the_guard_holds_the_target_by_default_with_the_tracking_controller_only(tmp_path):
     """Unset, `kl_guard_margin` resolves to 0 with the tracking controller (the default whenever kl_target is set)
     and to inf (off) with every other controller and without a target; `inf` turns it off; resolving a resolved
-    config again changes nothing; a negative or non-numeric margin is an error that names the fix."""
+    config again changes nothing; a margin in (-1, 0) puts the bound below the target; a margin of -1 or less, NaN
+    or a non-numeric one is an error that names the fix."""
     import dataclasses
 
     assert make_args(tmp_path, kl_target=4.0).kl_guard_margin == 0.0
@@ -610,8 +611,10 @@ def test_the_guard_holds_the_target_by_default_with_the_tracking_controller_only
     for controller in ("adaptive", "pid", "exponential", "fixed"):
         assert make_args(tmp_path, kl_target=4.0, kl_controller=controller).kl_guard_margin == math.inf
     assert make_args(tmp_path).kl_guard_margin == math.inf
-    with pytest.raises(ValueError, match="inf to turn the guard off"):
-        make_args(tmp_path, kl_target=4.0, kl_guard_margin=-0.1)
+    assert make_args(tmp_path, kl_target=4.0, kl_guard_margin=-0.1).kl_guard_margin == -0.1  # a bound below target
+    for bad in (-1.0, -2.0, float("nan")):
+        with pytest.raises(ValueError, match="margin > -1.*inf to turn the guard off"):
+            make_args(tmp_path, kl_target=4.0, kl_guard_margin=bad)
     with pytest.raises(ValueError, match="kl_guard_margin.*number"):
         make_args(tmp_path, kl_target=4.0, kl_guard_margin="tight")
 

@@ -135,8 +135,10 @@ KLPPO_CONFIG_DOC = r"""
             at the current policy. Unset, it resolves to 0 (the guard holds the target itself) with the `tracking`
             controller, klppo's default whenever `kl_target` is set, and to `inf` (off) with every other
             controller, so that they behave as published. It acts only where an update takes more than one step
-            (`num_mini_batches * num_ppo_epochs > 1`). Under DeepSpeed, accelerate applies the optimizer step
-            inside `backward`, so the guard cannot hold back the step it checks there.
+            (`num_mini_batches * num_ppo_epochs > 1`). A margin in (-1, 0) puts the bound below the target: the
+            update's first step, which always goes ahead, then lands the reading near the target instead of above
+            it. Under DeepSpeed, accelerate applies the optimizer step inside `backward`, so the guard cannot hold
+            back the step it checks there.
         kl_guard_reset_momentum (`bool`, *optional*, defaults to `True`):
             When the guard fires, also zero the optimizer's first moments (Adam's `exp_avg`, SGD's
             `momentum_buffer`). The update's first step always goes ahead, and with momentum it would continue the
