@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import itertools
 import json
 import math
 import os
@@ -99,10 +100,12 @@ def floor(sd: float, band: float, n: int = 200_000) -> dict:
 
 
 def simulate(model: dict, target: float, settings: dict, guard, updates: int, seed: int, mini_batches: int,
-             guard_noise: float, reading_noise: float, kl_coef: float, ramp: float, band: float) -> tuple:
+             guard_noise: float, reading_noise: float, kl_coef: float, ramp: float, band: float,
+             same_update: bool = False) -> tuple:
     """One simulated run: the first updates ramp the KL up linearly whatever beta is (the policy leaving the
     reference), then the fitted model; returns (tracking error, share in band, share of mini-batch steps taken)
-    over the second half."""
+    over the second half. ``same_update``: beta is set from the reading before that update's step (one update
+    of delay) instead of after it (klppo's order, two updates of delay)."""
     rng = np.random.default_rng(seed)
     ctl = TrackingKLController(kl_coef, target, **settings)
     a, b, c, sigma = model["a"], model["b"], model["c"], model["sigma"]
@@ -116,6 +119,8 @@ def simulate(model: dict, target: float, settings: dict, guard, updates: int, se
             kl = math.exp(x)
         kls.append(kl)
         ctl.update(kl * (1 + reading_noise * rng.standard_normal()), 1)
+        if same_update:
+            beta = ctl.value
         if t + 1 >= ramp_updates:
             now = math.log(max(kl, 1e-3))
             change = a + b * now + c * math.log(beta) + sigma * rng.standard_normal()
@@ -146,6 +151,31 @@ SETTINGS = {
 }
 
 
+def grid(model: dict, args) -> list[dict]:
+    """Every combination of the tracking controller's gains in ``GRID``, with the guard at the target and
+    without it, in klppo's order and with beta set from the same update's reading (the start-up integral kept
+    at the shipped 0.075 per update, since the ramp does not model the start-up): mean second-half tracking
+    error and share in band over ``args.sims`` simulated runs each, best first."""
+    rows = []
+    for same_update in (False, True):
+        for kp, ki, lookahead, smoothing, guard in itertools.product(*GRID.values()):
+            settings = dict(kp=kp, ki=ki, lookahead=lookahead, smoothing=smoothing, startup_rate=0.075 / ki)
+            results = np.array([
+                simulate(model, args.target, settings, guard, args.updates, seed, args.mini_batches, args.guard_noise,
+                         args.reading_noise, args.kl_coef, args.ramp, args.band, same_update)
+                for seed in range(args.sims)
+            ])
+            rows.append({"kp": kp, "ki": ki, "lookahead": lookahead, "smoothing": smoothing, "guard_margin": guard,
+                         "same_update": same_update, "tracking_error": float(results[:, 0].mean()),
+                         "in_band": float(results[:, 1].mean())})
+    return sorted(rows, key=lambda r: r["tracking_error"])
+
+
+# --grid: the tracking controller's gains (the shipped ones are kp 0.3, ki 0.1, lookahead 2, smoothing 0.3, guard 0)
+GRID = {"kp": (0.1, 0.3, 0.5), "ki": (0.05, 0.1, 0.2), "lookahead": (0.0, 1.0, 2.0), "smoothing": (0.3, 0.6, 1.0),
+        "guard": (0.0, None)}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", nargs="+", required=True, help="globs of compare run records (runs/*.json)")
@@ -163,6 +193,8 @@ def main(argv=None) -> None:
                              "so it already holds their noise, about 0.04 for `full` over 32 sequences)")
     parser.add_argument("--kl-coef", type=float, default=0.07, help="initial beta of the simulated runs")
     parser.add_argument("--ramp", type=float, default=0.25, help="start-up KL rise per update, nats (default 0.25)")
+    parser.add_argument("--grid", action="store_true",
+                        help="also simulate every combination of gains in GRID, in both orders (see grid())")
     parser.add_argument("--out", help="write the report here (JSON)")
     args = parser.parse_args(argv)
 
@@ -196,10 +228,22 @@ def main(argv=None) -> None:
     for name, s in sims.items():
         print(f"  {name}: error {s['tracking_error']:.3f} +- {s['tracking_error_se']:.3f}, in band "
               f"{s['in_band']:.0%}, mini-batch steps taken {s['steps_taken']:.0%}")
+    swept = grid(model, args) if args.grid else None
+    if swept:
+        print(f"\ngrid ({len(swept)} settings, {args.sims} runs each), best 5 and the shipped gains, in each order:")
+        for same_update in (False, True):
+            rows = [r for r in swept if r["same_update"] == same_update]
+            shipped = [r for r in rows if (r["kp"], r["ki"], r["lookahead"], r["smoothing"], r["guard_margin"])
+                       == (0.3, 0.1, 2.0, 0.3, 0.0)]
+            print(f"  {'beta set from the same update' if same_update else 'klppo order'}:")
+            for r in rows[:5] + shipped:
+                print(f"    kp {r['kp']}, ki {r['ki']}, lookahead {r['lookahead']}, smoothing {r['smoothing']}, guard "
+                      f"{r['guard_margin']}: error {r['tracking_error']:.3f}, in band {r['in_band']:.0%}"
+                      + ("  (shipped gains)" if r in shipped else ""))
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         report = {"command": "python scripts/plant_model.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                  "model": model, "floors": floors, "simulated": sims,
+                  "model": model, "floors": floors, "simulated": sims, "grid": swept,
                   "settings": {k: v for k, v in vars(args).items() if k not in ("runs", "out")}, "runs": args.runs}
         with open(args.out, "w") as fh:
             json.dump(report, fh, indent=1)
