@@ -84,6 +84,7 @@ UPDATE_KEYS = (
     "policy/entropy",
     "time/update",
     "kl/guard_fired",
+    "kl/guard_low_fired",
     "kl/during_update",
 )
 
@@ -190,6 +191,7 @@ def run_worker(job: dict) -> None:
         "kl_controller": args.kl_controller,
         "kl_statistic": args.kl_statistic,
         "kl_guard_margin": args.kl_guard_margin if math.isfinite(args.kl_guard_margin) else None,  # null: off
+        "kl_guard_low_margin": args.kl_guard_low_margin if math.isfinite(args.kl_guard_low_margin) else None,
         "kl_guard_reset_momentum": args.kl_guard_reset_momentum,
         "kl_coef_initial": args.kl_coef,
         "kl_coef_final": trainer.kl_controller.value,

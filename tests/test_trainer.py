@@ -595,6 +595,35 @@ def test_kl_guard_ends_an_update_once_the_kl_passes_its_bound(tiny_path, prompts
         make_args(tmp_path, kl_guard_margin=0.5)  # no kl_target
 
 
+def test_the_guards_low_side_ends_an_update_that_pulls_the_kl_below_its_bound(tiny_path, prompts, tmp_path, caplog):
+    """With `kl_guard_low_margin`, once a rollout's reading has reached target * (1 - margin), a mini-batch whose
+    KL at the current policy has been pushed down and below that bound takes no step and ends the update. A fixed
+    beta of 50 on a `k2` loss term under full fine-tuning: update 1 starts at the reference (the term's gradient
+    is 0 there, so the reward moves the policy away), update 2's term pulls it back. A first run without the guard
+    measures update 2's reading r2 and checks that the pull takes the KL below 0.9 r2; with the target at 0.9 r2,
+    the guard arms on update 2's reading and fires within it, after at least one step."""
+    kw = dict(max_steps=3, num_ppo_epochs=2, num_mini_batches=2, kl_controller="fixed", kl_coef=50.0,
+              learning_rate=1e-2, kl_mode="loss", kl_estimator="k2")
+    probe = make_trainer(tiny_path, prompts, make_args(tmp_path, **kw))
+    probe.train()
+    readings = [h["kl/value"] for h in probe.state.log_history if "kl/value" in h]
+    assert readings[0] == pytest.approx(0.0, abs=1e-6) and readings[2] < 0.9 * readings[1]  # the setting pulls back
+    guarded = make_trainer(tiny_path, prompts, make_args(tmp_path, kl_target=0.9 * readings[1], kl_guard_low_margin=0.0, **kw))
+    with caplog.at_level("INFO"):
+        guarded.train()
+    fired = [h["kl/guard_low_fired"] for h in guarded.state.log_history if "kl/guard_low_fired" in h]
+    assert fired[:2] == [0.0, 1.0] and guarded.kl_guard_low_armed
+    assert not any("kl/guard_fired" in h for h in guarded.state.log_history)  # the upper side stays off
+    messages = [r.getMessage() for r in caplog.records if "fell below" in r.getMessage()]
+    assert messages and int(messages[0].split("after ")[1].split(" ")[0]) >= 1
+    assert guarded.lr_scheduler.last_epoch < probe.lr_scheduler.last_epoch == 12
+    with pytest.raises(ValueError, match="kl_guard_low_margin"):
+        make_args(tmp_path, kl_guard_low_margin=0.0)  # no kl_target
+    for bad in (-0.1, "low"):
+        with pytest.raises(ValueError, match="kl_guard_low_margin"):
+            make_args(tmp_path, kl_target=1.0, kl_guard_low_margin=bad)
+
+
 def test_the_guard_holds_the_target_by_default_with_the_tracking_controller_only(tmp_path):
     """Unset, `kl_guard_margin` resolves to 0 with the tracking controller (the default whenever kl_target is set)
     and to inf (off) with every other controller and without a target; `inf` turns it off; resolving a resolved

@@ -26,7 +26,7 @@ STAGING_DIR = ".checkpoint-staging"
 # settings compared on resume: refused if changed / combined with the saved state / ignored for it
 RESUME_REFUSED = ("kl_controller", "kl_target_unit", "kl_mode")
 RESUME_COMBINED = ("kl_target", "kl_estimator", "kl_statistic", "kl_horizon", "kl_loss_scale", "kl_guard_margin",
-                   "kl_guard_reset_momentum")
+                   "kl_guard_low_margin", "kl_guard_reset_momentum")
 RESUME_IGNORED = ("kl_coef", "learning_rate")
 # what a complete klppo checkpoint holds (checked before resuming from "the latest")
 CHECKPOINT_FILES = (TRAINABLE_STATE_NAME, CONTROLLER_STATE_NAME, "trainer_state.json")
@@ -137,6 +137,7 @@ class CheckpointMixin:
             "kl_controller": self.kl_controller.state_dict(),
             "drift_monitor": self.drift_monitor.state_dict() if self.drift_monitor is not None else None,
             "health_monitor": self.health_monitor.state_dict(),
+            "kl_guard_low_armed": self.kl_guard_low_armed,
             **self.nonfinite_guard.state_dict(),
             "settings": {name: getattr(self.args, name) for name in RESUME_REFUSED + RESUME_COMBINED + RESUME_IGNORED},
         }
@@ -216,6 +217,7 @@ class CheckpointMixin:
         if self.drift_monitor is not None and state.get("drift_monitor"):
             self.drift_monitor.load_state_dict(state["drift_monitor"])
         self.health_monitor.load_state_dict(state.get("health_monitor") or {})
+        self.kl_guard_low_armed = bool(state.get("kl_guard_low_armed", False))
         self.nonfinite_guard.load_state_dict(state)
         logger.info(
             "Resumed from %s at update %d with KL coefficient %.6g",

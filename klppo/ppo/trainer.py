@@ -153,6 +153,7 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
         self.kl_estimator = get_kl_estimator_spec(args.kl_estimator)
         self.kl_statistic_spec = get_kl_estimator_spec(args.kl_statistic)
         self.kl_controller = build_kl_controller(args)
+        self.kl_guard_low_armed = False  # the guard's low side acts once a reading has reached its bound
         self.drift_monitor = KLDriftMonitor(args.kl_target, patience=args.kl_drift_patience) if args.kl_target else None
         self.health_monitor = PPOHealthMonitor(patience=args.health_patience)
         self.nonfinite_guard = NonfiniteGuard(args.max_nonfinite_updates)
@@ -429,8 +430,11 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
                            log_ratio_clamp=args.kl_log_ratio_clamp, value_clamp=args.kl_value_clamp)  # fmt: skip
 
     def _update_controller(self, statistic: float, n_sequences: int) -> None:
-        """Step 6 on every rank alike (the statistic is global); the drift monitor sees the same value."""
+        """Step 6 on every rank alike (the statistic is global); the drift monitor sees the same value, and the
+        guard's low side arms once a reading reaches its bound."""
         self.kl_controller.update(statistic, n_steps=n_sequences)
+        if math.isfinite(self.args.kl_guard_low_margin) and statistic >= self.args.kl_target * (1 - self.args.kl_guard_low_margin):
+            self.kl_guard_low_armed = True
         check_same_on_all_ranks(self.kl_controller.value, self.accelerator, "KL coefficient")
         if self.drift_monitor is not None:
             message = self.drift_monitor.update(statistic)
@@ -480,7 +484,7 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
         n_local, mb_size = rollout.batch_size, args.local_mini_batch_size
         if n_local % mb_size:
             raise ValueError(f"Rollout batch {n_local} is not a multiple of the mini-batch size {mb_size}.")
-        stats, skipped, applied, guarded = GlobalSums(), False, 0, False
+        stats, skipped, applied, guarded = GlobalSums(), False, 0, None
         for _epoch in range(args.num_ppo_epochs):
             if (skipped and self.rollback_updates) or guarded:
                 break  # the whole update is undone (or the guard fired): no point in more steps
@@ -488,15 +492,18 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
             for mb_start in range(0, n_local, mb_size):
                 status = self._optimizer_step(rollout, advantages, order[mb_start : mb_start + mb_size], stats, applied, kl_reading)
                 skipped, applied = skipped or status == "nonfinite", applied + int(status == "applied")
-                guarded = status == "guard"
+                guarded = status if status in ("guard", "guard_low") else None
                 if (status == "nonfinite" and self.rollback_updates) or guarded:
                     break
         metrics = stats.means(self.accelerator)
         if math.isfinite(args.kl_guard_margin):
-            metrics["kl/guard_fired"] = float(guarded)
-            if guarded and self.is_world_process_zero():
-                logger.info("KL guard: the KL to the reference passed %g x kl_target after %d optimizer step(s); "
-                            "the rest of this update was skipped.", 1 + args.kl_guard_margin, applied)  # fmt: skip
+            metrics["kl/guard_fired"] = float(guarded == "guard")
+        if math.isfinite(args.kl_guard_low_margin):
+            metrics["kl/guard_low_fired"] = float(guarded == "guard_low")
+        if guarded and self.is_world_process_zero():
+            side, factor = ("passed", 1 + args.kl_guard_margin) if guarded == "guard" else ("fell below", 1 - args.kl_guard_low_margin)
+            logger.info("KL guard: the KL to the reference %s %g x kl_target after %d optimizer step(s); the rest of "
+                        "this update was skipped.", side, factor, applied)  # fmt: skip
         return OptimiseResult(metrics, skipped, applied)
 
     def _optimizer_step(self, rollout: Rollout, advantages: Advantages, mb_idx: torch.Tensor, stats, applied: int = 0,
@@ -528,21 +535,26 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
             for name, (total, count) in parts.items():
                 stats.add(name, total, count)
         bad, kl_sum, kl_count, kl_rollout = all_reduce_sum(checks, acc).tolist()  # one collective and host sync per step
-        if bad == 0 and math.isfinite(args.kl_guard_margin):
+        if bad == 0 and (math.isfinite(args.kl_guard_margin) or self.kl_guard_low_armed):
             # the guard stops an update that has pushed these tokens' KL up and past the bound. The KL now is the
             # rollout's reading plus this update's change on the mini-batch's tokens (measured on the same tokens
             # before and after: far less noisy than a few sequences' own k1). The update's first step always goes
             # ahead (the policy is the rollout's; a difference there is rounding), and a rollout that already read
             # above the bound keeps stepping while its KL does not rise (else the policy, never stepping, could not
             # come back); every process sees the same sums and counts
+            # (and, once armed, the other side: an update that has pushed them down and below the low bound)
             bound = args.kl_target * (1 + args.kl_guard_margin)
-            pushed_up = kl_sum - kl_rollout > 1e-3 * max(bound * kl_count, abs(kl_rollout))
-            now_kl = kl_sum / kl_count if kl_reading is None else kl_reading + (kl_sum - kl_rollout) / kl_count
-            if applied > 0 and now_kl > bound and pushed_up:
+            low = args.kl_target * (1 - args.kl_guard_low_margin) if self.kl_guard_low_armed else -math.inf
+            change = kl_sum - kl_rollout  # "pushed" means by more than rounding: a thousandth of the bound's KL
+            pushed_up = change > 1e-3 * max(bound * kl_count, abs(kl_rollout))
+            pushed_down = -change > 1e-3 * max(args.kl_target * kl_count, abs(kl_rollout))
+            now_kl = kl_sum / kl_count if kl_reading is None else kl_reading + change / kl_count
+            fired = "guard" if now_kl > bound and pushed_up else "guard_low" if now_kl < low and pushed_down else None
+            if applied > 0 and fired:
                 self.optimizer.zero_grad(set_to_none=True)
                 if args.kl_guard_reset_momentum:
                     self._reset_momentum()
-                return "guard"
+                return fired
         grad_norm = None
         ok = bad == 0
         if ok and args.max_grad_norm and args.max_grad_norm > 0:
