@@ -750,17 +750,28 @@ def test_kl_guard_clears_the_optimizers_momentum_when_it_fires(tiny_path, prompt
 
 
 def test_a_resumed_run_continues_the_tracking_controller_exactly(tiny_path, prompts, tmp_path):
-    """Resumed from checkpoint-1, a run ends with the same full controller state (EMA, integral, trend history,
-    hold / armed flags, beta) and the same per-update log as the run that was never interrupted."""
-    kw = dict(kl_target=0.02, kl_coef=0.1, kl_target_unit="token", save_strategy="steps", save_steps=1, max_steps=3)
+    """Resumed from checkpoint-1 or checkpoint-2, a run ends with the same full controller state (EMA, integral,
+    trend history, hold / armed flags, beta), the same armed state of the guard's low side and the same per-update
+    log as the run that was never interrupted."""
+    kw = dict(kl_target=0.02, kl_coef=0.1, kl_target_unit="token", save_strategy="steps", save_steps=1, max_steps=3,
+              kl_guard_low_margin=0.9)
     whole = make_trainer(tiny_path, prompts, make_args(tmp_path, output_dir=str(tmp_path / "whole"), **kw))
     whole.train()
     assert whole.args.kl_controller == "tracking"
-    resumed = make_trainer(tiny_path, prompts, make_args(tmp_path, output_dir=str(tmp_path / "resumed"), **kw))
-    resumed.train(resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-1"))
-    assert resumed.kl_controller.state_dict() == whole.kl_controller.state_dict()
-    keys = ("kl/value", "kl/coef", "kl/coef_next", "objective/scores", "loss/policy")
-    # the resumed log holds update 1 from the checkpoint, then its own updates 2 and 3
+    saved = [json.load(open(tmp_path / "whole" / f"checkpoint-{n}" / "kl_controller.json"))["kl_guard_low_armed"]
+             for n in (1, 2)]
+    assert saved == [False, True]  # update 1 reads 0 (the policy is the reference); update 2's reading arms it
+    keys = ("kl/value", "kl/coef", "kl/coef_next", "objective/scores", "loss/policy", "kl/guard_low_fired")
     first = [[h[k] for k in keys] for h in whole.state.log_history if "kl/value" in h]
-    again = [[h[k] for k in keys] for h in resumed.state.log_history if "kl/value" in h]
-    assert len(first) == 3 and again == first
+    for n in (1, 2):
+        resumed = make_trainer(tiny_path, prompts, make_args(tmp_path, output_dir=str(tmp_path / f"resumed{n}"), **kw))
+        resumed.train(resume_from_checkpoint=str(tmp_path / "whole" / f"checkpoint-{n}"))
+        assert resumed.kl_controller.state_dict() == whole.kl_controller.state_dict()
+        assert resumed.kl_guard_low_armed is whole.kl_guard_low_armed is True
+        # the resumed log holds the updates up to the checkpoint from it, then its own
+        again = [[h[k] for k in keys] for h in resumed.state.log_history if "kl/value" in h]
+        assert len(first) == 3 and again == first
+    # the flag comes from the checkpoint, not from a later reading: resumed at its last update, no update runs
+    ended = make_trainer(tiny_path, prompts, make_args(tmp_path, output_dir=str(tmp_path / "ended"), **{**kw, "max_steps": 2}))
+    ended.train(resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-2"))
+    assert ended.state.global_step == 2 and ended.kl_guard_low_armed is True
