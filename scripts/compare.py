@@ -148,6 +148,15 @@ def train_argv(base_config: Path, fields: dict, seed: int, output_dir: str) -> l
 RESOLVED_KEYS = ("kl_controller", "kl_statistic", "kl_guard_margin", "kl_guard_reset_momentum")
 
 
+def resolved_settings(args) -> dict:
+    """The RESOLVED_KEYS of a parsed config, plus the guard's low side where it is on (left out when off, so that
+    records written before it existed keep their fingerprints)."""
+    resolved = {k: getattr(args, k) for k in RESOLVED_KEYS}
+    if math.isfinite(args.kl_guard_low_margin):
+        resolved["kl_guard_low_margin"] = args.kl_guard_low_margin
+    return resolved
+
+
 def fingerprint(base: dict, fields: dict, seed: int, resolved: dict) -> str:
     text = json.dumps({"base": base, "arm": fields, "seed": seed, "resolved": resolved}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -619,7 +628,7 @@ def main(argv=None) -> int:
             fields = spec["arms"][arm]
             name = f"{arm}-seed{seed}"
             record = out / "runs" / f"{name}.json"
-            fp = fingerprint(base, fields, seed, {k: getattr(parsed[arm][1], k) for k in RESOLVED_KEYS})
+            fp = fingerprint(base, fields, seed, resolved_settings(parsed[arm][1]))
             if record_is_done(record, fp):
                 print(f"  {name}: already done, kept", flush=True)
                 continue

@@ -625,13 +625,17 @@ def test_the_guards_low_side_ends_an_update_that_pulls_the_kl_below_its_bound(ti
 
 
 def test_the_guard_holds_the_target_by_default_with_the_tracking_controller_only(tmp_path):
-    """Unset, `kl_guard_margin` resolves to 0 with the tracking controller (the default whenever kl_target is set)
-    and to inf (off) with every other controller and without a target; `inf` turns it off; resolving a resolved
+    """Unset, `kl_guard_margin` and `kl_guard_low_margin` resolve to 0 with the tracking controller (the default
+    whenever kl_target is set) and to inf (off) with every other controller and without a target; `inf` turns it off; resolving a resolved
     config again changes nothing; a margin in (-1, 0) puts the bound below the target; a margin of -1 or less, NaN
     or a non-numeric one is an error that names the fix."""
     import dataclasses
 
     assert make_args(tmp_path, kl_target=4.0).kl_guard_margin == 0.0
+    assert make_args(tmp_path, kl_target=4.0).kl_guard_low_margin == 0.0  # both sides of the target
+    assert make_args(tmp_path, kl_target=4.0, kl_controller="pid").kl_guard_low_margin == math.inf
+    assert make_args(tmp_path).kl_guard_low_margin == math.inf
+    assert dataclasses.replace(make_args(tmp_path, kl_target=4.0, kl_guard_low_margin="inf")).kl_guard_low_margin == math.inf
     assert make_args(tmp_path, kl_target=4.0, kl_controller="tracking", kl_guard_margin=0.25).kl_guard_margin == 0.25
     for off in (float("inf"), "inf"):
         args = make_args(tmp_path, kl_target=4.0, kl_guard_margin=off)
@@ -654,7 +658,7 @@ def test_the_default_guard_fires_in_training_and_an_old_checkpoint_says_it_is_no
     them."""
     args = make_args(tmp_path, kl_target=1e-6, num_mini_batches=2, num_ppo_epochs=2, per_device_train_batch_size=4,
                      gradient_accumulation_steps=1, max_steps=2)  # fmt: skip
-    assert args.kl_controller == "tracking" and args.kl_guard_margin == 0.0
+    assert args.kl_controller == "tracking" and args.kl_guard_margin == 0.0 and args.kl_guard_low_margin == 0.0
     trainer = make_trainer(tiny_path, prompts, args)
     trainer.train()
     assert [h["kl/guard_fired"] for h in trainer.state.log_history if "kl/guard_fired" in h] == [1.0, 1.0]
@@ -663,6 +667,7 @@ def test_the_default_guard_fires_in_training_and_an_old_checkpoint_says_it_is_no
         trainer._check_resume_settings(saved)
     messages = " ".join(r.getMessage() for r in caplog.records)
     assert "kl_guard_margin changed from inf to 0.0" in messages
+    assert "kl_guard_low_margin changed from inf to 0.0" in messages
     assert "kl_guard_reset_momentum changed from False to True" in messages
     caplog.clear()  # with the guard off now (another controller), an old checkpoint has nothing to report
     adaptive = make_trainer(tiny_path, prompts, make_args(tmp_path, kl_target=1e-6, kl_controller="adaptive"))

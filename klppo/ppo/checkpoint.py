@@ -153,6 +153,8 @@ class CheckpointMixin:
             guard_now = math.isfinite(self.args.kl_guard_margin)  # with the guard off, the reset is moot
             reset = False if guard_now else self.args.kl_guard_reset_momentum
             saved = {**saved, "kl_guard_margin": math.inf, "kl_guard_reset_momentum": reset}
+        if "kl_guard_low_margin" not in saved:  # written before the guard had a low side: it had none
+            saved = {**saved, "kl_guard_low_margin": math.inf}
         changed = {
             k: (v, getattr(self.args, k)) for k, v in saved.items() if hasattr(self.args, k) and v != getattr(self.args, k)
         }

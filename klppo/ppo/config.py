@@ -139,14 +139,16 @@ KLPPO_CONFIG_DOC = r"""
             update's first step, which always goes ahead, then lands the reading near the target instead of above
             it. Under DeepSpeed, accelerate applies the optimizer step inside `backward`, so the guard cannot hold
             back the step it checks there.
-        kl_guard_low_margin (`float`, *optional*, defaults to `inf`: off):
+        kl_guard_low_margin (`float` or `None`, *optional*, defaults to `None`: 0 with `tracking`, else `inf`):
             The guard's other side: once a rollout's reading of the controller statistic has reached
             `kl_target * (1 - kl_guard_low_margin)`, an update that has pushed the KL down and below that bound takes
             no more steps (0: the target itself). A coefficient above its equilibrium otherwise pulls the policy back
             toward the reference for a whole update, and the controller, which acts one rollout later, lets the KL
             fall well below the target first. The KL is estimated as for `kl_guard_margin`; the update's first step
             always goes ahead, and a rollout that already reads below the bound keeps stepping while its KL does not
-            fall. Logged as `kl/guard_low_fired`. Needs `kl_target` and a number >= 0, or `inf` (off).
+            fall. Logged as `kl/guard_low_fired`. Unset, it resolves like `kl_guard_margin`: 0 with the `tracking`
+            controller (the target holds the KL from both sides) and `inf` (off) with every other controller. Needs
+            `kl_target` and a number >= 0, or `inf` (off).
         kl_guard_reset_momentum (`bool`, *optional*, defaults to `True`):
             When the guard fires, also zero the optimizer's first moments (Adam's `exp_avg`, SGD's
             `momentum_buffer`). The update's first step always goes ahead, and with momentum it would continue the
@@ -318,7 +320,7 @@ class KLPPOConfig(TrainingArguments):
     kl_loss_scale: str = field(default="advantage_std", metadata=_doc("kl_loss_scale"))
     kl_drift_patience: int = field(default=5, metadata=_doc("kl_drift_patience"))
     kl_guard_margin: float | None = field(default=None, metadata=_doc("kl_guard_margin"))
-    kl_guard_low_margin: float = field(default=math.inf, metadata=_doc("kl_guard_low_margin"))
+    kl_guard_low_margin: float | None = field(default=None, metadata=_doc("kl_guard_low_margin"))
     kl_guard_reset_momentum: bool = field(default=True, metadata=_doc("kl_guard_reset_momentum"))
     full_kl_chunk_size: int = field(default=1024, metadata=_doc("full_kl_chunk_size"))
     generation_logits_max_mb: float = field(default=1024.0, metadata=_doc("generation_logits_max_mb"))
@@ -441,6 +443,9 @@ class KLPPOConfig(TrainingArguments):
                 "update once the KL passes kl_target; -0.1: at 0.9 x kl_target; 0.5: at 1.5 x kl_target); set it to "
                 "inf to turn the guard off."
             )
+        if self.kl_guard_low_margin is None:
+            on = self.kl_controller == "tracking" and self.kl_target is not None
+            self.kl_guard_low_margin = 0.0 if on else math.inf
         try:
             self.kl_guard_low_margin = float(self.kl_guard_low_margin)
         except (TypeError, ValueError):
