@@ -26,8 +26,9 @@ is a floor for any controller acting on beta alone; a guard that stops an update
 inside the update and is not bound by it. Finally the model is simulated, for `--updates` updates from a
 start-up ramp, with klppo's tracking controller under a list of settings (with and without the guard, modelled
 as stopping the update at the first of `--mini-batches` mini-batch checks whose reading, with `--guard-noise`
-relative noise, passes the bound while the step raises the KL): this ranks settings before spending real runs
-on them. The model's fit is a fact about the runs it was given; its predictions are checked by real runs.
+relative noise, passes the bound while the step raises the KL, or, for the guard's low side once a reading has
+reached its bound, falls below that bound while the step lowers the KL): this ranks settings before spending
+real runs on them. The model's fit is a fact about the runs it was given; its predictions are checked by real runs.
 Its limits: the runs are closed-loop (beta followed the KL), so lags beyond one update that the model leaves out
 can bias `c` (the residuals' lag-1 autocorrelation is reported as a check); the guard is modelled as scaling the
 update's whole change, noise included, and the optimizer's momentum, which carries a push into the next update,
@@ -101,16 +102,17 @@ def floor(sd: float, band: float, n: int = 200_000) -> dict:
 
 def simulate(model: dict, target: float, settings: dict, guard, updates: int, seed: int, mini_batches: int,
              guard_noise: float, reading_noise: float, kl_coef: float, ramp: float, band: float,
-             same_update: bool = False) -> tuple:
+             same_update: bool = False, low=None) -> tuple:
     """One simulated run: the first updates ramp the KL up linearly whatever beta is (the policy leaving the
     reference), then the fitted model; returns (tracking error, share in band, share of mini-batch steps taken)
     over the second half. ``same_update``: beta is set from the reading before that update's step (one update
-    of delay) instead of after it (klppo's order, two updates of delay)."""
+    of delay) instead of after it (klppo's order, two updates of delay). ``low``: the guard's low side
+    (`kl_guard_low_margin`), armed once a reading reaches ``target * (1 - low)``; None: off."""
     rng = np.random.default_rng(seed)
     ctl = TrackingKLController(kl_coef, target, **settings)
     a, b, c, sigma = model["a"], model["b"], model["c"], model["sigma"]
     ramp_updates = max(2, int(math.ceil(0.5 * target / ramp)))
-    kls, x, steps = [], None, []
+    kls, x, steps, armed = [], None, [], False
     for t in range(updates):
         beta = ctl.value
         if x is None:
@@ -121,16 +123,19 @@ def simulate(model: dict, target: float, settings: dict, guard, updates: int, se
         ctl.update(kl * (1 + reading_noise * rng.standard_normal()), 1)
         if same_update:
             beta = ctl.value
+        armed = armed or (low is not None and kl >= target * (1 - low))
         if t + 1 >= ramp_updates:
             now = math.log(max(kl, 1e-3))
             change = a + b * now + c * math.log(beta) + sigma * rng.standard_normal()
             taken = 1.0
-            if guard is not None:
-                bound = math.log(target * (1 + guard))
-                for j in range(1, mini_batches):
-                    if change > 0 and now + guard_noise * rng.standard_normal() + j / mini_batches * change > bound:
-                        taken = j / mini_batches
-                        break
+            for j in range(1, mini_batches):
+                seen = now + guard_noise * rng.standard_normal() + j / mini_batches * change
+                if guard is not None and change > 0 and seen > math.log(target * (1 + guard)):
+                    taken = j / mini_batches
+                    break
+                if armed and change < 0 and seen < math.log(target * (1 - low)):
+                    taken = j / mini_batches
+                    break
             steps.append(taken)
             x = now + taken * change
     half = np.array(kls[updates // 2 :])
@@ -143,6 +148,8 @@ SETTINGS = {
     "defaults, guard 0.25": ({}, 0.25),
     "defaults, guard 0.1": ({}, 0.1),
     "defaults, guard 0": ({}, 0.0),
+    "defaults, guard 0 on both sides (kl_guard_low_margin 0)": ({}, 0.0, 0.0),
+    "defaults, guard 0, low side at 0.8x the target": ({}, 0.0, 0.2),
     "lower gains (kp 0.15, ki 0.05, lookahead 1)": ({"kp": 0.15, "ki": 0.05, "lookahead": 1.0}, None),
     "no smoothing, no lookahead": ({"smoothing": 1.0, "lookahead": 0.0}, None),
     "no smoothing, no lookahead, guard 0.1": ({"smoothing": 1.0, "lookahead": 0.0}, 0.1),
@@ -206,14 +213,14 @@ def main(argv=None) -> None:
         "any controller, klppo's order (2 updates of delay)": floor(model["sigma"] * math.sqrt(1 + phi**2), args.band),
     }
     sims = {}
-    for name, (settings, guard) in SETTINGS.items():
+    for name, (settings, guard, *low) in SETTINGS.items():
         results = np.array([
             simulate(model, args.target, settings, guard, args.updates, seed, args.mini_batches, args.guard_noise,
-                     args.reading_noise, args.kl_coef, args.ramp, args.band)
+                     args.reading_noise, args.kl_coef, args.ramp, args.band, low=low[0] if low else None)
             for seed in range(args.sims)
         ])
         mean, se = results.mean(0), results.std(0, ddof=1) / math.sqrt(len(results))
-        sims[name] = {"settings": settings, "guard_margin": guard, "tracking_error": float(mean[0]),
+        sims[name] = {"settings": settings, "guard_margin": guard, "guard_low_margin": low[0] if low else None, "tracking_error": float(mean[0]),
                       "tracking_error_se": float(se[0]), "in_band": float(mean[1]), "steps_taken": float(mean[2])}
 
     print(f"fit over {model['n']} update pairs: dlogKL = {model['a']:.3f} {model['b']:+.3f} logKL "

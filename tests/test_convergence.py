@@ -192,7 +192,11 @@ def test_the_guard_caps_the_kl_and_keeps_the_equilibrium_coefficient(tiny_path, 
     bandit with four optimizer steps per update: beta still settles on the beta* whose optimum has exactly the
     target KL, and the KL overshoots far less than without a guard.
 
-    MEASURED
+    Measured (128 sequences per update in 4 mini-batches, lr 1e-3, 200 updates, seed 0), both sides: from beta*/5
+    the mean beta over the last 80 updates was 0.955 beta*, the mean KL 1.01x the target, the peak 1.47x, the upper
+    side firing in 132 updates and the low side in 30; from 5 beta*: 1.002 beta*, 1.00x, peak 1.02x (65 and 77).
+    The upper side alone (an earlier commit): from beta*/5, 0.98 beta* and a peak of 1.56x, against 2.69x with no
+    guard (`kl_guard_margin=inf`, 1.03 beta*); from 5 beta*, 1.00 beta* and 1.04x.
     """
     state = one_token_state(bandit_trainer(tiny_path, tmp_path, max_steps=1))
     target = kl(tilted(state["ref"], state["reward"], BETA), state["ref"])

@@ -498,7 +498,9 @@ class TrackingKLController(_LogSpaceController):
     Beta acts on the KL two readings after the one that set it, and each update moves the KL by an amount
     beta does not decide, so no setting of these gains holds the KL much tighter than a fixed beta near the
     equilibrium would. ``KLPPOTrainer`` therefore pairs this controller, by default, with a guard inside the
-    update (``kl_guard_margin=0``): an update that has pushed the KL past the target takes no more steps.
+    update on both sides of the target (``kl_guard_margin=0``, ``kl_guard_low_margin=0``): an update that has
+    pushed the KL past the target takes no more steps, and once the KL has reached the target, neither does one
+    that has pulled it back below.
     """
 
     def __init__(
