@@ -128,12 +128,10 @@ def simulate(model: dict, target: float, settings: dict, guard, updates: int, se
             now = math.log(max(kl, 1e-3))
             change = a + b * now + c * math.log(beta) + sigma * rng.standard_normal()
             taken = 1.0
-            for j in range(1, mini_batches):
+            up, down = guard is not None and change > 0, armed and change < 0
+            for j in range(1, mini_batches if up or down else 1):
                 seen = now + guard_noise * rng.standard_normal() + j / mini_batches * change
-                if guard is not None and change > 0 and seen > math.log(target * (1 + guard)):
-                    taken = j / mini_batches
-                    break
-                if armed and change < 0 and seen < math.log(target * (1 - low)):
+                if (up and seen > math.log(target * (1 + guard))) or (down and seen < math.log(target * (1 - low))):
                     taken = j / mini_batches
                     break
             steps.append(taken)
