@@ -646,7 +646,7 @@ def test_the_guard_holds_the_target_by_default_with_the_tracking_controller_only
     assert make_args(tmp_path).kl_guard_margin == math.inf
     assert make_args(tmp_path, kl_target=4.0, kl_guard_margin=-0.1).kl_guard_margin == -0.1  # a bound below target
     for bad in (-1.0, -2.0, float("nan")):
-        with pytest.raises(ValueError, match="margin > -1.*inf to turn the guard off"):
+        with pytest.raises(ValueError, match="margin > -1.*inf to turn this side of the guard off"):
             make_args(tmp_path, kl_target=4.0, kl_guard_margin=bad)
     with pytest.raises(ValueError, match="kl_guard_margin.*number"):
         make_args(tmp_path, kl_target=4.0, kl_guard_margin="tight")

@@ -363,6 +363,25 @@ class KLPPOConfig(TrainingArguments):
     remove_unused_columns: bool = field(default=False, metadata=_doc("remove_unused_columns"))
     ddp_find_unused_parameters: bool | None = field(default=False, metadata=_doc("ddp_find_unused_parameters"))
 
+    def _guard_margin(self, name: str, above: float | None, examples: str) -> float:
+        """Resolve one side of the KL guard: unset, 0 with the tracking controller and a target, else inf (off);
+        otherwise a number above `above` (None: >= 0) or inf, with a `kl_target`."""
+        value = getattr(self, name)
+        if value is None:
+            value = 0.0 if self.kl_controller == "tracking" and self.kl_target is not None else math.inf
+        valid = "a number >= 0" if above is None else f"a number > {above:g}"
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"`{name}` must be {valid} or inf (off), got {value!r}.") from None
+        ok = value >= 0 if above is None else value > above
+        if value != math.inf and (self.kl_target is None or not ok):
+            raise ValueError(
+                f"`{name}`={value} needs a `kl_target` and {valid.replace('a number', 'a margin')} ({examples}); set "
+                "it to inf to turn this side of the guard off."
+            )
+        return value
+
     def __post_init__(self):
         self._validate_kl_fields()
         self._validate_ppo_fields()
@@ -430,32 +449,14 @@ class KLPPOConfig(TrainingArguments):
         if self.kl_value_clamp is not None and not self.kl_value_clamp > 0:
             raise ValueError(f"`kl_value_clamp` must be > 0 or None (off), got {self.kl_value_clamp}.")
         # resolved to a number either way (inf: off), so that resolving a resolved config again changes nothing
-        if self.kl_guard_margin is None:
-            on = self.kl_controller == "tracking" and self.kl_target is not None
-            self.kl_guard_margin = 0.0 if on else math.inf
-        try:
-            self.kl_guard_margin = float(self.kl_guard_margin)
-        except (TypeError, ValueError):
-            raise ValueError(f"`kl_guard_margin` must be a number > -1 or inf (off), got {self.kl_guard_margin!r}.") from None
-        if self.kl_guard_margin != math.inf and (self.kl_target is None or not self.kl_guard_margin > -1):
-            raise ValueError(
-                f"`kl_guard_margin`={self.kl_guard_margin} needs a `kl_target` and a margin > -1 (e.g. 0: stop an "
-                "update once the KL passes kl_target; -0.1: at 0.9 x kl_target; 0.5: at 1.5 x kl_target); set it to "
-                "inf to turn the guard off."
-            )
-        if self.kl_guard_low_margin is None:
-            on = self.kl_controller == "tracking" and self.kl_target is not None
-            self.kl_guard_low_margin = 0.0 if on else math.inf
-        try:
-            self.kl_guard_low_margin = float(self.kl_guard_low_margin)
-        except (TypeError, ValueError):
-            raise ValueError(f"`kl_guard_low_margin` must be a number >= 0 or inf (off), got {self.kl_guard_low_margin!r}.") from None
-        if self.kl_guard_low_margin != math.inf and (self.kl_target is None or not self.kl_guard_low_margin >= 0):
-            raise ValueError(
-                f"`kl_guard_low_margin`={self.kl_guard_low_margin} needs a `kl_target` and a margin >= 0 (0: stop an "
-                "update that pushes the KL down below kl_target; 0.2: below 0.8 x kl_target); set it to inf to turn "
-                "that side of the guard off."
-            )
+        self.kl_guard_margin = self._guard_margin(
+            "kl_guard_margin", -1.0, "e.g. 0: stop an update once the KL passes kl_target; -0.1: at 0.9 x kl_target; "
+            "0.5: at 1.5 x kl_target",
+        )
+        self.kl_guard_low_margin = self._guard_margin(
+            "kl_guard_low_margin", None, "0: stop an update that pushes the KL down below kl_target; 0.2: below "
+            "0.8 x kl_target",
+        )
         if self.kl_drift_patience < 1:
             raise ValueError(f"`kl_drift_patience` must be >= 1, got {self.kl_drift_patience}.")
         if self.full_kl_chunk_size < 1:
