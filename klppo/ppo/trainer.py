@@ -433,7 +433,8 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
         """Step 6 on every rank alike (the statistic is global); the drift monitor sees the same value, and the
         guard's low side arms once a reading reaches its bound."""
         self.kl_controller.update(statistic, n_steps=n_sequences)
-        if math.isfinite(self.args.kl_guard_low_margin) and statistic >= self.args.kl_target * (1 - self.args.kl_guard_low_margin):
+        low_margin = self.args.kl_guard_low_margin
+        if math.isfinite(low_margin) and statistic >= self.args.kl_target * (1 - low_margin):
             self.kl_guard_low_armed = True
         check_same_on_all_ranks(self.kl_controller.value, self.accelerator, "KL coefficient")
         if self.drift_monitor is not None:
@@ -476,7 +477,9 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
         """Step 8: `num_ppo_epochs` passes over shuffled mini-batches, one optimizer step each. A non-finite loss
         or gradient drops that step's gradients and, when updates are rolled back (`rollback_updates`), stops the
         update. With `kl_guard_margin`, once the KL to the reference at the current policy passes
-        `kl_target * (1 + kl_guard_margin)`, the mini-batch takes no step and the update ends. That KL is estimated
+        `kl_target * (1 + kl_guard_margin)`, the mini-batch takes no step and the update ends; with
+        `kl_guard_low_margin`, likewise once it falls below `kl_target * (1 - kl_guard_low_margin)` (after a reading
+        has first reached that bound). That KL is estimated
         as the rollout's reading `kl_reading` (the controller's statistic) plus the change the update has made on
         the mini-batch's tokens; without a reading, as the mini-batch's own KL."""
         args = self.args
@@ -501,7 +504,8 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
         if math.isfinite(args.kl_guard_low_margin):
             metrics["kl/guard_low_fired"] = float(guarded == "guard_low")
         if guarded and self.is_world_process_zero():
-            side, factor = ("passed", 1 + args.kl_guard_margin) if guarded == "guard" else ("fell below", 1 - args.kl_guard_low_margin)
+            upper = guarded == "guard"
+            side, factor = ("passed", 1 + args.kl_guard_margin) if upper else ("fell below", 1 - args.kl_guard_low_margin)
             logger.info("KL guard: the KL to the reference %s %g x kl_target after %d optimizer step(s); the rest of "
                         "this update was skipped.", side, factor, applied)  # fmt: skip
         return OptimiseResult(metrics, skipped, applied)
@@ -511,7 +515,8 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
         """One mini-batch: gradient accumulation over micro-batches, clipping, one optimizer step. Returns
         "applied", or "nonfinite" / "guard" (the gradients are dropped) when any rank saw a non-finite loss or
         gradient norm, or when the KL at the current policy (the rollout's reading `kl_reading` plus the change
-        this update made on the mini-batch's tokens, reduced over all ranks) passed the guard's bound."""
+        this update made on the mini-batch's tokens, reduced over all ranks) passed the guard's bound ("guard"), or
+        fell below its armed low bound ("guard_low")."""
         args, acc, model = self.args, self.accelerator, self.model_wrapped
         world, micro = acc.num_processes, args.per_device_train_batch_size
         # Global counts of the mini-batch: every loss is a global mean, whatever the split
