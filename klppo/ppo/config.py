@@ -135,9 +135,7 @@ KLPPO_CONFIG_DOC = r"""
             at the current policy. Unset, it resolves to 0 (the guard holds the target itself) with the `tracking`
             controller, klppo's default whenever `kl_target` is set, and to `inf` (off) with every other
             controller, so that they behave as published. It acts only where an update takes more than one step
-            (`num_mini_batches * num_ppo_epochs > 1`). A margin in (-1, 0) puts the bound below the target: the
-            update's first step, which always goes ahead, then lands the reading near the target instead of above
-            it. Under DeepSpeed, accelerate applies the optimizer step inside `backward`, so the guard cannot hold
+            (`num_mini_batches * num_ppo_epochs > 1`). Under DeepSpeed, accelerate applies the optimizer step inside `backward`, so the guard cannot hold
             back the step it checks there.
         kl_guard_low_margin (`float` or `None`, *optional*, defaults to `None`: 0 with `tracking`, else `inf`):
             The guard's other side: once a rollout's reading of the controller statistic has reached
@@ -363,22 +361,20 @@ class KLPPOConfig(TrainingArguments):
     remove_unused_columns: bool = field(default=False, metadata=_doc("remove_unused_columns"))
     ddp_find_unused_parameters: bool | None = field(default=False, metadata=_doc("ddp_find_unused_parameters"))
 
-    def _guard_margin(self, name: str, above: float | None, examples: str) -> float:
+    def _guard_margin(self, name: str, examples: str) -> float:
         """Resolve one side of the KL guard: unset, 0 with the tracking controller and a target, else inf (off);
-        otherwise a number above `above` (None: >= 0) or inf, with a `kl_target`."""
+        otherwise a number >= 0 or inf, with a `kl_target`."""
         value = getattr(self, name)
         if value is None:
             value = 0.0 if self.kl_controller == "tracking" and self.kl_target is not None else math.inf
-        valid = "a number >= 0" if above is None else f"a number > {above:g}"
         try:
             value = float(value)
         except (TypeError, ValueError):
-            raise ValueError(f"`{name}` must be {valid} or inf (off), got {value!r}.") from None
-        ok = value >= 0 if above is None else value > above
-        if value != math.inf and (self.kl_target is None or not ok):
+            raise ValueError(f"`{name}` must be a number >= 0 or inf (off), got {value!r}.") from None
+        if value != math.inf and (self.kl_target is None or not value >= 0):
             raise ValueError(
-                f"`{name}`={value} needs a `kl_target` and {valid.replace('a number', 'a margin')} ({examples}); set "
-                "it to inf to turn this side of the guard off."
+                f"`{name}`={value} needs a `kl_target` and a margin >= 0 ({examples}); set it to inf to turn this "
+                "side of the guard off."
             )
         return value
 
@@ -450,11 +446,10 @@ class KLPPOConfig(TrainingArguments):
             raise ValueError(f"`kl_value_clamp` must be > 0 or None (off), got {self.kl_value_clamp}.")
         # resolved to a number either way (inf: off), so that resolving a resolved config again changes nothing
         self.kl_guard_margin = self._guard_margin(
-            "kl_guard_margin", -1.0, "e.g. 0: stop an update once the KL passes kl_target; -0.1: at 0.9 x kl_target; "
-            "0.5: at 1.5 x kl_target",
+            "kl_guard_margin", "e.g. 0: stop an update once the KL passes kl_target; 0.5: at 1.5 x kl_target",
         )
         self.kl_guard_low_margin = self._guard_margin(
-            "kl_guard_low_margin", None, "0: stop an update that pushes the KL down below kl_target; 0.2: below "
+            "kl_guard_low_margin", "0: stop an update that pushes the KL down below kl_target; 0.2: below "
             "0.8 x kl_target",
         )
         if self.kl_drift_patience < 1:
