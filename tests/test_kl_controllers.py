@@ -399,12 +399,12 @@ def test_tracking_single_steps_closed_form():
 def test_tracking_start_up_hold_tells_on_course_from_levelled_off():
     target = 4.0
     # rising steadily toward the target, fast enough to arrive within the window (20 x 0.25 = 5 nats): the
-    # integral never falls, beta only dips by the P term
+    # integral only keeps the P term's fading cut, so beta stays where the P term's first cut put it
     rising = TrackingKLController(0.1, target=target, window=20)
     for t in range(15):
         rising.update(0.25 * t, 8)  # reaches 3.5 after 14 updates
-        assert rising.integral >= 0.0
-    assert rising.value >= 0.1 * math.exp(-rising.kp) * 0.999
+        assert rising.holding and rising.integral <= 0.0
+    assert rising.value == pytest.approx(0.1 * math.exp(-rising.kp))
     # levelled off at a tenth of the target: once the trend shows it, the integral falls and beta with it,
     # at startup_rate * ki per update (e = -1) until the KL has first come near the target
     flat = TrackingKLController(0.1, target=target, window=10)
@@ -418,6 +418,28 @@ def test_tracking_start_up_hold_tells_on_course_from_levelled_off():
     for t in range(15):
         pid.update(0.25 * t, 8)
     assert pid.value < rising.value / 3
+
+
+def test_tracking_start_up_never_raises_beta_while_the_kl_climbs_below_the_target():
+    """Before the KL first nears the target, a reading below it never raises beta. The P term's cut shrinks as
+    the KL climbs; the integral keeps what the P term gives back. Without that, beta would rise by
+    exp(kp * (e_now - e_first)) on a KL that has not arrived yet."""
+    target = 4.0
+    c = TrackingKLController(0.07, target=target, window=10, lookahead=0.0)
+    readings = [0.0, 0.2, 0.5, 0.9, 1.4, 1.9, 2.2, 2.3, 2.5, 2.6, 2.8, 2.9]
+    values = []
+    for kl in readings:
+        values.append(c.update(kl, 8))
+        assert c.last_error < 0 and not c.armed
+    assert all(b <= a * (1 + 1e-12) for a, b in zip(values, values[1:]))
+    first = 0.07 * math.exp(-c.kp)  # e = -1 on the first readings
+    assert c.value == pytest.approx(first)
+    # what the P term alone would give now (the integral held at 0): 17% above, the rise this rule removes
+    assert 0.07 * math.exp(c.kp * c.last_error) > 1.15 * c.value
+    # once the prediction passes the target, beta rises again (error > 0 is never held)
+    for _ in range(3):
+        c.update(5.0, 8)
+    assert c.last_error > 0 and c.value > values[-1]
 
 
 def test_tracking_start_up_hold_cuts_beta_for_a_kl_that_creeps_too_slowly():
@@ -434,7 +456,7 @@ def test_tracking_start_up_hold_cuts_beta_for_a_kl_that_creeps_too_slowly():
     fast = TrackingKLController(0.1, target=target, window=10)
     for t in range(6):
         fast.update(1.0 + 0.3 * t + 0.01 * (-1) ** t, 8)
-    assert fast.holding and fast.integral == 0.0
+    assert fast.holding and fast.value == pytest.approx(0.1 * math.exp(-fast.kp))  # only the P term's first cut
 
 
 def test_tracking_hold_keeps_beta_while_a_never_negative_statistic_reads_a_tiny_floor():
