@@ -156,14 +156,16 @@ def test_tracking_controller_settles_on_the_equilibrium_coefficient(tiny_path, t
     that KL, from 5x below and 5x above it, without a large overshoot of the KL.
 
     Measured (128 sequences per update, lr 3e-3, 200 updates, seed 0; the controller reads the `full` statistic,
-    which for one-token responses is the exact KL of the sampling policy): from beta*/5, beta fell to 0.069
-    beta* while the KL crept up (the start-up hold cuts beta when the KL is not on course to the target), and
-    the KL peaked at 2.84x the target; from 5 beta*, the KL peaked at 1.28x; the mean beta over the last 80
-    updates was 1.09 beta* and 1.05 beta*, with the mean KL at 0.99x and 1.02x the target (the policy's own
-    update noise adds KL, so the target is met at a beta slightly above beta*). Ziegler's rule and the PID
-    controller fell to their floor of 1e-4 from beta*/5 on the same bandit at lr 1e-3. In loss mode (`k2`, whose
-    gradient is that of the same reverse KL, so the same beta* holds): mean beta 1.02 and 1.00 beta*, the KL
-    peaking at 2.84x and 1.24x, its mean at 0.95x and 0.97x the target.
+    which for one-token responses is the exact KL of the sampling policy): from beta*/5, beta fell to 0.066
+    beta* while the KL crept up (the start-up hold cuts beta when the KL is not on course to the target, and
+    keeps the proportional term's cut), and the KL peaked at 2.96x the target; from 5 beta*, the KL peaked at
+    1.38x; the mean beta over the last 80 updates was 1.058 beta* and 1.014 beta*, with the mean KL at 0.98x and
+    1.01x the target (the policy's own update noise adds KL, so the target is met at a beta slightly above
+    beta*). Ziegler's rule and the PID controller fell to their floor of 1e-4 from beta*/5 on the same bandit
+    at lr 1e-3. In loss mode (`k2`, whose gradient is that of the same reverse KL, so the same beta* holds):
+    mean beta 1.020 and 1.023 beta*, the KL peaking at 2.99x and 1.34x, its mean at 1.01x and 0.99x the target.
+    The bounds: the mean beta within 10% of beta*, the mean KL within 15% of the target, the peak below 3.25x
+    (from below) and 2x (from above).
     """
     state = one_token_state(bandit_trainer(tiny_path, tmp_path, max_steps=1))
     target = kl(tilted(state["ref"], state["reward"], BETA), state["ref"])
@@ -179,7 +181,7 @@ def test_tracking_controller_settles_on_the_equilibrium_coefficient(tiny_path, t
     logs = [h for h in trainer.state.log_history if "kl/coef" in h]
     betas, kls = [h["kl/coef"] for h in logs], [h["kl/value"] for h in logs]
     assert sum(betas[-80:]) / 80 == pytest.approx(beta_star, rel=0.10)
-    assert max(kls) <= (3.0 if start < 1 else 2.0) * target
+    assert max(kls) <= (3.25 if start < 1 else 2.0) * target
     assert sum(kls[-80:]) / 80 == pytest.approx(target, rel=0.15)
 
 
@@ -193,10 +195,11 @@ def test_the_guard_caps_the_kl_and_keeps_the_equilibrium_coefficient(tiny_path, 
     target KL, and the KL overshoots far less than without a guard.
 
     Measured (128 sequences per update in 4 mini-batches, lr 1e-3, 200 updates, seed 0), both sides: from beta*/5
-    the mean beta over the last 80 updates was 0.955 beta*, the mean KL 1.01x the target, the peak 1.47x, the upper
-    side firing in 132 updates and the low side in 30; from 5 beta*: 1.002 beta*, 1.00x, peak 1.02x (65 and 77).
-    The upper side alone (an earlier commit): from beta*/5, 0.98 beta* and a peak of 1.56x, against 2.69x with no
-    guard (`kl_guard_margin=inf`, 1.03 beta*); from 5 beta*, 1.00 beta* and 1.04x.
+    the mean beta over the last 80 updates was 0.960 beta*, the mean KL 1.01x the target, the peak 1.57x, the upper
+    side firing in 129 updates and the low side in 33; from 5 beta*: 0.992 beta*, 1.00x, peak 1.02x (89 and 66).
+    The upper side alone: from beta*/5, 0.976 beta* and a peak of 1.57x (an earlier controller, without the
+    start-up rule that keeps the proportional cut, peaked at 2.69x with no guard, `kl_guard_margin=inf`); from
+    5 beta*, 0.999 beta* and 1.02x.
     """
     state = one_token_state(bandit_trainer(tiny_path, tmp_path, max_steps=1))
     target = kl(tilted(state["ref"], state["reward"], BETA), state["ref"])
