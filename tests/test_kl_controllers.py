@@ -401,8 +401,8 @@ def test_tracking_start_up_hold_tells_on_course_from_levelled_off():
     # rising steadily toward the target, fast enough to arrive within the window (20 x 0.25 = 5 nats): the
     # integral only keeps the P term's fading cut, so beta stays where the P term's first cut put it
     rising = TrackingKLController(0.1, target=target, window=20)
-    for t in range(15):
-        rising.update(0.25 * t, 8)  # reaches 3.5 after 14 updates
+    for t in range(13):
+        rising.update(0.25 * t, 8)  # reaches 3 after 12 updates, short of arm_fraction * target
         assert rising.holding and rising.integral <= 0.0
     assert rising.value == pytest.approx(0.1 * math.exp(-rising.kp))
     # levelled off at a tenth of the target: once the trend shows it, the integral falls and beta with it,
@@ -421,7 +421,7 @@ def test_tracking_start_up_hold_tells_on_course_from_levelled_off():
 
 
 def test_tracking_start_up_never_raises_beta_while_the_kl_climbs_below_the_target():
-    """Before the KL first nears the target, a reading below it never raises beta. The P term's cut shrinks as
+    """Before the KL first nears the target, a reading short of it never raises beta. The P term's cut shrinks as
     the KL climbs; the integral keeps what the P term gives back. Without that, beta would rise by
     exp(kp * (e_now - e_first)) on a KL that has not arrived yet."""
     target = 4.0
@@ -436,7 +436,11 @@ def test_tracking_start_up_never_raises_beta_while_the_kl_climbs_below_the_targe
     assert c.value == pytest.approx(first)
     # what the P term alone would give now (the integral held at 0): 17% above, the rise this rule removes
     assert 0.07 * math.exp(c.kp * c.last_error) > 1.15 * c.value
-    # once the prediction passes the target, beta rises again (error > 0 is never held)
+    # a reading that has come near the target (arm_fraction * target = 3.2) lets the fading cut brake the
+    # approach before the lagging EMA arms the controller
+    c.update(3.4, 8)
+    assert c.last_error < 0 and not c.armed and c.value > values[-1]
+    # once the prediction passes the target, beta rises further (error > 0 is never held)
     for _ in range(3):
         c.update(5.0, 8)
     assert c.last_error > 0 and c.value > values[-1]

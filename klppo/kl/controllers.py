@@ -463,7 +463,8 @@ class TrackingKLController(_LogSpaceController):
               arm_fraction * target within ``window`` updates), or the window's mean is not above zero
               by twice its standard error and by target / 100 (the policy has not moved yet), or there
               are fewer than 3 readings; otherwise it is integrated at startup_rate * ki
-              Until then, too, a negative e never raises beta: I <- min(I, log beta_prev - log beta0 - kp * e)
+              Until then, too, a negative e never raises beta while the reading kl is below arm_fraction * target:
+              I <- min(I, log beta_prev - log beta0 - kp * e)
         log beta = log beta0 + kp * e + I,             clamped to [log coef_min, log coef_max]
 
     Why each piece (Stooke, Achiam & Abbeel, ICML 2020, "Responsive Safety in RL by PID Lagrangian
@@ -479,10 +480,12 @@ class TrackingKLController(_LogSpaceController):
       meanwhile is the proportional term, which undoes itself as the KL rises. A KL that levels off
       below the target, or creeps toward it too slowly to arrive within the window, is held back too
       hard: the integral then falls at ``startup_rate`` times its gain, and stops falling again as
-      soon as the KL is on course. Nor does a KL below the target raise beta before it first arrives: the
-      proportional term's cut shrinks as the KL rises, and the integral takes over what it gives back. (Without
-      this, on a reward whose KL answers beta steeply, the fading cut raised beta by a fifth while the KL
-      climbed from 2 to 2.9 nats toward a target of 4, and the KL fell back and arrived 20 updates later.) (A test of "rising" alone held beta for a whole run on a reward
+      soon as the KL is on course. Nor does a KL still short of the target raise beta before it first arrives:
+      the proportional term's cut shrinks as the KL rises, and the integral takes over what it gives back.
+      (Without this, on a reward whose KL answers beta steeply, the fading cut raised beta by a fifth while the
+      KL climbed from 2 to 2.9 nats toward a target of 4, and the KL fell back and arrived 20 updates later.)
+      Once a single reading has reached ``arm_fraction * target``, the fading cut acts again: it brakes a fast
+      approach that the EMA has not caught up with yet. (A test of "rising" alone held beta for a whole run on a reward
       whose KL crept up by about 0.05 nats per update while 2 nats below the target.) After the KL has
       first come near the target, the integral acts at full gain both ways.
     - The error is taken on the predicted KL: beta rises while the KL is still climbing toward an
@@ -598,9 +601,11 @@ class TrackingKLController(_LogSpaceController):
         rest = self.log_beta0 + self.kp * error
         # anti-windup: the integral never takes the output past a bound
         self.integral = min(max(self.integral + self.ki * integrate, lo - rest), hi - rest)
-        if error < 0 and not self.armed:
-            # start-up: a KL below the target never raises beta. The proportional term's cut fades as the KL
-            # rises; the integral keeps it instead (bumpless), so beta does not climb back before arrival.
+        if error < 0 and not self.armed and kl < self.arm_fraction * self.target:
+            # start-up: a KL still short of the target never raises beta. The proportional term's cut fades as
+            # the KL rises; the integral keeps it instead (bumpless), so beta does not climb back before the KL
+            # arrives. A reading that has come near the target lets the fading cut brake the approach, ahead of
+            # the lagging EMA.
             self.integral = min(self.integral, max(_log(self._value), lo) - rest)
         return self._from_log(rest + self.integral)
 
