@@ -480,14 +480,15 @@ class TrackingKLController(_LogSpaceController):
       meanwhile is the proportional term, which undoes itself as the KL rises. A KL that levels off
       below the target, or creeps toward it too slowly to arrive within the window, is held back too
       hard: the integral then falls at ``startup_rate`` times its gain, and stops falling again as
-      soon as the KL is on course. Nor does a KL still short of the target raise beta before it first arrives:
-      the proportional term's cut shrinks as the KL rises, and the integral takes over what it gives back.
-      (Without this, on a reward whose KL answers beta steeply, the fading cut raised beta by a fifth while the
-      KL climbed from 2 to 2.9 nats toward a target of 4, and the KL fell back and arrived 20 updates later.)
-      Once a single reading has reached ``arm_fraction * target``, the fading cut acts again: it brakes a fast
-      approach that the EMA has not caught up with yet. (A test of "rising" alone held beta for a whole run on a reward
-      whose KL crept up by about 0.05 nats per update while 2 nats below the target.) After the KL has
-      first come near the target, the integral acts at full gain both ways.
+      soon as the KL is on course. (A test of "rising" alone held beta for a whole run on a reward
+      whose KL crept up by about 0.05 nats per update while 2 nats below the target.) Nor does a KL still
+      short of the target raise beta before it first arrives: the proportional term's cut shrinks as the KL
+      rises, and the integral takes over what it gives back. (Without this, on a reward whose KL answers beta
+      steeply, the fading cut raised beta by a fifth while the KL climbed from 2 to 2.9 nats toward a target
+      of 4, and the KL fell back and arrived 20 updates later.) Once a single reading has reached
+      ``arm_fraction * target``, the fading cut acts again: it brakes a fast approach that the EMA has not
+      caught up with yet. After the KL has first come near the target, the integral acts at full gain both
+      ways.
     - The error is taken on the predicted KL: beta rises while the KL is still climbing toward an
       overshoot, before it happens. Only a rise counts (derivative on rising KL only, as Stooke et
       al.): a falling KL does not cut beta early.
