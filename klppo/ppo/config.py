@@ -135,8 +135,8 @@ KLPPO_CONFIG_DOC = r"""
             at the current policy. Unset, it resolves to 0 (the guard holds the target itself) with the `tracking`
             controller, klppo's default whenever `kl_target` is set, and to `inf` (off) with every other
             controller, so that they behave as published. It acts only where an update takes more than one step
-            (`num_mini_batches * num_ppo_epochs > 1`). Under DeepSpeed, accelerate applies the optimizer step inside `backward`, so the guard cannot hold
-            back the step it checks there.
+            (`num_mini_batches * num_ppo_epochs > 1`). Under DeepSpeed, accelerate applies the optimizer step
+            inside `backward`, so the guard cannot hold back the step it checks there.
         kl_guard_low_margin (`float` or `None`, *optional*, defaults to `None`: 0 with `tracking`, else `inf`):
             The guard's other side: once a rollout's reading of the controller statistic has reached
             `kl_target * (1 - kl_guard_low_margin)`, an update that has pushed the KL down and below that bound takes
