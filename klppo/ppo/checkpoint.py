@@ -156,7 +156,8 @@ class CheckpointMixin:
         if "kl_guard_low_margin" not in saved:  # written before the guard had a low side: it had none
             saved = {**saved, "kl_guard_low_margin": math.inf}
         if "kl_guard_low_action" not in saved:  # written before the low side had a choice of action: it stopped
-            saved = {**saved, "kl_guard_low_action": "stop"}
+            low_now = math.isfinite(self.args.kl_guard_low_margin)  # with the low side off, the action is moot
+            saved = {**saved, "kl_guard_low_action": "stop" if low_now else self.args.kl_guard_low_action}
         changed = {
             k: (v, getattr(self.args, k)) for k, v in saved.items() if hasattr(self.args, k) and v != getattr(self.args, k)
         }

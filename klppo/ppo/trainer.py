@@ -493,7 +493,8 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
         update. With `kl_guard_margin`, once the KL to the reference at the current policy passes
         `kl_target * (1 + kl_guard_margin)`, the mini-batch takes no step and the update ends; with
         `kl_guard_low_margin`, likewise once it falls below `kl_target * (1 - kl_guard_low_margin)` (after a reading
-        has first reached that bound). That KL is estimated
+        has first reached that bound), or with `kl_guard_low_action="drop_penalty"` the mini-batch takes no step and
+        the rest of the update goes on with `advantages.without_penalty`. That KL is estimated
         as the rollout's reading `kl_reading` (the controller's statistic) plus the change the update has made on
         the mini-batch's tokens; without a reading, as the mini-batch's own KL."""
         args = self.args
