@@ -149,13 +149,11 @@ RESOLVED_KEYS = ("kl_controller", "kl_statistic", "kl_guard_margin", "kl_guard_r
 
 
 def resolved_settings(args) -> dict:
-    """The RESOLVED_KEYS of a parsed config, plus the guard's low side where it is on and its action where that is
-    not "stop" (left out otherwise, so that records written before they existed keep their fingerprints)."""
+    """The RESOLVED_KEYS of a parsed config, plus the guard's low side where it is on (left out when off, so that
+    records written before it existed keep their fingerprints)."""
     resolved = {k: getattr(args, k) for k in RESOLVED_KEYS}
     if math.isfinite(args.kl_guard_low_margin):
         resolved["kl_guard_low_margin"] = args.kl_guard_low_margin
-        if args.kl_guard_low_action != "stop":
-            resolved["kl_guard_low_action"] = args.kl_guard_low_action
     return resolved
 
 
@@ -203,7 +201,6 @@ def run_worker(job: dict) -> None:
         "kl_statistic": args.kl_statistic,
         "kl_guard_margin": args.kl_guard_margin if math.isfinite(args.kl_guard_margin) else None,  # null: off
         "kl_guard_low_margin": args.kl_guard_low_margin if math.isfinite(args.kl_guard_low_margin) else None,
-        "kl_guard_low_action": args.kl_guard_low_action,
         "kl_guard_reset_momentum": args.kl_guard_reset_momentum,
         "kl_coef_initial": args.kl_coef,
         "kl_coef_final": trainer.kl_controller.value,

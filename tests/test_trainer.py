@@ -624,64 +624,6 @@ def test_the_guards_low_side_ends_an_update_that_pulls_the_kl_below_its_bound(ti
             make_args(tmp_path, kl_target=1.0, kl_guard_low_margin=bad)
 
 
-def test_the_guards_low_side_can_drop_the_penalty_for_the_rest_of_the_update(tiny_path, prompts, tmp_path, caplog):
-    """`kl_guard_low_action="drop_penalty"`: in the setting of the previous test, the mini-batch that fires takes
-    no step and the update goes on without the KL term, so every update takes all of its steps but the one that
-    fired, the low side fires at most once per update, and the log says the update went on."""
-    kw = dict(max_steps=3, num_ppo_epochs=2, num_mini_batches=2, kl_controller="fixed", kl_coef=50.0,
-              learning_rate=1e-2, kl_mode="loss", kl_estimator="k2")
-    probe = make_trainer(tiny_path, prompts, make_args(tmp_path, **kw))
-    probe.train()
-    readings = [h["kl/value"] for h in probe.state.log_history if "kl/value" in h]
-    args = make_args(tmp_path, kl_target=0.9 * readings[1], kl_guard_low_margin=0.0, kl_guard_low_action="drop_penalty", **kw)
-    trainer = make_trainer(tiny_path, prompts, args)
-    with caplog.at_level("INFO"):
-        trainer.train()
-    fired = [h["kl/guard_low_fired"] for h in trainer.state.log_history if "kl/guard_low_fired" in h]
-    assert fired[:2] == [0.0, 1.0]
-    assert trainer.lr_scheduler.last_epoch == 12 - sum(fired)  # 3 updates x 4 steps, less one per firing
-    messages = [r.getMessage() for r in caplog.records if "fell below" in r.getMessage()]
-    assert len(messages) == sum(fired) and all("went on without the KL penalty" in m for m in messages)
-    with pytest.raises(ValueError, match="kl_guard_low_action.*'stop', 'drop_penalty'"):
-        make_args(tmp_path, kl_target=1.0, kl_guard_low_action="ignore")
-
-
-@pytest.mark.parametrize("mode", ["reward", "loss", "both"])
-def test_advantages_without_the_penalty_are_those_of_the_scores_alone(tiny_path, prompts, tmp_path, mode):
-    """Once the guard's low side is armed with `kl_guard_low_action="drop_penalty"`, step 7 also gives the
-    advantages of the scores alone (GAE of the score at the last response token, whitened), the penalised
-    value targets, and no loss-mode coefficient; before it is armed, and with `"stop"`, it gives none."""
-    from klppo.ppo.advantages import gae_advantages
-
-    args = make_args(tmp_path, kl_mode=mode, kl_estimator="k1", kl_coef=0.3, kl_target=1.0, kl_guard_low_margin=0.0,
-                     kl_guard_low_action="drop_penalty")  # fmt: skip
-    trainer = make_trainer(tiny_path, prompts, args)
-    torch.manual_seed(0)
-    with torch.no_grad():  # a policy away from the reference, so that the penalty is not 0
-        for param in trainer.model.parameters():
-            param.add_(0.05 * torch.randn_like(param))
-    rollout = trainer.rollout(trainer.prompt_batch([p["prompt"] for p in prompts.select(range(4))]))
-    rewards = trainer.compute_rewards(rollout)
-    penalty = trainer.apply_kl(rollout, rewards)
-    trainer.kl_guard_low_armed = False
-    assert trainer.compute_advantages(rollout, rewards, penalty).without_penalty is None
-    trainer.kl_guard_low_armed = True
-    advantages = trainer.compute_advantages(rollout, rewards, penalty)
-    free, mask = advantages.without_penalty, rollout.response_mask
-    scores_only = torch.zeros_like(penalty.rewards)
-    scores_only[torch.arange(len(mask)), mask.sum(1) - 1] = rewards.scores
-    expected, _ = gae_advantages(scores_only, rollout.values, mask, args.gamma, args.lam)
-    values = expected[mask.bool()]
-    expected = (expected - values.mean()) / values.std() * mask
-    torch.testing.assert_close(free.advantages * mask, expected, atol=1e-5, rtol=1e-4)
-    assert torch.equal(free.returns, advantages.returns) and free.kl_loss_coef == 0.0
-    assert advantages.kl_loss_coef > 0  # (read in loss mode only)
-    if mode != "loss":  # the penalised advantages differ
-        assert not torch.allclose(advantages.advantages * mask, expected, atol=1e-3)
-    trainer.args.kl_guard_low_action = "stop"
-    assert trainer.compute_advantages(rollout, rewards, penalty).without_penalty is None
-
-
 def test_the_guard_holds_the_target_by_default_with_the_tracking_controller_only(tmp_path):
     """Unset, `kl_guard_margin` and `kl_guard_low_margin` resolve to 0 with the tracking controller (the default
     whenever kl_target is set) and to inf (off) with every other controller and without a target; `inf` turns it off; resolving a resolved

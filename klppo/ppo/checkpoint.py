@@ -26,7 +26,7 @@ STAGING_DIR = ".checkpoint-staging"
 # settings compared on resume: refused if changed / combined with the saved state / ignored for it
 RESUME_REFUSED = ("kl_controller", "kl_target_unit", "kl_mode")
 RESUME_COMBINED = ("kl_target", "kl_estimator", "kl_statistic", "kl_horizon", "kl_loss_scale", "kl_guard_margin",
-                   "kl_guard_low_margin", "kl_guard_low_action", "kl_guard_reset_momentum")
+                   "kl_guard_low_margin", "kl_guard_reset_momentum")
 RESUME_IGNORED = ("kl_coef", "learning_rate")
 # what a complete klppo checkpoint holds (checked before resuming from "the latest")
 CHECKPOINT_FILES = (TRAINABLE_STATE_NAME, CONTROLLER_STATE_NAME, "trainer_state.json")
@@ -155,9 +155,6 @@ class CheckpointMixin:
             saved = {**saved, "kl_guard_margin": math.inf, "kl_guard_reset_momentum": reset}
         if "kl_guard_low_margin" not in saved:  # written before the guard had a low side: it had none
             saved = {**saved, "kl_guard_low_margin": math.inf}
-        if "kl_guard_low_action" not in saved:  # written before the low side had a choice of action: it stopped
-            low_now = math.isfinite(self.args.kl_guard_low_margin)  # with the low side off, the action is moot
-            saved = {**saved, "kl_guard_low_action": "stop" if low_now else self.args.kl_guard_low_action}
         changed = {
             k: (v, getattr(self.args, k)) for k, v in saved.items() if hasattr(self.args, k) and v != getattr(self.args, k)
         }

@@ -22,7 +22,6 @@ from ..kl import (
 logger = logging.getLogger(__name__)
 
 KL_LOSS_SCALES = ("advantage_std", "none")
-KL_GUARD_LOW_ACTIONS = ("stop", "drop_penalty")
 # Learning-rate defaults when `learning_rate` is not set. LoRA: measured on the default job (SmolLM2-135M,
 # 32 sequences per update, one epoch): 5e-4 kept policy/approxkl <= 0.007 and learned within 15 updates.
 # Full fine-tuning (the same job with use_peft false): 3e-5 learned on 3 seeds with approxkl <= 0.0025;
@@ -148,13 +147,6 @@ KLPPO_CONFIG_DOC = r"""
             fall. Logged as `kl/guard_low_fired`. Unset, it resolves like `kl_guard_margin`: 0 with the `tracking`
             controller (the target holds the KL from both sides) and `inf` (off) with every other controller. Needs
             `kl_target` and a number >= 0, or `inf` (off).
-        kl_guard_low_action (`str`, *optional*, defaults to `"stop"`):
-            What the guard's low side does when it fires. `"stop"`: the rest of the update's epochs and mini-batches
-            are skipped, as with the upper side. `"drop_penalty"`: the mini-batch that fired takes no step and the
-            rest of the update goes on with the KL penalty dropped: advantages recomputed from the scores alone
-            (reward mode) and no KL loss term (loss mode); the value targets stay those of the penalised rewards.
-            Below the target the penalty only pulls the KL further down, while the reward steps it would stop
-            are what the update is for; the upper side still stops the update if the KL then passes its bound.
         kl_guard_reset_momentum (`bool`, *optional*, defaults to `True`):
             When the guard fires, also zero the optimizer's first moments (Adam's `exp_avg`, SGD's
             `momentum_buffer`). The update's first step always goes ahead, and with momentum it would continue the
@@ -327,7 +319,6 @@ class KLPPOConfig(TrainingArguments):
     kl_drift_patience: int = field(default=5, metadata=_doc("kl_drift_patience"))
     kl_guard_margin: float | None = field(default=None, metadata=_doc("kl_guard_margin"))
     kl_guard_low_margin: float | None = field(default=None, metadata=_doc("kl_guard_low_margin"))
-    kl_guard_low_action: str = field(default="stop", metadata=_doc("kl_guard_low_action"))
     kl_guard_reset_momentum: bool = field(default=True, metadata=_doc("kl_guard_reset_momentum"))
     full_kl_chunk_size: int = field(default=1024, metadata=_doc("full_kl_chunk_size"))
     generation_logits_max_mb: float = field(default=1024.0, metadata=_doc("generation_logits_max_mb"))
@@ -461,8 +452,6 @@ class KLPPOConfig(TrainingArguments):
             "kl_guard_low_margin", "0: stop an update that pushes the KL down below kl_target; 0.2: below "
             "0.8 x kl_target",
         )
-        if self.kl_guard_low_action not in KL_GUARD_LOW_ACTIONS:
-            raise _choice_error("kl_guard_low_action", self.kl_guard_low_action, KL_GUARD_LOW_ACTIONS)
         if self.kl_drift_patience < 1:
             raise ValueError(f"`kl_drift_patience` must be >= 1, got {self.kl_drift_patience}.")
         if self.full_kl_chunk_size < 1:

@@ -121,9 +121,6 @@ class Advantages:
     returns: torch.Tensor  # [B, R]
     kl_loss_coef: float  # coef, divided by the advantage std unless kl_loss_scale="none"
     metrics: dict = field(default_factory=dict)
-    # the same without the KL penalty (value targets kept), for the rest of an update once the guard's low side
-    # fires with kl_guard_low_action="drop_penalty"; None where that cannot happen
-    without_penalty: Advantages | None = None
 
 
 @dataclass

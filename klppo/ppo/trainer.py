@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from dataclasses import replace
 from collections import defaultdict
 from contextlib import contextmanager, nullcontext
 
@@ -456,22 +455,9 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
     @torch.no_grad()
     def compute_advantages(self, rollout: Rollout, rewards: Rewards, penalty: KLPenalty) -> Advantages:
         """Step 7: GAE over the per-token rewards, whitened with global statistics. Samples no reward function
-        applied to carry no policy gradient (advantage 0) and stay out of the whitening. Where the guard's low
-        side can fire with `kl_guard_low_action="drop_penalty"`, also the advantages without the KL penalty."""
-        args = self.args
-        advantages = self._advantages(rollout, rewards, penalty.rewards, penalty.coef)
-        if self.kl_guard_low_armed and args.kl_guard_low_action == "drop_penalty":
-            scores_only = penalty.rewards
-            if "reward" in args.kl_modes_applied:
-                scores_only = penalty.rewards - kl_reward(penalty.kl, rollout.response_mask, penalty.coef)
-            free = self._advantages(rollout, rewards, scores_only, 0.0)
-            advantages.without_penalty = replace(free, returns=advantages.returns, metrics={})
-        return advantages
-
-    def _advantages(self, rollout: Rollout, rewards: Rewards, per_token: torch.Tensor, coef: float) -> Advantages:
-        """GAE advantages and returns of the per-token rewards `per_token`, and the loss-mode coefficient `coef`
-        scaled as `kl_loss_scale` says."""
+        applied to carry no policy gradient (advantage 0) and stay out of the whitening."""
         args, acc, mask = self.args, self.accelerator, rollout.response_mask
+        per_token = penalty.rewards
         if args.whiten_rewards:
             per_token = global_masked_whiten(per_token, mask, accelerator=acc, shift_mean=False)
         advantages, returns = gae_advantages(per_token, rollout.values, mask, args.gamma, args.lam)
@@ -483,7 +469,7 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
             std = std.item()
         # Whitening divides the policy-gradient term by std(A), so the loss E[A]/std - c * KL maximises
         # E[r] - c * std * KL: a loss-mode coefficient beta / std keeps beta's meaning that of reward mode.
-        kl_loss_coef = coef / std if args.kl_loss_scale == "advantage_std" else coef
+        kl_loss_coef = penalty.coef / std if args.kl_loss_scale == "advantage_std" else penalty.coef
         return Advantages(advantages, returns, kl_loss_coef, {"policy/advantage_std": std})
 
     # ------------------------------------------------------------------ step 8: optimisation
@@ -493,8 +479,7 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
         update. With `kl_guard_margin`, once the KL to the reference at the current policy passes
         `kl_target * (1 + kl_guard_margin)`, the mini-batch takes no step and the update ends; with
         `kl_guard_low_margin`, likewise once it falls below `kl_target * (1 - kl_guard_low_margin)` (after a reading
-        has first reached that bound), or with `kl_guard_low_action="drop_penalty"` the mini-batch takes no step and
-        the rest of the update goes on with `advantages.without_penalty`. That KL is estimated
+        has first reached that bound). That KL is estimated
         as the rollout's reading `kl_reading` (the controller's statistic) plus the change the update has made on
         the mini-batch's tokens; without a reading, as the mini-batch's own KL."""
         args = self.args
@@ -502,21 +487,14 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
         n_local, mb_size = rollout.batch_size, args.local_mini_batch_size
         if n_local % mb_size:
             raise ValueError(f"Rollout batch {n_local} is not a multiple of the mini-batch size {mb_size}.")
-        stats, skipped, applied, guarded, low_fired = GlobalSums(), False, 0, None, False
+        stats, skipped, applied, guarded = GlobalSums(), False, 0, None
         for _epoch in range(args.num_ppo_epochs):
             if (skipped and self.rollback_updates) or guarded:
                 break  # the whole update is undone (or the guard fired): no point in more steps
             order = torch.randperm(n_local, device=rollout.responses.device)
             for mb_start in range(0, n_local, mb_size):
-                status = self._optimizer_step(rollout, advantages, order[mb_start : mb_start + mb_size], stats, applied,
-                                              kl_reading, low_side=not low_fired)  # fmt: skip
+                status = self._optimizer_step(rollout, advantages, order[mb_start : mb_start + mb_size], stats, applied, kl_reading)
                 skipped, applied = skipped or status == "nonfinite", applied + int(status == "applied")
-                if status == "guard_low" and advantages.without_penalty is not None:
-                    # the rest of the update goes on for the reward alone; the low side does not fire again
-                    self._log_guard("fell below", 1 - args.kl_guard_low_margin, applied, "went on without the KL penalty")
-                    advantages, low_fired = advantages.without_penalty, True
-                    continue
-                low_fired = low_fired or status == "guard_low"
                 guarded = status if status in ("guard", "guard_low") else None
                 if (status == "nonfinite" and self.rollback_updates) or guarded:
                     break
@@ -524,25 +502,21 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
         if math.isfinite(args.kl_guard_margin):
             metrics["kl/guard_fired"] = float(guarded == "guard")
         if math.isfinite(args.kl_guard_low_margin):
-            metrics["kl/guard_low_fired"] = float(low_fired)
-        if guarded:
+            metrics["kl/guard_low_fired"] = float(guarded == "guard_low")
+        if guarded and self.is_world_process_zero():
             upper = guarded == "guard"
             side, factor = ("passed", 1 + args.kl_guard_margin) if upper else ("fell below", 1 - args.kl_guard_low_margin)
-            self._log_guard(side, factor, applied, "was skipped")
+            logger.info("KL guard: the KL to the reference %s %g x kl_target after %d optimizer step(s); the rest of "
+                        "this update was skipped.", side, factor, applied)  # fmt: skip
         return OptimiseResult(metrics, skipped, applied)
 
-    def _log_guard(self, side: str, factor: float, applied: int, outcome: str) -> None:
-        if self.is_world_process_zero():
-            logger.info("KL guard: the KL to the reference %s %g x kl_target after %d optimizer step(s); the rest of "
-                        "this update %s.", side, factor, applied, outcome)  # fmt: skip
-
     def _optimizer_step(self, rollout: Rollout, advantages: Advantages, mb_idx: torch.Tensor, stats, applied: int = 0,
-                        kl_reading: float | None = None, low_side: bool = True) -> str:
+                        kl_reading: float | None = None) -> str:
         """One mini-batch: gradient accumulation over micro-batches, clipping, one optimizer step. Returns
         "applied", or "nonfinite" / "guard" (the gradients are dropped) when any rank saw a non-finite loss or
         gradient norm, or when the KL at the current policy (the rollout's reading `kl_reading` plus the change
         this update made on the mini-batch's tokens, reduced over all ranks) passed the guard's bound ("guard"), or
-        fell below its armed low bound ("guard_low"; only with `low_side`)."""
+        fell below its armed low bound ("guard_low")."""
         args, acc, model = self.args, self.accelerator, self.model_wrapped
         world, micro = acc.num_processes, args.per_device_train_batch_size
         # Global counts of the mini-batch: every loss is a global mean, whatever the split
@@ -566,8 +540,7 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
             for name, (total, count) in parts.items():
                 stats.add(name, total, count)
         bad, kl_sum, kl_count, kl_rollout = all_reduce_sum(checks, acc).tolist()  # one collective and host sync per step
-        low_side = low_side and self.kl_guard_low_armed
-        if bad == 0 and (math.isfinite(args.kl_guard_margin) or low_side):
+        if bad == 0 and (math.isfinite(args.kl_guard_margin) or self.kl_guard_low_armed):
             # the guard stops an update that has pushed these tokens' KL up and past the bound. The KL now is the
             # rollout's reading plus this update's change on the mini-batch's tokens (measured on the same tokens
             # before and after: far less noisy than a few sequences' own k1). The update's first step always goes
@@ -576,7 +549,7 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
             # come back); every process sees the same sums and counts
             # (and, once armed, the other side: an update that has pushed them down and below the low bound)
             bound = args.kl_target * (1 + args.kl_guard_margin)
-            low = args.kl_target * (1 - args.kl_guard_low_margin) if low_side else -math.inf
+            low = args.kl_target * (1 - args.kl_guard_low_margin) if self.kl_guard_low_armed else -math.inf
             change = kl_sum - kl_rollout  # "pushed" means by more than rounding: a thousandth of the bound's KL
             pushed_up = change > 1e-3 * max(bound * kl_count, abs(kl_rollout))
             pushed_down = -change > 1e-3 * max(args.kl_target * kl_count, abs(kl_rollout))
