@@ -612,7 +612,7 @@ def test_the_guards_low_side_ends_an_update_that_pulls_the_kl_below_its_bound(ti
     with caplog.at_level("INFO"):
         guarded.train()
     fired = [h["kl/guard_low_fired"] for h in guarded.state.log_history if "kl/guard_low_fired" in h]
-    assert fired[:2] == [0.0, 1.0] and guarded.kl_guard_low_armed
+    assert fired[:2] == [0.0, 1.0] and guarded.kl_guard.low_armed
     assert not any("kl/guard_fired" in h for h in guarded.state.log_history)  # the upper side stays off
     messages = [r.getMessage() for r in caplog.records if "fell below" in r.getMessage()]
     assert messages and int(messages[0].split("after ")[1].split(" ")[0]) >= 1
@@ -770,11 +770,11 @@ def test_a_resumed_run_continues_the_tracking_controller_exactly(tiny_path, prom
         resumed = make_trainer(tiny_path, prompts, make_args(tmp_path, output_dir=str(tmp_path / f"resumed{n}"), **kw))
         resumed.train(resume_from_checkpoint=str(tmp_path / "whole" / f"checkpoint-{n}"))
         assert resumed.kl_controller.state_dict() == whole.kl_controller.state_dict()
-        assert resumed.kl_guard_low_armed is whole.kl_guard_low_armed is True
+        assert resumed.kl_guard.low_armed is whole.kl_guard.low_armed is True
         # the resumed log holds the updates up to the checkpoint from it, then its own
         again = [[h[k] for k in keys] for h in resumed.state.log_history if "kl/value" in h]
         assert len(first) == 3 and again == first
     # the flag comes from the checkpoint, not from a later reading: resumed at its last update, no update runs
     ended = make_trainer(tiny_path, prompts, make_args(tmp_path, output_dir=str(tmp_path / "ended"), **{**kw, "max_steps": 2}))
     ended.train(resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-2"))
-    assert ended.state.global_step == 2 and ended.kl_guard_low_armed is True
+    assert ended.state.global_step == 2 and ended.kl_guard.low_armed is True

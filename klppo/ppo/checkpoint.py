@@ -137,7 +137,7 @@ class CheckpointMixin:
             "kl_controller": self.kl_controller.state_dict(),
             "drift_monitor": self.drift_monitor.state_dict() if self.drift_monitor is not None else None,
             "health_monitor": self.health_monitor.state_dict(),
-            "kl_guard_low_armed": self.kl_guard_low_armed,
+            **self.kl_guard.state_dict(),
             **self.nonfinite_guard.state_dict(),
             "settings": {name: getattr(self.args, name) for name in RESUME_REFUSED + RESUME_COMBINED + RESUME_IGNORED},
         }
@@ -219,7 +219,7 @@ class CheckpointMixin:
         if self.drift_monitor is not None and state.get("drift_monitor"):
             self.drift_monitor.load_state_dict(state["drift_monitor"])
         self.health_monitor.load_state_dict(state.get("health_monitor") or {})
-        self.kl_guard_low_armed = bool(state.get("kl_guard_low_armed", False))
+        self.kl_guard.load_state_dict(state)
         self.nonfinite_guard.load_state_dict(state)
         logger.info(
             "Resumed from %s at update %d with KL coefficient %.6g",

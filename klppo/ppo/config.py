@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -381,8 +382,19 @@ class KLPPOConfig(TrainingArguments):
     def __post_init__(self):
         self._validate_kl_fields()
         self._validate_ppo_fields()
+        self._default_deepspeed_cpu_backend()
         super().__post_init__()
         self._warn_biased_gradient()
+
+    def _default_deepspeed_cpu_backend(self) -> None:
+        """DeepSpeed on a machine with no GPU (its CPU accelerator) under `accelerate launch`: accelerate only
+        counts the processes of a named backend there, so without one every rank would believe it is alone.
+        `ddp_backend` defaults to gloo, the backend DeepSpeed's CPU accelerator itself initialises."""
+        import torch
+
+        deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" or self.deepspeed
+        if deepspeed and self.ddp_backend is None and not self.use_cpu and not torch.cuda.is_available():
+            self.ddp_backend = "gloo"
 
     # ------------------------------------------------------------------ validation
     def _validate_kl_fields(self) -> None:

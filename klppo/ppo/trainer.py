@@ -52,6 +52,7 @@ from .callbacks import KLProgressCallback, maybe_offline_wandb, now, record_samp
 from .checkpoint import CheckpointMixin
 from .loop import TrainingLoopMixin
 from .config import KLPPOConfig
+from .guard import LOWER, UPPER, KLGuard, reset_momentum
 from .health import NonfiniteGuard, PPOHealthMonitor
 from .losses import ppo_losses
 from .rollback import restore_optimisation, snapshot_optimisation
@@ -153,7 +154,7 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
         self.kl_estimator = get_kl_estimator_spec(args.kl_estimator)
         self.kl_statistic_spec = get_kl_estimator_spec(args.kl_statistic)
         self.kl_controller = build_kl_controller(args)
-        self.kl_guard_low_armed = False  # the guard's low side acts once a reading has reached its bound
+        self.kl_guard = KLGuard(args.kl_target, args.kl_guard_margin, args.kl_guard_low_margin)
         self.drift_monitor = KLDriftMonitor(args.kl_target, patience=args.kl_drift_patience) if args.kl_target else None
         self.health_monitor = PPOHealthMonitor(patience=args.health_patience)
         self.nonfinite_guard = NonfiniteGuard(args.max_nonfinite_updates)
@@ -433,9 +434,7 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
         """Step 6 on every rank alike (the statistic is global); the drift monitor sees the same value, and the
         guard's low side arms once a reading reaches its bound."""
         self.kl_controller.update(statistic, n_steps=n_sequences)
-        low_margin = self.args.kl_guard_low_margin
-        if math.isfinite(low_margin) and statistic >= self.args.kl_target * (1 - low_margin):
-            self.kl_guard_low_armed = True
+        self.kl_guard.observe(statistic)
         check_same_on_all_ranks(self.kl_controller.value, self.accelerator, "KL coefficient")
         if self.drift_monitor is not None:
             message = self.drift_monitor.update(statistic)
@@ -476,126 +475,107 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
     def optimise(self, rollout: Rollout, advantages: Advantages, kl_reading: float | None = None) -> OptimiseResult:
         """Step 8: `num_ppo_epochs` passes over shuffled mini-batches, one optimizer step each. A non-finite loss
         or gradient drops that step's gradients and, when updates are rolled back (`rollback_updates`), stops the
-        update. With `kl_guard_margin`, once the KL to the reference at the current policy passes
-        `kl_target * (1 + kl_guard_margin)`, the mini-batch takes no step and the update ends; with
-        `kl_guard_low_margin`, likewise once it falls below `kl_target * (1 - kl_guard_low_margin)` (after a reading
-        has first reached that bound). That KL is estimated
-        as the rollout's reading `kl_reading` (the controller's statistic) plus the change the update has made on
-        the mini-batch's tokens; without a reading, as the mini-batch's own KL."""
-        args = self.args
+        update. The KL guard (`klppo.ppo.guard.KLGuard`) ends the update early once the KL to the reference leaves
+        its bounds; `kl_reading` (the rollout's controller statistic) is where its estimate starts."""
         self.model_wrapped.train()
-        n_local, mb_size = rollout.batch_size, args.local_mini_batch_size
+        n_local, mb_size = rollout.batch_size, self.args.local_mini_batch_size
         if n_local % mb_size:
             raise ValueError(f"Rollout batch {n_local} is not a multiple of the mini-batch size {mb_size}.")
         stats, skipped, applied, guarded = GlobalSums(), False, 0, None
-        for _epoch in range(args.num_ppo_epochs):
+        for _epoch in range(self.args.num_ppo_epochs):
             if (skipped and self.rollback_updates) or guarded:
                 break  # the whole update is undone (or the guard fired): no point in more steps
             order = torch.randperm(n_local, device=rollout.responses.device)
             for mb_start in range(0, n_local, mb_size):
                 status = self._optimizer_step(rollout, advantages, order[mb_start : mb_start + mb_size], stats, applied, kl_reading)
                 skipped, applied = skipped or status == "nonfinite", applied + int(status == "applied")
-                guarded = status if status in ("guard", "guard_low") else None
+                guarded = status if status in (UPPER, LOWER) else None
                 if (status == "nonfinite" and self.rollback_updates) or guarded:
                     break
-        metrics = stats.means(self.accelerator)
-        if math.isfinite(args.kl_guard_margin):
-            metrics["kl/guard_fired"] = float(guarded == "guard")
-        if math.isfinite(args.kl_guard_low_margin):
-            metrics["kl/guard_low_fired"] = float(guarded == "guard_low")
+        metrics = {**stats.means(self.accelerator), **self.kl_guard.metrics(guarded)}
         if guarded and self.is_world_process_zero():
-            upper = guarded == "guard"
-            side, factor = ("passed", 1 + args.kl_guard_margin) if upper else ("fell below", 1 - args.kl_guard_low_margin)
-            logger.info("KL guard: the KL to the reference %s %g x kl_target after %d optimizer step(s); the rest of "
-                        "this update was skipped.", side, factor, applied)  # fmt: skip
+            logger.info(self.kl_guard.describe(guarded, applied))
         return OptimiseResult(metrics, skipped, applied)
 
     def _optimizer_step(self, rollout: Rollout, advantages: Advantages, mb_idx: torch.Tensor, stats, applied: int = 0,
                         kl_reading: float | None = None) -> str:
-        """One mini-batch: gradient accumulation over micro-batches, clipping, one optimizer step. Returns
-        "applied", or "nonfinite" / "guard" (the gradients are dropped) when any rank saw a non-finite loss or
-        gradient norm, or when the KL at the current policy (the rollout's reading `kl_reading` plus the change
-        this update made on the mini-batch's tokens, reduced over all ranks) passed the guard's bound ("guard"), or
-        fell below its armed low bound ("guard_low")."""
+        """One mini-batch: gradient accumulation over micro-batches, then one optimizer step. Returns "applied",
+        or, with the gradients dropped, "nonfinite" (a rank saw a non-finite loss or gradient norm) or the KL
+        guard's verdict ("guard" / "guard_low"). Both are decided, the same on every rank, before the last
+        micro-batch's backward pass: under DeepSpeed that pass is the accumulation boundary that reduces the
+        gradients and lets its engine step."""
         args, acc, model = self.args, self.accelerator, self.model_wrapped
-        world, micro = acc.num_processes, args.per_device_train_batch_size
+        micro = args.per_device_train_batch_size
         # Global counts of the mini-batch: every loss is a global mean, whatever the split
         tokens, seqs = reduce_sum_count(rollout.response_mask[mb_idx].sum().double(), float(len(mb_idx)), acc)
         counts = dict(num_tokens=tokens, num_seqs=seqs)
         # non-finite losses; the guard's KL sum and count at the current policy; the same tokens' KL sum at the rollout
         checks = torch.zeros(4, dtype=torch.float64, device=acc.device)
+        verdict = None
         for micro_start in range(0, len(mb_idx), micro):
             idx = mb_idx[micro_start : micro_start + micro]
-            last_micro = micro_start + micro >= len(mb_idx)
-            with nullcontext() if last_micro or world == 1 else acc.no_sync(model):
+            boundary = micro_start + micro >= len(mb_idx)
+            # DDP reduces at the boundary only; DeepSpeed is told the boundary in `_backward` (its ZeRO-2/3 refuse no_sync)
+            with nullcontext() if boundary or acc.num_processes == 1 or self.is_deepspeed_enabled else acc.no_sync(model):
                 with record_function("klppo/forward"):
                     loss, parts = self.micro_batch_loss(rollout.select(idx), advantages, idx, counts)
                 checks[0] += (~torch.isfinite(loss.detach())).double()
-                # DDP averages gradients over ranks; the loss is normalised by global counts. A non-finite loss
-                # still goes through backward on every rank (DDP stays in step); its gradients are dropped below.
+                checks[1:3] += torch.stack([torch.as_tensor(x, dtype=torch.float64) for x in parts["kl/during_update"]])
+                checks[3] += ((rollout.logp[idx].double() - rollout.ref_logp[idx].double()) * rollout.response_mask[idx]).sum()
+                if boundary:  # one collective and host sync per step
+                    bad, kl_sum, kl_count, kl_rollout = all_reduce_sum(checks, acc).tolist()
+                    fired = self.kl_guard.check(kl_sum, kl_count, kl_rollout, kl_reading) if applied > 0 else None
+                    verdict = "nonfinite" if bad else fired  # the update's first step always goes ahead
                 with record_function("klppo/backward"):
-                    acc.backward(loss * world * (args.gradient_accumulation_steps if self.is_deepspeed_enabled else 1))
-            checks[1:3] += torch.stack([torch.as_tensor(x, dtype=torch.float64) for x in parts["kl/during_update"]])
-            checks[3] += ((rollout.logp[idx].double() - rollout.ref_logp[idx].double()) * rollout.response_mask[idx]).sum()
+                    self._backward(loss, boundary, discard=verdict is not None)
             for name, (total, count) in parts.items():
                 stats.add(name, total, count)
-        bad, kl_sum, kl_count, kl_rollout = all_reduce_sum(checks, acc).tolist()  # one collective and host sync per step
-        if bad == 0 and (math.isfinite(args.kl_guard_margin) or self.kl_guard_low_armed):
-            # the guard stops an update that has pushed these tokens' KL up and past the bound. The KL now is the
-            # rollout's reading plus this update's change on the mini-batch's tokens (measured on the same tokens
-            # before and after: far less noisy than a few sequences' own k1). The update's first step always goes
-            # ahead (the policy is the rollout's; a difference there is rounding), and a rollout that already read
-            # above the bound keeps stepping while its KL does not rise (else the policy, never stepping, could not
-            # come back); every process sees the same sums and counts
-            # (and, once armed, the other side: an update that has pushed them down and below the low bound)
-            bound = args.kl_target * (1 + args.kl_guard_margin)
-            low = args.kl_target * (1 - args.kl_guard_low_margin) if self.kl_guard_low_armed else -math.inf
-            change = kl_sum - kl_rollout  # "pushed" means by more than rounding: a thousandth of the bound's KL
-            pushed_up = change > 1e-3 * max(bound * kl_count, abs(kl_rollout))
-            pushed_down = -change > 1e-3 * max(args.kl_target * kl_count, abs(kl_rollout))
-            now_kl = kl_sum / kl_count if kl_reading is None else kl_reading + change / kl_count
-            fired = "guard" if now_kl > bound and pushed_up else "guard_low" if now_kl < low and pushed_down else None
-            if applied > 0 and fired:
-                self.optimizer.zero_grad(set_to_none=True)
-                if args.kl_guard_reset_momentum:
-                    self._reset_momentum()
-                return fired
-        grad_norm = None
-        ok = bad == 0
-        if ok and args.max_grad_norm and args.max_grad_norm > 0:
-            with record_function("klppo/clip_grad_norm"):
-                grad_norm = acc.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                ok = grad_norm is None or bool(torch.isfinite(torch.as_tensor(grad_norm)).all())
-        if ok:
-            with record_function("klppo/optimizer_step"):
-                self.optimizer.step()
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
-            if grad_norm is not None:
-                stats.add("train/grad_norm", torch.as_tensor(grad_norm, dtype=torch.float64) / world, 1.0 / world)
+        if verdict is None:
+            grad_norm = self._step()
+            if grad_norm is not None and math.isfinite(grad_norm):
+                stats.add("train/grad_norm", torch.tensor(grad_norm / acc.num_processes, dtype=torch.float64), 1.0 / acc.num_processes)
+            verdict = "applied" if grad_norm is None or math.isfinite(grad_norm) else "nonfinite"
+        elif self.is_deepspeed_enabled:
+            model.step()  # finds the poisoned gradients non-finite: drops them and skips the step
+        if verdict in (UPPER, LOWER) and args.kl_guard_reset_momentum and not reset_momentum(self.optimizer):
+            logger.warning("kl_guard_reset_momentum: the optimizer keeps no exp_avg or momentum_buffer tensor, so its "
+                           "momentum was not cleared when the KL guard fired.")  # fmt: skip
         self.optimizer.zero_grad(set_to_none=True)
-        return "applied" if ok else "nonfinite"
+        return verdict
 
-    def _reset_momentum(self) -> None:
-        """Zero the optimizer's first moments (`exp_avg` of Adam / AdamW, `momentum_buffer` of SGD): the push that
-        made the KL guard fire does not carry into the next steps. Second moments and step counts are kept. An
-        optimizer with state but neither tensor is left alone, with a warning (once)."""
-        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper
-        states = [s for s in optimizer.state.values() if s]
-        reset = 0
-        for state in states:
-            for key in ("exp_avg", "momentum_buffer"):
-                value = state.get(key)
-                if isinstance(value, torch.Tensor) and value.is_floating_point():
-                    value.zero_()
-                    reset += 1
-        if states and not reset and not getattr(self, "_warned_momentum", False):
-            self._warned_momentum = True
-            logger.warning(
-                "kl_guard_reset_momentum: %s keeps no exp_avg or momentum_buffer tensor, so its momentum was not "
-                "cleared when the KL guard fired. Set kl_guard_reset_momentum=False to silence this.",
-                type(optimizer).__name__,
-            )
+    def _backward(self, loss: torch.Tensor, boundary: bool, discard: bool = False) -> None:
+        """Backward pass of one micro-batch's loss. The loss is this rank's share of the mini-batch's global mean,
+        and data parallelism averages gradients over ranks, hence the factor `num_processes`. Under DeepSpeed the
+        engine is told where the accumulation boundary is (accelerate would make every micro-batch one) and must
+        not rescale by its own accumulation count; `discard` poisons the boundary pass so that the engine's
+        overflow check drops the accumulated gradients (DeepSpeed offers no other way to drop them)."""
+        loss = loss * self.accelerator.num_processes
+        if not self.is_deepspeed_enabled:
+            self.accelerator.backward(loss)
+            return
+        engine = self.model_wrapped
+        engine.set_gradient_accumulation_boundary(boundary)
+        engine.backward(loss * math.nan if discard else loss, scale_wrt_gas=False)
+
+    def _step(self) -> float | None:
+        """Clip the gradients and take the optimizer step (and the scheduler's) unless their norm is not finite.
+        Returns the gradient norm before clipping (None when it is not measured)."""
+        args, acc = self.args, self.accelerator
+        if self.is_deepspeed_enabled:  # the engine clips (`gradient_clipping`) and skips non-finite gradients
+            self.model_wrapped.step()
+            grad_norm = self.model_wrapped.get_global_grad_norm()
+        else:
+            grad_norm = None
+            if args.max_grad_norm and args.max_grad_norm > 0:
+                with record_function("klppo/clip_grad_norm"):
+                    grad_norm = float(acc.clip_grad_norm_(self.model_wrapped.parameters(), args.max_grad_norm))
+            if grad_norm is None or math.isfinite(grad_norm):
+                with record_function("klppo/optimizer_step"):
+                    self.optimizer.step()
+        grad_norm = None if grad_norm is None else float(grad_norm)
+        if (grad_norm is None or math.isfinite(grad_norm)) and self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        return grad_norm
 
     def micro_batch_loss(self, mb: Rollout, advantages: Advantages, idx: torch.Tensor, counts: dict):
         """Loss of one micro-batch `mb` (rows `idx` of the rollout), normalised by the mini-batch's GLOBAL

@@ -1,0 +1,109 @@
+"""The KL guard: an early stop, inside one PPO update, on the KL to the reference.
+
+CleanRL's `target_kl` stops an update's epochs once the approximate KL to the OLD policy passes a bound. The
+guard does the same against the REFERENCE, the divergence the controller targets: once the KL at the current
+policy passes `kl_target * (1 + kl_guard_margin)` and this update has pushed it up, the mini-batch takes no
+optimizer step and the update ends. Its low side (`kl_guard_low_margin`) mirrors it below the target, and acts
+only after a rollout's reading has once reached the low bound (before that, a low KL is the approach from the
+reference, not an overshoot).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+UPPER, LOWER = "guard", "guard_low"
+
+
+class KLGuard:
+    """Whether a mini-batch's optimizer step goes ahead, from the KL the update has reached.
+
+    Args:
+        target: `kl_target` (None: the guard is off).
+        margin: the upper bound is `target * (1 + margin)`; `inf` turns that side off.
+        low_margin: the lower bound is `target * (1 - low_margin)`; `inf` turns that side off.
+    """
+
+    def __init__(self, target: float | None, margin: float = math.inf, low_margin: float = math.inf):
+        self.target = target
+        self.margin = margin if target else math.inf
+        self.low_margin = low_margin if target else math.inf
+        self.low_armed = False
+
+    @property
+    def upper_on(self) -> bool:
+        return math.isfinite(self.margin)
+
+    @property
+    def lower_on(self) -> bool:
+        return math.isfinite(self.low_margin)
+
+    def observe(self, reading: float) -> None:
+        """A rollout's KL reading (the controller's statistic): the low side arms once one reaches its bound."""
+        if self.lower_on and reading >= self.target * (1 - self.low_margin):
+            self.low_armed = True
+
+    def check(self, kl_sum: float, kl_count: float, kl_rollout: float, reading: float | None) -> str | None:
+        """`"guard"` (above the upper bound), `"guard_low"` (below the armed lower bound) or None.
+
+        The KL now is the rollout's `reading` plus this update's change on the mini-batch's tokens: `kl_sum` is
+        their KL at the current policy (importance-weighted k1, `kl_count` the statistic's count) and `kl_rollout`
+        the same tokens' KL at the rollout. Measured on the same tokens before and after, that change is far less
+        noisy than a few sequences' own k1. Without a reading, the KL now is the mini-batch's own. "Pushed" means
+        by more than rounding (a thousandth of the bound's KL): a rollout that already read above the bound keeps
+        stepping while its KL does not rise (else the policy, never stepping, could not come back).
+        """
+        if not (self.upper_on or self.low_armed) or kl_count == 0:
+            return None
+        bound = self.target * (1 + self.margin)
+        low = self.target * (1 - self.low_margin) if self.low_armed else -math.inf
+        change = kl_sum - kl_rollout
+        pushed_up = change > 1e-3 * max(bound * kl_count, abs(kl_rollout))
+        pushed_down = -change > 1e-3 * max(self.target * kl_count, abs(kl_rollout))
+        now = kl_sum / kl_count if reading is None else reading + change / kl_count
+        if now > bound and pushed_up:
+            return UPPER
+        if now < low and pushed_down:
+            return LOWER
+        return None
+
+    def metrics(self, fired: str | None) -> dict[str, float]:
+        out = {}
+        if self.upper_on:
+            out["kl/guard_fired"] = float(fired == UPPER)
+        if self.lower_on:
+            out["kl/guard_low_fired"] = float(fired == LOWER)
+        return out
+
+    def describe(self, fired: str, steps: int) -> str:
+        side, factor = ("passed", 1 + self.margin) if fired == UPPER else ("fell below", 1 - self.low_margin)
+        return (f"KL guard: the KL to the reference {side} {factor:g} x kl_target after {steps} optimizer step(s); "
+                "the rest of this update was skipped.")  # fmt: skip
+
+    def state_dict(self) -> dict:
+        return {"kl_guard_low_armed": self.low_armed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.low_armed = bool(state.get("kl_guard_low_armed", False))
+
+
+def reset_momentum(optimizer) -> bool:
+    """Zero the optimizer's first moments (`exp_avg` of Adam / AdamW, `momentum_buffer` of SGD): the push that
+    made the guard fire does not carry into the next steps. Second moments and step counts are kept. Returns
+    False when the optimizer holds state but neither tensor (nothing was reset)."""
+    while hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer  # accelerate's wrapper, then DeepSpeed's ZeRO optimizer
+    states = [s for s in optimizer.state.values() if s]
+    reset = 0
+    for state in states:
+        for key in ("exp_avg", "momentum_buffer"):
+            value = state.get(key)
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                value.zero_()
+                reset += 1
+    return reset > 0 or not states
