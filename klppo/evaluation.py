@@ -108,6 +108,7 @@ def evaluate_policy(trainer) -> dict[str, float]:
     unless `heldout_texts` were given) and, with eval prompts, `eval/scores`: their mean reward, sampled from
     a private random stream so that evaluating does not change the training run."""
     args, acc = trainer.args, trainer.accelerator
+    trainer.setup_optimisation()  # a sharded policy (ZeRO-3, FSDP) runs inside its engine only
     if trainer.heldout_texts is None:
         from .data import load_heldout_texts
 

@@ -5,6 +5,10 @@
         Writes the KL statistic, the coefficient before/after, and (rank 0) the parameter deltas.
     python tests/dist_trainer_worker.py train <out_dir>
         A few real PPO updates with the adaptive controller; every rank writes its coefficient trajectory.
+    python tests/dist_trainer_worker.py engine <rollout.pt> <out_dir>
+        Under any engine (torchrun for DDP, `accelerate launch` for DeepSpeed): one PPO update of 2 mini-batches x
+        gradient accumulation 2 on a saved rollout, with SGD. Writes the optimizer steps taken, the coefficient
+        and (rank 0) every trainable weight after the update, gathered in full.
 """
 
 from __future__ import annotations
@@ -29,6 +33,10 @@ def length_reward(prompts, completions, completion_ids=None, **kwargs):
 PROMPTS = Dataset.from_dict({"prompt": ["The day was", "My friend said", "A letter came", "It rained"] * 4})
 
 
+def under_deepspeed() -> bool:
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
 def make_trainer(out_dir: str, **overrides) -> KLPPOTrainer:
     args = dict(
         output_dir=out_dir,
@@ -45,7 +53,7 @@ def make_trainer(out_dir: str, **overrides) -> KLPPOTrainer:
         report_to="none",
         save_strategy="no",
         disable_tqdm=True,
-        use_cpu=True,
+        use_cpu=not under_deepspeed(),  # DeepSpeed runs on its CPU accelerator (gloo)
         seed=0,
         kl_controller="adaptive",
         kl_coef=0.1,
@@ -106,11 +114,66 @@ def run_train(out_dir: str) -> None:
     trainer.shutdown()
 
 
+def count_optimizer_steps() -> dict[int, int]:
+    """Steps per parameter tensor, counted from every optimizer's `step` (DeepSpeed's ZeRO-1/2 optimizer steps its
+    inner optimizer once per parameter group): the number of optimizer steps is the largest count."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    counts: dict[int, int] = {}
+
+    def hook(optimizer, args, kwargs):
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                counts[id(p)] = counts.get(id(p), 0) + 1
+
+    register_optimizer_step_post_hook(hook)
+    return counts
+
+
+def full_weights(trainer) -> dict[str, torch.Tensor]:
+    """Every trainable weight of the actor-critic, gathered in full under ZeRO-3."""
+    model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if hasattr(params[0][1], "ds_id"):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([p for _, p in params]):
+            return {n: p.detach().clone() for n, p in params}
+    return {n: p.detach().clone() for n, p in params}
+
+
+def run_engine_update(rollout_path: str, out_dir: str) -> None:
+    counts = count_optimizer_steps()
+    trainer = make_trainer(out_dir, per_device_train_batch_size=1, gradient_accumulation_steps=2, num_mini_batches=2,
+                           learning_rate=0.05, kl_mode="reward", nonfinite_rollback=False)  # fmt: skip
+    acc = trainer.accelerator
+    full_rollout, full_rewards = torch.load(rollout_path, weights_only=False)
+    per_rank = full_rollout.batch_size // acc.num_processes
+    rows = slice(acc.process_index * per_rank, (acc.process_index + 1) * per_rank)
+    rollout, rewards = full_rollout.select(rows), full_rewards.select(rows)
+    trainer.setup_optimisation(num_updates=1)
+    before = full_weights(trainer)
+    penalty = trainer.apply_kl(rollout, rewards)
+    torch.manual_seed(1)  # the same mini-batch order under every engine
+    result = trainer.optimise(rollout, trainer.compute_advantages(rollout, rewards, penalty))
+    after = full_weights(trainer)
+    rank = acc.process_index
+    with open(os.path.join(out_dir, f"engine_rank{rank}.json"), "w") as f:
+        json.dump({"world": acc.num_processes, "deepspeed": trainer.is_deepspeed_enabled,
+                   "steps": max(counts.values()), "applied": result.applied_steps,
+                   "kl_value": penalty.metrics["kl/value"], "coef_after": trainer.kl_controller.value}, f)  # fmt: skip
+    if acc.is_main_process:
+        torch.save({n: (before[n], after[n]) for n in before}, os.path.join(out_dir, "weights.pt"))
+    trainer.shutdown()
+
+
 if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "update":
         run_update(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     elif mode == "train":
         run_train(sys.argv[2])
+    elif mode == "engine":
+        run_engine_update(sys.argv[2], sys.argv[3])
     else:
-        raise SystemExit(f"unknown mode {mode!r}: use 'update' or 'train'")
+        raise SystemExit(f"unknown mode {mode!r}: use 'update', 'train' or 'engine'")

@@ -70,7 +70,7 @@ def build_models(model, given_path: str | None, args: KLPPOConfig, ref_model, va
     """
     critic_start = None
     if args.critic == "separate" and value_model is None and args.critic_init == "policy":
-        critic_start = given_path or copy.deepcopy(model)
+        critic_start = given_path or copy_model(model)
     use_adapter_reference = False
     if peft_config is not None:
         from peft import get_peft_model
@@ -78,7 +78,7 @@ def build_models(model, given_path: str | None, args: KLPPOConfig, ref_model, va
         use_adapter_reference = ref_model is None
         model = get_peft_model(model, peft_config)
     elif ref_model is None:
-        ref_model = copy.deepcopy(model)
+        ref_model = copy_model(model)
     if isinstance(ref_model, str):
         ref_model = load_causal_lm(ref_model)
     if ref_model is not None:
@@ -94,6 +94,25 @@ def build_models(model, given_path: str | None, args: KLPPOConfig, ref_model, va
         if module is not None:
             disable_dropout_in_model(module)
     return actor_critic, ref_model, use_adapter_reference
+
+
+def copy_model(model: nn.Module) -> nn.Module:
+    """A copy of `model`'s weights as a new module. Under DeepSpeed ZeRO-3 the weights are partitioned across ranks
+    (a deep copy would copy empty placeholders): the copy is built partitioned too, by `from_config` under
+    ZeRO-3's init, and each weight is gathered to fill it."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if not (is_deepspeed_zero3_enabled() and any(hasattr(p, "ds_id") for p in model.parameters())):
+        return copy.deepcopy(model)
+    import deepspeed
+    import torch
+
+    twin = type(model)._from_config(model.config, dtype=next(model.parameters()).dtype)
+    source = dict(model.named_parameters())
+    for name, param in twin.named_parameters():
+        with deepspeed.zero.GatheredParameters([source[name], param], modifier_rank=0), torch.no_grad():
+            param.copy_(source[name])
+    return twin
 
 
 def prepare_frozen(module: nn.Module, trainer) -> nn.Module:
@@ -125,5 +144,5 @@ def build_critic(value_model, args: KLPPOConfig, policy_start, reward_funcs) -> 
         reward_model = next((f.model for f in reward_funcs if hasattr(f, "model")), None)
         if reward_model is None:
             raise ValueError("critic_init='reward' needs a reward model among `reward_funcs`.")
-        return CriticModel.from_model(copy.deepcopy(reward_model))
+        return CriticModel.from_model(copy_model(reward_model))
     return CriticModel.from_model(load_causal_lm(source))

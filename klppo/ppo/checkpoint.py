@@ -128,9 +128,14 @@ class CheckpointMixin:
         self.accelerator.wait_for_everyone()
 
     def _weights_finite(self) -> bool:
-        """Whether every trainable weight is finite (identical on every rank: the weights are)."""
+        """Whether every trainable weight is finite, on every rank (ZeRO-3 holds each weight's shard, `ds_tensor`,
+        on one rank only: the verdict is reduced over ranks, so that every rank decides alike)."""
+        from ..kl.reduce import all_reduce_sum
+
         unwrapped = self.accelerator.unwrap_model(self.model_wrapped)
-        return all(bool(torch.isfinite(p).all()) for p in unwrapped.parameters() if p.requires_grad)
+        shards = [getattr(p, "ds_tensor", p) for p in unwrapped.parameters() if p.requires_grad]
+        bad = torch.tensor(float(not all(bool(torch.isfinite(t).all()) for t in shards)), device=self.accelerator.device)
+        return all_reduce_sum(bad, self.accelerator).item() == 0
 
     def _klppo_state(self) -> dict:
         return {
@@ -208,7 +213,12 @@ class CheckpointMixin:
         missing -= set(weights)
         if missing:
             raise ValueError(f"Checkpoint {checkpoint} lacks trainable weights: {sorted(missing)[:5]}...")
-        unwrapped.load_state_dict(weights, strict=False)
+        if self.is_deepspeed_enabled:  # the engine's own checkpoint: sharded weights and optimizer state, exactly
+            from transformers.integrations.deepspeed import deepspeed_load_checkpoint
+
+            deepspeed_load_checkpoint(self.model_wrapped, checkpoint, load_module_strict=False)
+        else:
+            unwrapped.load_state_dict(weights, strict=False)
         self._load_optimizer_and_scheduler(checkpoint)
         self._load_rng_state(checkpoint)
         max_steps = self.state.max_steps

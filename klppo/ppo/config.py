@@ -395,6 +395,12 @@ class KLPPOConfig(TrainingArguments):
         deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" or self.deepspeed
         if deepspeed and self.ddp_backend is None and not self.use_cpu and not torch.cuda.is_available():
             self.ddp_backend = "gloo"
+        if deepspeed and self.nonfinite_rollback:
+            raise ValueError(
+                "nonfinite_rollback=True is not available under DeepSpeed: its optimizer state is sharded and cannot "
+                "be copied and restored by klppo. DeepSpeed itself drops a step whose gradients are not finite. "
+                "Leave nonfinite_rollback unset (or false) under DeepSpeed."
+            )
 
     # ------------------------------------------------------------------ validation
     def _validate_kl_fields(self) -> None:

@@ -25,7 +25,7 @@ class TrainingLoopMixin:
     def _train(self, resume_from_checkpoint: str | bool | None) -> TrainOutput:
         args = self.args
         self.is_in_train = True
-        num_updates = args.num_updates(len(self.train_dataset), self.accelerator.num_processes)
+        num_updates = self.num_updates()
         self.setup_optimisation(num_updates)
         self._init_state(num_updates)
         checkpoint = self._checkpoint_to_resume(resume_from_checkpoint)
@@ -71,13 +71,23 @@ class TrainingLoopMixin:
             self._save_checkpoint(self.model, trial=None)
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
-    def setup_optimisation(self, num_updates: int) -> None:
-        """Create the optimizer and scheduler and wrap the actor-critic for distributed training. The
-        scheduler is not handed to accelerate: it steps once per optimizer step, on every rank."""
+    def num_updates(self) -> int:
+        """PPO updates of a whole run: `max_steps`, else `num_train_epochs` over the prompts."""
+        return self.args.num_updates(len(self.train_dataset), self.accelerator.num_processes)
+
+    def setup_optimisation(self, num_updates: int | None = None) -> None:
+        """Create the optimizer and scheduler and wrap the actor-critic for distributed training (once; sampling
+        and evaluation before `train()` call it too, since a ZeRO-3 or FSDP policy only runs inside its engine).
+        The scheduler is not handed to accelerate: it steps once per optimizer step, on every rank."""
         args = self.args
         if self.optimizer is None:
+            num_updates = self.num_updates() if num_updates is None else num_updates
             optimizer_steps = num_updates * args.num_ppo_epochs * args.num_mini_batches
             self.create_optimizer_and_scheduler(num_training_steps=optimizer_steps)
+            if self.is_deepspeed_enabled:
+                # checkpoints hold every trainable weight in full: ZeRO-3 gathers them when saving
+                zero = self.accelerator.state.deepspeed_plugin.deepspeed_config.setdefault("zero_optimization", {})
+                zero["stage3_gather_16bit_weights_on_model_save"] = True
             self.model_wrapped, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
             if self.is_deepspeed_enabled:
                 self.deepspeed = self.model_wrapped

@@ -212,13 +212,15 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
     def rollback_updates(self) -> bool:
         """Whether a non-finite step undoes its whole update: `nonfinite_rollback`, or when that is None, whether
         the trainable weights (policy and critic) are at most 10% of all weights, as with LoRA and the shared
-        critic, so that the copy it takes is small. Counted over all ranks (ZeRO-3 and FSDP shard the weights),
-        so every rank decides the same."""
+        critic, so that the copy it takes is small. Counted over all ranks (FSDP shards the weights), so every rank
+        decides the same. Never under DeepSpeed, whose optimizer state is sharded."""
+        if self.is_deepspeed_enabled:  # sharded optimizer state: DeepSpeed drops a non-finite step itself
+            return False
         if self.args.nonfinite_rollback is not None:
             return bool(self.args.nonfinite_rollback)
         trainable = total = 0
         for p in self.accelerator.unwrap_model(self.model_wrapped).parameters():
-            n = getattr(p, "ds_numel", p.numel())  # DeepSpeed ZeRO-3 leaves numel() 0 on a partitioned weight
+            n = p.numel()  # the full size, also of an FSDP2 DTensor shard
             trainable, total = trainable + (n if p.requires_grad else 0), total + n
         counts = torch.tensor([trainable, total], dtype=torch.float64, device=self.accelerator.device)
         trainable, total = all_reduce_sum(counts, self.accelerator).tolist()
@@ -631,6 +633,7 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
     def sample(self, prompts: list, seed: int | None = None) -> tuple[Rollout, Rewards]:
         """Completions of `prompts` by the current policy, sampled as in training, and their rewards. With
         `seed`, from a private random stream: the training run's later rollouts do not change."""
+        self.setup_optimisation()
         batch = self.prompt_batch(prompts)
         devices = [self.accelerator.device] if self.accelerator.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices, enabled=seed is not None):
