@@ -34,6 +34,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -90,6 +91,25 @@ def is_complete(folder: str | os.PathLike) -> bool:
     return (Path(folder) / COMPLETE_MARKER).is_file()
 
 
+@contextmanager
+def _outside_zero3_init():
+    """Models built inside the block are whole, on this process alone: under a DeepSpeed ZeRO-3 launch,
+    transformers would otherwise build them partitioned across ranks, a collective that the other ranks, waiting
+    for the cache folder's lock, never join."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    ref = getattr(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None)  # the config of the ZeRO-3 launch, if any
+    config = ref() if ref is not None else None
+    if config is None:
+        yield
+        return
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed.set_hf_deepspeed_config(config)
+
+
 def _materialise(folder: Path, build: Callable[[Path], None]) -> Path:
     """Return ``folder``, building it with ``build(tmp_dir)`` under a file lock if missing."""
     if is_complete(folder):
@@ -104,7 +124,8 @@ def _materialise(folder: Path, build: Callable[[Path], None]) -> Path:
             shutil.rmtree(folder)
         tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
         try:
-            build(tmp)
+            with _outside_zero3_init():
+                build(tmp)
             (tmp / COMPLETE_MARKER).write_text("ok\n")
             os.replace(tmp, folder)
         finally:
