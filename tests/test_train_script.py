@@ -134,3 +134,35 @@ def test_more_user_errors_are_one_paragraph(tmp_path, case):
     assert "Traceback" not in proc.stderr and proc.stderr.count("error:") == 1
     expected = {"yaml": "line", "lr": "learning_rate", "folder": "does not exist"}[case]
     assert expected in proc.stderr
+
+
+def test_a_diverging_full_fine_tune_saves_no_diverged_model_and_ends_in_one_paragraph(tmp_path):
+    """learning_rate 1e20 on the tiny config (full fine-tuning: no rollback copy): the first update's steps leave
+    finite weights whose logits are not finite. The run stops there with one `error:` paragraph naming the fix and
+    exit 2, and no model it saved (checkpoint or final) gives non-finite logits."""
+    out = tmp_path / "out"
+    proc = run_script("--config", TINY, "--output_dir", str(out), "--learning_rate", "1e20", "--max_steps", "3",
+                      "--save_strategy", "steps", "--save_steps", "1", cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr and proc.stderr.count("error:") == 1
+    assert "diverged" in proc.stderr and "learning_rate" in proc.stderr and "nonfinite_rollback" in proc.stderr
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    saved = [p.parent for p in out.rglob("config.json")]
+    ids = torch.tensor([[1, 2, 3, 4]])
+    for folder in saved:
+        logits = AutoModelForCausalLM.from_pretrained(str(folder))(ids).logits
+        assert torch.isfinite(logits).all(), f"{folder} gives non-finite logits"
+
+
+@pytest.mark.parametrize("returned", ["[1.0]", "['good'] * len(completions)"])
+def test_a_wrong_reward_result_is_one_paragraph(tmp_path, returned):
+    """A reward function returning the wrong number of values, or strings: exit 2 and one `error:` paragraph that
+    names the function, as for other user errors."""
+    (tmp_path / "bad_reward.py").write_text(f"def bad(prompts, completions, **kwargs):\n    return {returned}\n")
+    proc = run_script("--config", TINY, "--output_dir", str(tmp_path / "out"), "--reward_funcs",
+                      str(tmp_path / "bad_reward.py") + ":bad", cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr and proc.stderr.count("error:") == 1
+    assert "Reward function 'bad' returned" in proc.stderr

@@ -537,10 +537,13 @@ def test_a_diverging_update_is_undone_and_the_log_says_so(tiny_path, prompts, tm
     assert all(torch.isfinite(v).all() for v in saved.values())
 
 
-def test_rollback_is_on_by_default_with_lora_and_off_for_full_fine_tuning(tiny_path, prompts, tmp_path, caplog):
+def test_rollback_is_on_by_default_with_lora_and_off_for_full_fine_tuning(tiny_path, prompts, tmp_path):
     """The undo copy costs 3x the trainable weights: taken by default only when they are a small share (LoRA with
     the shared critic).
-    Without it, a diverging update says how many of its steps were applied."""
+    Without it, an update whose steps leave a policy with non-finite logits stops training, saying how many of its
+    steps were applied and how to fix the run, and nothing is saved from then on."""
+    from klppo.ppo.health import TrainingDiverged
+
     from peft import LoraConfig
 
     lora = make_trainer(tiny_path, prompts, make_args(tmp_path, critic="shared"),
@@ -555,10 +558,10 @@ def test_rollback_is_on_by_default_with_lora_and_off_for_full_fine_tuning(tiny_p
     full = make_trainer(tiny_path, prompts, args)
     assert not full.rollback_updates
     assert make_trainer(tiny_path, prompts, make_args(tmp_path, nonfinite_rollback=True)).rollback_updates
-    with caplog.at_level("WARNING"):
+    with pytest.raises(TrainingDiverged, match=r"after 1 optimizer step\(s\).*learning_rate.*nonfinite_rollback"):
         full.train()
-    assert full.nonfinite_skips == 1
-    assert any("step(s) of this update had already been applied" in r.getMessage() for r in caplog.records)
+    full.save_model(str(tmp_path / "final"))
+    assert not os.path.exists(tmp_path / "final")
 
 
 def test_every_config_field_is_documented_once_in_the_class_docstring():

@@ -235,16 +235,16 @@ KLPPO_CONFIG_DOC = r"""
         heldout_eval_texts (`int`, *optional*, defaults to `32`):
             Number of held-out texts for `eval/perplexity`.
         nonfinite_rollback (`bool` or `None`, *optional*, defaults to `None`):
-            When a loss or gradient of an update is non-finite, undo the whole update: the trainable weights, the
-            optimizer state and the scheduler are restored to the start of the update, so a skipped update
-            changed nothing. With several optimizer steps per update this costs one copy of the trainable weights
-            and of the optimizer state per update. `None` (the default) turns it on when the trainable weights
+            When a loss or gradient of an update is non-finite, or its steps leave a policy whose logits (or
+            the critic's values) are not finite, undo the whole update: the trainable weights, the optimizer
+            state and the scheduler are restored to the start of the update, so a skipped update changed
+            nothing. This costs one copy of the trainable weights and of the optimizer state per update. `None` (the default) turns it on when the trainable weights
             (policy and critic) are at most 10% of all weights, as with LoRA and `critic="shared"`, where the copy
             is small, and off otherwise (full fine-tuning, or a separately trained critic), where the copy would
             hold those weights once more and Adam's two moments (3x the trainable weights); the log then says
-            how many optimizer steps of the skipped update had already been applied. `True` or `False` forces it
-            (on the command line `--nonfinite_rollback true` or `false`). With one step per update nothing is
-            copied: a non-finite step is never applied.
+            how many optimizer steps of the skipped update had already been applied, and a policy left with
+            non-finite logits stops training (`TrainingDiverged`, nothing saved from it). `True` or `False`
+            forces it (on the command line `--nonfinite_rollback true` or `false`).
         health_patience (`int`, *optional*, defaults to `3`):
             Warn, naming the fix, when `policy/approxkl` (> 0.02), `policy/clipfrac` (> 0.2), `policy/entropy`
             (< half its first value) or `val/clipfrac` (> 0.5) stays outside its healthy range for this many

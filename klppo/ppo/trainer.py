@@ -52,7 +52,7 @@ from .callbacks import KLProgressCallback, maybe_offline_wandb, now, record_samp
 from .checkpoint import CheckpointMixin
 from .loop import TrainingLoopMixin
 from .config import KLPPOConfig
-from .health import NonfiniteGuard, PPOHealthMonitor
+from .health import NonfiniteGuard, PPOHealthMonitor, policy_outputs_finite
 from .losses import ppo_losses
 from .rollback import restore_optimisation, snapshot_optimisation
 from .rollout import (
@@ -191,14 +191,14 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
         else:
             with timed(timings, "time/advantages", self.accelerator):
                 advantages = self.compute_advantages(rollout, rewards, penalty)  # step 7
-            snapshot = None  # one optimizer step per update: a non-finite step is never applied, nothing to undo
-            if self.rollback_updates and self.args.num_ppo_epochs * self.args.num_mini_batches > 1:
+            snapshot = None
+            if self.rollback_updates:
                 with timed(timings, "time/rollback_snapshot", self.accelerator):
                     snapshot = snapshot_optimisation(self.accelerator.unwrap_model(self.model_wrapped), self.optimizer, self.lr_scheduler)
             with timed(timings, "time/optimise", self.accelerator):
                 result = self.optimise(rollout, advantages, kl_reading=penalty.metrics["kl/value"])  # step 8
             metrics.update(result.metrics, **advantages.metrics)
-            metrics.update(self._after_optimise(result, snapshot))
+            metrics.update(self._after_optimise(result, snapshot, rollout))
         timings["time/update"] = now(self.accelerator) - start
         metrics.update(timings, **{"train/nonfinite_skips": float(self.nonfinite_skips), "lr": lr})
         for message in self.health_monitor.update(metrics):
@@ -223,17 +223,29 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
         trainable, total = all_reduce_sum(counts, self.accelerator).tolist()
         return 10 * trainable <= total
 
-    def _after_optimise(self, result: OptimiseResult, snapshot: dict | None) -> dict[str, float]:
-        """Roll back (or report) an update stopped by a non-finite loss or gradient."""
-        if not result.skipped:
+    def _after_optimise(self, result: OptimiseResult, snapshot: dict | None, rollout: Rollout) -> dict[str, float]:
+        """Roll back (or report) an update stopped by a non-finite loss or gradient, or whose steps left a policy
+        with non-finite logits or values; such a policy that cannot be rolled back stops training."""
+        micro = self.args.per_device_train_batch_size  # the forward pass of one micro-batch checks the policy
+        diverged = result.applied_steps > 0 and not policy_outputs_finite(self.model_wrapped, rollout, self.accelerator, micro)
+        if not (result.skipped or diverged):
             self.nonfinite_guard.reset()
             return {}
+        what = "the policy's logits or values after the update" if diverged else "the loss or its gradient"
         if snapshot is not None:
             restore_optimisation(snapshot, self.accelerator.unwrap_model(self.model_wrapped), self.optimizer, self.lr_scheduler)
             outcome = "the weights and optimizer state were restored to the start of the update"
+        elif diverged:
+            self.nonfinite_guard.stop(
+                f"The policy diverged at PPO update {self.state.global_step + 1}: after {result.applied_steps} "
+                f"optimizer step(s) its logits (or the critic's values) are not finite. Training stopped; no "
+                "checkpoint holds these weights (those written before are intact). Lower learning_rate (now "
+                f"{self.args.learning_rate:g}) or max_grad_norm (now {self.args.max_grad_norm}), or set "
+                "nonfinite_rollback: true to undo such an update and go on."
+            )
         else:
             outcome = f"{result.applied_steps} optimizer step(s) of this update had already been applied"
-        return self._record_nonfinite("the loss or its gradient", outcome)
+        return self._record_nonfinite(what, outcome)
 
     # ------------------------------------------------------------------ steps 1-3: rollout
     @torch.no_grad()
