@@ -120,7 +120,8 @@ KLPPO_CONFIG_DOC = r"""
             TRL's GRPO and verl, where beta weighs KL against the normalised advantage.
         kl_drift_patience (`int`, *optional*, defaults to `5`):
             Warn when the controller statistic stays above 2x or below 0.5x the target for this many
-            consecutive updates.
+            consecutive updates (once per excursion; below only after it has first reached 0.5x the target,
+            not while it climbs from 0 at the start).
         kl_guard_margin (`float` or `None`, *optional*, defaults to `None`: 0 with `tracking`, else `inf`):
             A hard guard on top of the controller: within an update, once the KL to the reference at the current
             policy passes `kl_target * (1 + kl_guard_margin)` and the update has pushed it up, the mini-batch takes
