@@ -211,6 +211,7 @@ def test_shared_critic_and_perplexity_eval(tiny_path, prompts, tmp_path):
         (dict(critic="both"), "separate"),
         (dict(kl_target_unit="nats"), "sequence"),
         (dict(save_strategy="epoch"), "save_steps"),
+        (dict(stop_token=None, missing_eos_penalty=1.0), "stop_token='eos'"),  # fixed length: EOS is never sampled
     ],
 )
 def test_config_rejects_bad_values(tmp_path, overrides, match):
@@ -240,6 +241,8 @@ def test_generation_logprobs_and_values_match_a_scoring_forward(tiny_path, promp
     torch.testing.assert_close(rollout.logp[mask], scored.logp[mask], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(rollout.values[mask], scored.values[mask], rtol=1e-4, atol=1e-4)
     assert rollout.logp[mask].abs().sum() > 0
+    # the share of responses that end with EOS means something only when responses can end with it
+    assert ("objective/eos_frac" in trainer.compute_rewards(rollout).metrics) == (stop_token is not None)
 
 
 def test_sample_categorical_draws_exactly_the_given_probabilities(monkeypatch):

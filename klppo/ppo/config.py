@@ -204,7 +204,8 @@ KLPPO_CONFIG_DOC = r"""
         stop_token_id (`int` or `None`, *optional*, defaults to `None`):
             An explicit stop token id (overrides `stop_token`).
         missing_eos_penalty (`float` or `None`, *optional*, defaults to `None`):
-            Subtracted from the score of responses that did not end with the stop token.
+            Subtracted from the score of responses that did not end with the stop token (needs one:
+            `stop_token="eos"` or `stop_token_id`).
         reward_weights (`list[float]` or `None`, *optional*, defaults to `None`):
             Weights of the reward functions (default: all 1).
         rollout_forward_batch_size (`int`, *optional*, defaults to `16`):
@@ -473,6 +474,12 @@ class KLPPOConfig(TrainingArguments):
             raise ValueError(f"`temperature` must be > 0, got {self.temperature}.")
         if self.stop_token not in ("eos", None):
             raise _choice_error("stop_token", self.stop_token, ("eos", None))
+        if self.missing_eos_penalty is not None and self.stop_token is None and self.stop_token_id is None:
+            raise ValueError(
+                f"`missing_eos_penalty={self.missing_eos_penalty}` needs a stop token: with `stop_token=None` every "
+                "response has the full length and EOS is never sampled, so the penalty could never apply. Set "
+                "stop_token='eos' (or stop_token_id), or remove missing_eos_penalty."
+            )
         if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
             raise ValueError(f"`gamma` and `lam` must lie in [0, 1], got gamma={self.gamma}, lam={self.lam}.")
         if self.cliprange <= 0 or self.cliprange_value <= 0:

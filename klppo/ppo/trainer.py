@@ -389,7 +389,8 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
         for name, (total, count) in per_function.items():
             stats.add(f"rewards/{name}", total, count)
         stats.add("objective/scores", scores.sum(), scores.numel())
-        stats.add("objective/eos_frac", has_stop.float().sum(), has_stop.numel())
+        if self.stop_token_id is not None:  # fixed-length responses never end with a stop token
+            stats.add("objective/eos_frac", has_stop.float().sum(), has_stop.numel())
         stats.add("objective/response_length", mask.sum(), mask.shape[0])
         return Rewards(completions, scores, applicable, stats.means(self.accelerator))
 
