@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -13,6 +14,7 @@ from datasets import Dataset
 from klppo import KLPPOConfig, KLPPOTrainer
 from klppo.kl import kl_estimators
 from klppo.models import TINY_MODEL, resolve_model_path
+from klppo.ppo.steps import Advantages
 
 LOGGED_METRICS = [
     "kl/coef", "kl/value", "kl/k1", "kl/k2", "kl/k3", "kl/clamped_frac",
@@ -86,14 +88,66 @@ def test_every_trainable_parameter_changes_reference_does_not(tiny_path, prompts
     assert log["kl/k2"] > 0.0 and log["kl/k3"] > 0.0
 
 
-@pytest.mark.parametrize("estimator", kl_estimators())
-def test_each_estimator_runs_in_loss_mode(tiny_path, prompts, tmp_path, estimator):
-    args = make_args(tmp_path, kl_mode="loss", kl_estimator=estimator, critic="shared", num_ppo_epochs=2)
+def moved_policy_rollout(tiny_path, prompts, args, n: int = 4):
+    """A trainer whose policy has moved away from the reference (its LM head perturbed, the same way for every
+    call) and a rollout of `n` prompts sampled from it."""
     trainer = make_trainer(tiny_path, prompts, args)
-    trainer.train()
-    log = last_log(trainer)
-    assert math.isfinite(log["loss/kl"]) and math.isfinite(log["kl/value"])
-    assert log["objective/non_score_reward"] == 0.0  # loss mode puts nothing in the reward
+    with torch.no_grad():
+        head = trainer.model.policy.get_output_embeddings().weight
+        head.add_(0.5 * torch.randn(head.shape, generator=torch.Generator().manual_seed(0)))
+    torch.manual_seed(0)
+    return trainer, trainer.rollout(trainer.prompt_batch(prompts["prompt"][:n]))
+
+
+def kl_loss_term(trainer, rollout) -> tuple[float, dict]:
+    """The loss-mode KL term (coefficient 1) of one micro-batch holding the whole `rollout`, and the gradient
+    it puts on the policy's weights. Advantages are 0 and the critic is separate, so the policy's gradient is
+    the KL term's alone."""
+    n = rollout.batch_size
+    advantages = Advantages(torch.zeros_like(rollout.values), rollout.values, kl_loss_coef=1.0)
+    counts = dict(num_tokens=rollout.response_mask.sum(), num_seqs=n)
+    trainer.model.zero_grad()
+    loss, parts = trainer.micro_batch_loss(rollout, advantages, torch.arange(n), counts)
+    loss.backward()
+    grads = {name: p.grad for name, p in trainer.model.policy.named_parameters() if p.requires_grad}
+    return float(parts["loss/kl"][0]), grads
+
+
+def test_each_estimators_loss_term_is_finite_and_pulls_the_policy(tiny_path, prompts, tmp_path):
+    """Every registered estimator in loss mode, away from the reference: the KL term is finite and puts a finite,
+    non-zero gradient on the policy (one micro-batch each, on the same rollout)."""
+    rollout = None
+    for estimator in kl_estimators():
+        args = make_args(tmp_path, kl_mode="loss", kl_estimator=estimator, critic="separate")
+        trainer, own = moved_policy_rollout(tiny_path, prompts, args)
+        rollout = rollout or own  # every trainer's policy is the same: one rollout serves them all
+        term, grads = kl_loss_term(trainer, rollout)
+        assert math.isfinite(term), estimator
+        norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values() if g is not None))
+        assert torch.isfinite(norm) and norm > 0, estimator
+
+
+def test_seq_mean_token_sum_norm_divides_by_response_length_not_the_padded_width(tiny_path, prompts, tmp_path):
+    """`seq-mean-token-sum-norm` normalises by a constant, `num_seqs * response_length` (Dr. GRPO, verl): the same
+    rollout padded with masked columns gives the same KL term."""
+    args = make_args(tmp_path, kl_mode="loss", kl_estimator="k1", kl_loss_agg_mode="seq-mean-token-sum-norm",
+                     critic="separate", response_length=6)  # fmt: skip
+    trainer, rollout = moved_policy_rollout(tiny_path, prompts, args)
+    pad_id = trainer.processing_class.pad_token_id
+
+    def pad(t, value):
+        return torch.nn.functional.pad(t, (0, 3), value=value)
+
+    wide = dataclasses.replace(
+        rollout, responses=pad(rollout.responses, pad_id), response_mask=pad(rollout.response_mask, 0),
+        query_responses=pad(rollout.query_responses, pad_id), attention_mask=pad(rollout.attention_mask, 0),
+        logp=pad(rollout.logp, 0.0), ref_logp=pad(rollout.ref_logp, 0.0), values=pad(rollout.values, 0.0),
+    )  # fmt: skip
+    k1_sum = float(((rollout.logp - rollout.ref_logp) * rollout.response_mask).sum())
+    expected = k1_sum / (4 * 6)
+    assert abs(k1_sum) > 1e-3
+    assert kl_loss_term(trainer, rollout)[0] == pytest.approx(expected, rel=1e-4)
+    assert kl_loss_term(trainer, wide)[0] == pytest.approx(expected, rel=1e-4)
 
 
 @pytest.mark.parametrize("mode", ["reward", "none"])

@@ -109,8 +109,9 @@ KLPPO_CONFIG_DOC = r"""
             gradient; their fraction is logged as `kl/clamped_frac`.
         kl_loss_agg_mode (`str`, *optional*, defaults to `"token-mean"`):
             Aggregation of the KL loss term: `token-mean`, `seq-mean-token-sum`, `seq-mean-token-mean` or
-            `seq-mean-token-sum-norm`. Counts are global (all processes, whole mini-batch), so results do not
-            depend on how a batch is split across processes and accumulation steps.
+            `seq-mean-token-sum-norm` (each sequence's sum divided by the constant `response_length`). Counts
+            are global (all processes, whole mini-batch), so results do not depend on how a batch is split
+            across processes and accumulation steps.
         kl_loss_scale (`str`, *optional*, defaults to `"advantage_std"`):
             How the loss-mode coefficient relates to `kl_coef`. With whitened advantages the policy-gradient
             term is divided by the advantages' standard deviation `s`, so adding `beta * KL` to the loss

@@ -649,7 +649,7 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
         else:
             kl = self._estimate_kl(logp, mb.ref_logp, old_logp=mb.logp)
         mask = mb.response_mask
-        return kl_loss(kl, mask, coef, self.args.kl_loss_agg_mode, **counts, norm_len=mask.shape[1])
+        return kl_loss(kl, mask, coef, self.args.kl_loss_agg_mode, **counts, norm_len=self.args.response_length)
 
     @property
     def nonfinite_skips(self) -> int:
