@@ -127,6 +127,28 @@ def test_each_estimators_loss_term_is_finite_and_pulls_the_policy(tiny_path, pro
         assert torch.isfinite(norm) and norm > 0, estimator
 
 
+def test_the_loss_coefficient_is_beta_over_the_advantage_std_within_a_floor(tiny_path, prompts, tmp_path):
+    """`kl_loss_scale="advantage_std"`: the loss-mode coefficient is beta / s, s the advantages' std. When the
+    advantages collapse (every sample scored alike), s falls to the whitening's epsilon (1e-4) and beta / s
+    would reach 1e4 beta; s is floored at 0.01, so the coefficient stays within 100 beta."""
+    from types import SimpleNamespace
+
+    args = make_args(tmp_path, kl_mode="loss", kl_estimator="k3", gamma=1.0, lam=1.0, whiten_rewards=False)
+    trainer = make_trainer(tiny_path, prompts, args)
+    mask = torch.ones(4, 3)
+    rollout = SimpleNamespace(response_mask=mask, values=torch.zeros(4, 3))
+    rewards = SimpleNamespace(scorable=torch.ones(4, dtype=torch.bool))
+    scores = torch.zeros(4, 3)
+    scores[:, -1] = torch.tensor([1.0, -1.0, 0.5, -0.5])  # advantages: each sequence's score on all its tokens
+    spread = trainer.compute_advantages(rollout, rewards, SimpleNamespace(rewards=scores, coef=0.1))
+    std = float(torch.tensor([1.0, -1.0, 0.5, -0.5]).repeat_interleave(3).std())
+    assert spread.metrics["policy/advantage_std"] == pytest.approx(std, rel=1e-6)
+    assert spread.kl_loss_coef == pytest.approx(0.1 / std, rel=1e-6)
+    collapsed = trainer.compute_advantages(rollout, rewards, SimpleNamespace(rewards=torch.zeros(4, 3), coef=0.1))
+    assert collapsed.metrics["policy/advantage_std"] == pytest.approx(1e-4)
+    assert collapsed.kl_loss_coef == pytest.approx(0.1 / 0.01)
+
+
 def test_seq_mean_token_sum_norm_divides_by_response_length_not_the_padded_width(tiny_path, prompts, tmp_path):
     """`seq-mean-token-sum-norm` normalises by a constant, `num_seqs * response_length` (Dr. GRPO, verl): the same
     rollout padded with masked columns gives the same KL term."""

@@ -22,6 +22,9 @@ from ..kl import (
 logger = logging.getLogger(__name__)
 
 KL_LOSS_SCALES = ("advantage_std", "none")
+# `kl_loss_scale="advantage_std"` divides beta by max(s, this): collapsed advantages leave s at the whitening's
+# epsilon (1e-4), which would multiply beta by 1e4
+KL_LOSS_MIN_ADVANTAGE_STD = 0.01
 # Learning-rate defaults when `learning_rate` is not set. LoRA: measured on the default job (SmolLM2-135M,
 # 32 sequences per update, one epoch): 5e-4 kept policy/approxkl <= 0.007 and learned within 15 updates.
 # Full fine-tuning (the same job with use_peft false): 3e-5 learned on 3 seeds with approxkl <= 0.0025;
@@ -117,7 +120,10 @@ KLPPO_CONFIG_DOC = r"""
             term is divided by the advantages' standard deviation `s`, so adding `beta * KL` to the loss
             maximises `E[r] - beta * s * KL`, not `E[r] - beta * KL`. `"advantage_std"` uses `beta / s` in the
             loss (`s` reduced over all processes, logged as `policy/advantage_std`), so `kl_coef` names the
-            same objective `E[r] - beta * KL` in every `kl_mode`. `"none"` uses `beta` as is: the convention of
+            same objective `E[r] - beta * KL` in every `kl_mode`; `s` is floored at 0.01, so the coefficient
+            stays within `100 * beta` when the advantages collapse (every sample scored alike: the whitened
+            advantages are then noise, and `s` would fall to the whitening's epsilon, `beta / s` to `1e4 * beta`).
+            Rewards on a scale far below 1 are best rescaled. `"none"` uses `beta` as is: the convention of
             TRL's GRPO and verl, where beta weighs KL against the normalised advantage.
         kl_drift_patience (`int`, *optional*, defaults to `5`):
             Warn when the controller statistic stays above 2x or below 0.5x the target for this many

@@ -51,7 +51,7 @@ from .build import build_models, check_trainer_inputs, default_learning_rate, lo
 from .callbacks import KLProgressCallback, maybe_offline_wandb, now, record_samples, timed
 from .checkpoint import CheckpointMixin
 from .loop import TrainingLoopMixin
-from .config import KLPPOConfig
+from .config import KL_LOSS_MIN_ADVANTAGE_STD, KLPPOConfig
 from .health import NonfiniteGuard, PPOHealthMonitor, policy_outputs_finite
 from .losses import ppo_losses
 from .rollback import restore_optimisation, snapshot_optimisation
@@ -481,8 +481,10 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
             advantages, std = global_masked_whiten(advantages, mask * scorable, accelerator=acc, return_std=True)
             std = std.item()
         # Whitening divides the policy-gradient term by std(A), so the loss E[A]/std - c * KL maximises
-        # E[r] - c * std * KL: a loss-mode coefficient beta / std keeps beta's meaning that of reward mode.
-        kl_loss_coef = penalty.coef / std if args.kl_loss_scale == "advantage_std" else penalty.coef
+        # E[r] - c * std * KL: a loss-mode coefficient beta / std keeps beta's meaning that of reward mode
+        # (std floored: collapsed advantages would leave it at the whitening's epsilon)
+        scale = max(std, KL_LOSS_MIN_ADVANTAGE_STD) if args.kl_loss_scale == "advantage_std" else 1.0
+        kl_loss_coef = penalty.coef / scale
         return Advantages(advantages, returns, kl_loss_coef, {"policy/advantage_std": std})
 
     # ------------------------------------------------------------------ step 8: optimisation
