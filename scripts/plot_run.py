@@ -1,5 +1,6 @@
-"""Plot one run's KL statistic, coefficient, reward and held-out perplexity (from its value before training, as
-in the run's summary.json).
+"""Plot one run's KL statistic, coefficient, reward and held-out perplexity.
+
+The perplexity panel starts with the value before training, read from the run's summary.json.
 
     python scripts/plot_run.py outputs/default            # reads the newest checkpoint's trainer_state.json
     python scripts/plot_run.py outputs/default/checkpoint-20 --out run.png
