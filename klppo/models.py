@@ -82,7 +82,7 @@ def resolve_model_path(name_or_path: str) -> str:
             "any other name is passed to from_pretrained as a Hub id or local folder."
         )
     folder_name, build = _SPECIAL_MODELS[name_or_path]
-    return str(_materialise(cache_dir() / "models" / folder_name, build))
+    return str(materialise(cache_dir() / "models" / folder_name, build))
 
 
 def is_complete(folder: str | os.PathLike) -> bool:
@@ -90,8 +90,9 @@ def is_complete(folder: str | os.PathLike) -> bool:
     return (Path(folder) / COMPLETE_MARKER).is_file()
 
 
-def _materialise(folder: Path, build: Callable[[Path], None]) -> Path:
-    """Return ``folder``, building it with ``build(tmp_dir)`` under a file lock if missing."""
+def materialise(folder: Path, build: Callable[[Path], None]) -> Path:
+    """Return ``folder``, building it with ``build(tmp_dir)`` under a file lock if missing: concurrent callers
+    (torchrun ranks) build it once, and a failed build leaves no folder behind."""
     if is_complete(folder):
         return folder
     from filelock import FileLock

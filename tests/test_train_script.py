@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -86,16 +87,25 @@ def test_every_experiment_config_parses(name):
     assert training_args.kl_estimator and model_args.model_name_or_path
 
 
-def test_readme_python_example_runs(tmp_path, monkeypatch):
-    """The README's Python example, on the tiny model and one update, runs as written."""
+def test_readme_python_example_runs(tmp_path, monkeypatch, capsys):
+    """The README's Python example, on the tiny model and one update, runs as written: it trains one PPO update,
+    logs the KL coefficient and statistic, and prints them."""
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
     start = readme.index("### From Python")
     code = readme[readme.index("```python", start) + len("```python") : readme.index("```", readme.index("```python", start) + 9)]
-    code = code.replace("klppo:smollm2-135m-instruct", "klppo:tiny-llama").replace("max_steps=10", "max_steps=1")
-    code = code.replace("response_length=24", "response_length=4").replace('output_dir="out"', f'output_dir="{tmp_path}"')
+    for old, new in (("klppo:smollm2-135m-instruct", "klppo:tiny-llama"), ("max_steps=10", "max_steps=1"),
+                     ("response_length=24", "response_length=4"), ('output_dir="out"', f'output_dir="{tmp_path}"')):  # fmt: skip
+        assert old in code, f"the README example no longer has {old!r}: update this test"
+        code = code.replace(old, new)
     monkeypatch.chdir(tmp_path)
-    exec(compile(code, "README example", "exec"), {})
+    namespace = {}
+    exec(compile(code, "README example", "exec"), namespace)
+    trainer = namespace["trainer"]
+    assert trainer.state.global_step == 1
+    logged = [h for h in trainer.state.log_history if "kl/coef" in h]
+    assert len(logged) == 1 and math.isfinite(logged[0]["kl/value"]) and logged[0]["kl/coef"] == 0.07
+    assert capsys.readouterr().out.strip().splitlines()[-1].split() == [str(trainer.kl_controller.value), str(logged[0]["kl/value"])]
 
 
 @pytest.mark.slow

@@ -732,28 +732,46 @@ def test_the_guard_holds_the_target_by_default_with_the_tracking_controller_only
         make_args(tmp_path, kl_target=4.0, kl_guard_margin="tight")
 
 
+def as_written_before_the_guard(checkpoint: str) -> str:
+    """`checkpoint` with its saved settings stripped of the guard's, as a checkpoint from before the guard was
+    saved has them."""
+    path = os.path.join(checkpoint, "kl_controller.json")
+    with open(path) as f:
+        state = json.load(f)
+    state["settings"] = {k: v for k, v in state["settings"].items() if not k.startswith("kl_guard")}
+    with open(path, "w") as f:
+        json.dump(state, f)
+    return checkpoint
+
+
 def test_the_default_guard_fires_in_training_and_an_old_checkpoint_says_it_is_now_on(tiny_path, prompts, tmp_path, caplog):
     """The tracking controller's default guard acts in `train()` (4 steps per update, a target the first step
     passes), and a checkpoint written before the guard's settings were saved resumes with a warning naming
     them."""
-    args = make_args(tmp_path, kl_target=1e-6, num_mini_batches=2, num_ppo_epochs=2, per_device_train_batch_size=4,
-                     gradient_accumulation_steps=1, max_steps=2)  # fmt: skip
+    kw = dict(kl_target=1e-6, num_mini_batches=2, num_ppo_epochs=2, per_device_train_batch_size=4,
+              gradient_accumulation_steps=1, max_steps=2, save_strategy="steps", save_steps=2)  # fmt: skip
+    args = make_args(tmp_path, **kw)
     assert args.kl_controller == "tracking" and args.kl_guard_margin == 0.0 and args.kl_guard_low_margin == 0.0
     trainer = make_trainer(tiny_path, prompts, args)
     trainer.train()
     assert [h["kl/guard_fired"] for h in trainer.state.log_history if "kl/guard_fired" in h] == [1.0, 1.0]
-    saved = {k: v for k, v in trainer._klppo_state()["settings"].items() if not k.startswith("kl_guard")}
+    old = as_written_before_the_guard(os.path.join(args.output_dir, "checkpoint-2"))
+    resumed = make_trainer(tiny_path, prompts, make_args(tmp_path, output_dir=str(tmp_path / "again"), **kw))
     with caplog.at_level("WARNING"):
-        trainer._check_resume_settings(saved)
+        resumed.train(resume_from_checkpoint=old)  # at its last update: loads and checks, trains nothing
     messages = " ".join(r.getMessage() for r in caplog.records)
     assert "kl_guard_margin changed from inf to 0.0" in messages
     assert "kl_guard_low_margin changed from inf to 0.0" in messages
     assert "kl_guard_reset_momentum changed from False to True" in messages
     caplog.clear()  # with the guard off now (another controller), an old checkpoint has nothing to report
-    adaptive = make_trainer(tiny_path, prompts, make_args(tmp_path, kl_target=1e-6, kl_controller="adaptive"))
-    saved = {k: v for k, v in adaptive._klppo_state()["settings"].items() if not k.startswith("kl_guard")}
+    kw = dict(kl_target=1e-6, kl_controller="adaptive", save_strategy="steps", save_steps=1)
+    adaptive = make_trainer(tiny_path, prompts, make_args(tmp_path, output_dir=str(tmp_path / "adaptive"), **kw))
+    adaptive.train()
+    old = as_written_before_the_guard(str(tmp_path / "adaptive" / "checkpoint-1"))
+    again = make_trainer(tiny_path, prompts, make_args(tmp_path, output_dir=str(tmp_path / "adaptive2"), **kw))
     with caplog.at_level("WARNING"):
-        adaptive._check_resume_settings(saved)
+        again.train(resume_from_checkpoint=old)
+    assert again.state.global_step == 1
     assert not any("kl_guard" in r.getMessage() for r in caplog.records)
 
 
