@@ -247,9 +247,9 @@ KLPPO_CONFIG_DOC = r"""
             When a loss or gradient of an update is non-finite, or its steps leave a policy whose logits (or
             the critic's values) are not finite, undo the whole update: the trainable weights, the optimizer
             state and the scheduler are restored to the start of the update, so a skipped update changed
-            nothing. This costs one copy of the trainable weights and of the optimizer state per update. `None` (the default) turns it on when the trainable weights
-            (policy and critic) are at most 10% of all weights, as with LoRA and `critic="shared"`, where the copy
-            is small, and off otherwise (full fine-tuning, or a separately trained critic), where the copy would
+            nothing. This costs one copy of the trainable weights and of the optimizer state per update.
+            `None` (the default) turns it on when the trainable weights (policy and critic) are at most 10% of
+            all weights, as with LoRA and `critic="shared"`, where the copy is small, and off otherwise (full fine-tuning, or a separately trained critic), where the copy would
             hold those weights once more and Adam's two moments (3x the trainable weights); the log then says
             how many optimizer steps of the skipped update had already been applied, and a policy left with
             non-finite logits stops training (`TrainingDiverged`, nothing saved from it). `True` or `False`

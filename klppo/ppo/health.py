@@ -21,7 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["HEALTH_RANGES", "HealthRange", "NonfiniteGuard", "PPOHealthMonitor", "TrainingDiverged", "policy_outputs_finite"]
+__all__ = [
+    "HEALTH_RANGES", "HealthRange", "NonfiniteGuard", "PPOHealthMonitor", "TrainingDiverged", "policy_outputs_finite",
+]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +174,16 @@ class NonfiniteGuard:
         """End training with `message` (raises `TrainingDiverged`)."""
         self.stopped = True
         raise TrainingDiverged(message)
+
+    def policy_diverged(self, step: int, applied_steps: int, args) -> None:
+        """End training: update `step`'s `applied_steps` optimizer steps left a policy with non-finite logits
+        (or critic values) and no copy to undo them; the message names the fixes in `args` (a `KLPPOConfig`)."""
+        self.stop(
+            f"The policy diverged at PPO update {step}: after {applied_steps} optimizer step(s) its logits (or the "
+            "critic's values) are not finite. Training stopped; no checkpoint holds these weights (those written "
+            f"before are intact). Lower learning_rate (now {args.learning_rate:g}) or max_grad_norm (now "
+            f"{args.max_grad_norm}), or set nonfinite_rollback: true to undo such an update and go on."
+        )
 
     def reset(self) -> None:
         self.consecutive = 0

@@ -226,8 +226,8 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
     def _after_optimise(self, result: OptimiseResult, snapshot: dict | None, rollout: Rollout) -> dict[str, float]:
         """Roll back (or report) an update stopped by a non-finite loss or gradient, or whose steps left a policy
         with non-finite logits or values; such a policy that cannot be rolled back stops training."""
-        micro = self.args.per_device_train_batch_size  # the forward pass of one micro-batch checks the policy
-        diverged = result.applied_steps > 0 and not policy_outputs_finite(self.model_wrapped, rollout, self.accelerator, micro)
+        rows = self.args.per_device_train_batch_size  # the forward pass of one micro-batch checks the policy
+        diverged = result.applied_steps > 0 and not policy_outputs_finite(self.model_wrapped, rollout, self.accelerator, rows)
         if not (result.skipped or diverged):
             self.nonfinite_guard.reset()
             return {}
@@ -236,13 +236,7 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
             restore_optimisation(snapshot, self.accelerator.unwrap_model(self.model_wrapped), self.optimizer, self.lr_scheduler)
             outcome = "the weights and optimizer state were restored to the start of the update"
         elif diverged:
-            self.nonfinite_guard.stop(
-                f"The policy diverged at PPO update {self.state.global_step + 1}: after {result.applied_steps} "
-                f"optimizer step(s) its logits (or the critic's values) are not finite. Training stopped; no "
-                "checkpoint holds these weights (those written before are intact). Lower learning_rate (now "
-                f"{self.args.learning_rate:g}) or max_grad_norm (now {self.args.max_grad_norm}), or set "
-                "nonfinite_rollback: true to undo such an update and go on."
-            )
+            self.nonfinite_guard.policy_diverged(self.state.global_step + 1, result.applied_steps, self.args)
         else:
             outcome = f"{result.applied_steps} optimizer step(s) of this update had already been applied"
         return self._record_nonfinite(what, outcome)

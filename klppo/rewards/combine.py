@@ -23,14 +23,18 @@ def reward_values(raw, expected: int, name: str) -> list[float | None]:
     if torch.is_tensor(raw):
         raw = raw.detach().flatten().tolist()
     if len(raw) != expected:
-        raise RewardFunctionError(f"Reward function {name!r} returned {len(raw)} values for {expected} completions; {fix}.")
+        raise RewardFunctionError(
+            f"Reward function {name!r} returned {len(raw)} values for {expected} completions; {fix}."
+        )
     out: list[float | None] = []
     for i, v in enumerate(raw):
         if v is None:
             out.append(None)
             continue
         if isinstance(v, (str, bytes)) or (torch.is_tensor(v) and v.numel() != 1):
-            raise RewardFunctionError(f"Reward function {name!r} returned {type(v).__name__} {v!r:.60} for completion {i}; {fix}.")
+            raise RewardFunctionError(
+                f"Reward function {name!r} returned {type(v).__name__} {v!r:.60} for completion {i}; {fix}."
+            )
         try:
             out.append(float(v))
         except (TypeError, ValueError):
