@@ -14,8 +14,9 @@ import warnings
 from dataclasses import dataclass, field
 
 from .ppo.checkpoint import ResumeMismatch
+from .ppo.health import TrainingDiverged
 from .ppo.lock import OutputDirInUse, OutputDirLock
-from .rewards import load_reward_funcs
+from .rewards import RewardFunctionError, load_reward_funcs
 
 
 @dataclass
@@ -192,7 +193,7 @@ def cli(argv=None) -> int:
         return 2
     try:
         main(parsed)
-    except (UserError, OutputDirInUse, ResumeMismatch) as err:
+    except (UserError, OutputDirInUse, ResumeMismatch, RewardFunctionError, TrainingDiverged) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -83,7 +83,7 @@ def resolve_model_path(name_or_path: str) -> str:
             "any other name is passed to from_pretrained as a Hub id or local folder."
         )
     folder_name, build = _SPECIAL_MODELS[name_or_path]
-    return str(_materialise(cache_dir() / "models" / folder_name, build))
+    return str(materialise(cache_dir() / "models" / folder_name, build))
 
 
 def is_complete(folder: str | os.PathLike) -> bool:
@@ -110,8 +110,9 @@ def _outside_zero3_init():
         hf_deepspeed.set_hf_deepspeed_config(config)
 
 
-def _materialise(folder: Path, build: Callable[[Path], None]) -> Path:
-    """Return ``folder``, building it with ``build(tmp_dir)`` under a file lock if missing."""
+def materialise(folder: Path, build: Callable[[Path], None]) -> Path:
+    """Return ``folder``, building it with ``build(tmp_dir)`` under a file lock if missing: concurrent callers
+    (torchrun ranks) build it once, and a failed build leaves no folder behind."""
     if is_complete(folder):
         return folder
     from filelock import FileLock

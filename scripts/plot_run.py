@@ -1,5 +1,7 @@
 """Plot one run's KL statistic, coefficient, reward and held-out perplexity.
 
+The perplexity panel starts with the value before training, read from the run's summary.json.
+
     python scripts/plot_run.py outputs/default            # reads the newest checkpoint's trainer_state.json
     python scripts/plot_run.py outputs/default/checkpoint-20 --out run.png
 """
@@ -26,6 +28,27 @@ def find_state(path: str) -> str:
     return os.path.join(checkpoints[-1], "trainer_state.json")
 
 
+def find_summary(state_path: str) -> dict:
+    """The run's `summary.json` (written by `scripts/train.py` into output_dir), looked for beside
+    `trainer_state.json` and in the folder above a checkpoint; `{}` when there is none."""
+    folder = os.path.dirname(os.path.abspath(state_path))
+    for candidate in (folder, os.path.dirname(folder)):
+        path = os.path.join(candidate, "summary.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                return json.load(f)
+    return {}
+
+
+def panel_series(history: list[dict], key: str, summary: dict) -> list[tuple[int, float]]:
+    """`(update, value)` points of one panel. Perplexity starts with the value before training (update 0) that
+    the summary reports; evaluation during training logs only the later ones."""
+    series = metric_series(history, key)
+    if key == "eval/perplexity" and summary.get("perplexity_before") is not None:
+        series = [(0, summary["perplexity_before"])] + [(step, v) for step, v in series if step != 0]
+    return series
+
+
 def main(argv=None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run", help="output_dir, a checkpoint folder or a trainer_state.json")
@@ -39,6 +62,7 @@ def main(argv=None) -> str:
     state_path = find_state(args.run)
     with open(state_path) as f:
         history = json.load(f)["log_history"]
+    summary = find_summary(state_path)
     panels = [
         ("kl/value", "KL statistic"),
         ("kl/coef", "KL coefficient"),
@@ -47,7 +71,7 @@ def main(argv=None) -> str:
     ]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
     for ax, (key, title) in zip(axes, panels):
-        series = metric_series(history, key)
+        series = panel_series(history, key, summary)
         if series:
             ax.plot(*zip(*series), marker="." if len(series) < 40 else None)
         if key == "kl/value":

@@ -105,11 +105,27 @@ def test_drift_monitor_waits_for_patience_and_does_not_spam():
     assert "kl/value" in warning and "0.1" in warning and "3 consecutive" in warning
     assert "raise kl_coef" in warning and "kl_target_unit" in warning
 
-    assert monitor.update(0.1) is None  # inside: re-armed
+    assert [monitor.update(0.1) for _ in range(3)] == [None] * 3  # inside for `patience` updates: re-armed
     assert [monitor.update(0.5) for _ in range(3)][-1] is not None
 
     low = [monitor.update(0.01) for _ in range(3)]  # crossing to the other side is a new drift
     assert low[:2] == [None, None] and "below 0.5 x kl_target" in low[2] and "lower kl_coef" in low[2]
+
+
+def test_drift_monitor_is_silent_during_the_approach_and_warns_once_per_excursion():
+    """The policy starts at the reference: a KL that climbs from 0 towards the target reads below the band for
+    many updates, which is no reason to lower the penalty. Once the KL has reached the band, a fall below it
+    warns once; readings that dip back inside the band for fewer than `patience` updates are the same
+    excursion."""
+    monitor = KLDriftMonitor(target=4.0, patience=5)
+    approach = [0.0, 0.05, 0.2, 0.4, 0.6, 0.8, 1.0, 1.3, 1.6, 1.9]  # below 0.5 x 4 for 10 updates
+    assert [monitor.update(v) for v in approach] == [None] * 10
+    assert [monitor.update(v) for v in (2.5, 3.5, 4.0)] == [None] * 3  # reached the band, then the target
+    readings = [1.0] * 5 + [2.1] + [1.0] * 5 + [2.1, 2.2] + [1.0] * 5
+    messages = [m for m in (monitor.update(v) for v in readings) if m]
+    assert len(messages) == 1 and "below 0.5 x kl_target" in messages[0]
+    assert [monitor.update(4.0) for _ in range(5)] == [None] * 5  # back for `patience` updates: a new excursion
+    assert [monitor.update(1.0) for _ in range(5)][-1] is not None
 
 
 def test_drift_monitor_state_round_trip():

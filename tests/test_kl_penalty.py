@@ -30,19 +30,32 @@ def _hand(values, mask, mode, num_tokens=None, num_seqs=None, norm_len=None):
         return sum(sum(r) for r in rows) / n_seq
     if mode == "seq-mean-token-mean":
         return sum(sum(r) / max(len(r), 1) for r in rows) / n_seq
-    return sum(sum(r) for r in rows) / (n_seq * (t if norm_len is None else norm_len))
+    return sum(sum(r) for r in rows) / (n_seq * norm_len)
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_modes_match_hand_loops(mode):
     values, mask = _batch()
-    assert aggregate_loss(values, mask, mode).item() == pytest.approx(_hand(values, mask, mode), rel=1e-12)
+    norm = dict(norm_len=7)  # the constant of seq-mean-token-sum-norm (the maximum response length), not T
+    assert aggregate_loss(values, mask, mode, **norm).item() == pytest.approx(_hand(values, mask, mode, **norm), rel=1e-12)
     kwargs = dict(num_tokens=40, num_seqs=9, norm_len=11)
     assert aggregate_loss(values, mask, mode, **kwargs).item() == pytest.approx(
         _hand(values, mask, mode, **kwargs), rel=1e-12)
     # the modes really differ on this batch
-    others = {m: aggregate_loss(values, mask, m).item() for m in LOSS_AGG_MODES}
+    others = {m: aggregate_loss(values, mask, m, **norm).item() for m in LOSS_AGG_MODES}
     assert len({round(v, 9) for v in others.values()}) == len(LOSS_AGG_MODES)
+
+
+def test_seq_mean_token_sum_norm_needs_its_constant():
+    """The padded width T changes with each batch's longest response: the normaliser must be given."""
+    values, mask = _batch()
+    with pytest.raises(ValueError, match="norm_len"):
+        aggregate_loss(values, mask, "seq-mean-token-sum-norm")
+    # padding the batch with masked columns changes nothing
+    wide_values = torch.nn.functional.pad(values, (0, 5), value=float("nan"))
+    wide_mask = torch.nn.functional.pad(mask, (0, 5), value=False)
+    assert aggregate_loss(wide_values, wide_mask, "seq-mean-token-sum-norm", norm_len=7).item() == pytest.approx(
+        aggregate_loss(values, mask, "seq-mean-token-sum-norm", norm_len=7).item(), rel=1e-15)
 
 
 def test_masked_positions_are_ignored_even_if_not_finite():
@@ -51,8 +64,8 @@ def test_masked_positions_are_ignored_even_if_not_finite():
     poisoned[~mask] = float("nan")
     poisoned = poisoned.requires_grad_()
     for mode in LOSS_AGG_MODES:
-        loss = aggregate_loss(poisoned, mask, mode)
-        assert loss.item() == pytest.approx(aggregate_loss(values, mask, mode).item())
+        loss = aggregate_loss(poisoned, mask, mode, norm_len=6)
+        assert loss.item() == pytest.approx(aggregate_loss(values, mask, mode, norm_len=6).item())
         (g,) = torch.autograd.grad(loss, poisoned)
         assert torch.isfinite(g).all() and (g[~mask] == 0).all()
 
@@ -61,7 +74,7 @@ def test_empty_mask_gives_zero_not_nan():
     values = torch.randn(3, 4, dtype=F64, requires_grad=True)
     mask = torch.zeros(3, 4, dtype=torch.bool)
     for mode in LOSS_AGG_MODES:
-        loss = aggregate_loss(values, mask, mode)
+        loss = aggregate_loss(values, mask, mode, norm_len=4)
         assert loss.item() == 0.0
         (g,) = torch.autograd.grad(loss, values)
         assert torch.isfinite(g).all()
@@ -83,19 +96,19 @@ def test_global_counts_make_rank_losses_sum_to_the_global_loss(mode):
     """Two 'ranks' with different token counts: with global counts, sum of rank losses == global loss
     (which is what DDP's average times the world size gives); per-rank means averaged do not."""
     values, mask = _batch()
-    global_loss = aggregate_loss(values, mask, mode)
+    global_loss = aggregate_loss(values, mask, mode, norm_len=values.shape[1])
     ranks = [(values[:1], mask[:1]), (values[1:], mask[1:])]  # 6 tokens vs 7 tokens, 1 vs 3 sequences
     counts = dict(num_tokens=mask.sum(), num_seqs=values.shape[0], norm_len=values.shape[1])
     summed = sum(aggregate_loss(v, m, mode, **counts) for v, m in ranks)
     assert summed.item() == pytest.approx(global_loss.item(), rel=1e-12)
     # gradients too: the summed per-rank losses give the global gradient
     leaf = values.clone().requires_grad_()
-    (g_global,) = torch.autograd.grad(aggregate_loss(leaf, mask, mode), leaf)
+    (g_global,) = torch.autograd.grad(aggregate_loss(leaf, mask, mode, norm_len=values.shape[1]), leaf)
     (g_ranks,) = torch.autograd.grad(sum(aggregate_loss(leaf[s], mask[s], mode, **counts)
                                          for s in (slice(0, 1), slice(1, 4))), leaf)
     assert torch.allclose(g_global, g_ranks)
     # the naive alternative: every rank normalises locally, DDP averages
-    mean_of_means = sum(aggregate_loss(v, m, mode) for v, m in ranks) / 2
+    mean_of_means = sum(aggregate_loss(v, m, mode, norm_len=values.shape[1]) for v, m in ranks) / 2
     assert mean_of_means.item() != pytest.approx(global_loss.item(), rel=1e-6)
 
 
@@ -121,7 +134,8 @@ def test_kl_loss_is_coef_times_aggregate(mode):
     logp = values.clone().requires_grad_()
     ref = torch.zeros_like(values)
     kl = compute_kl(logp, ref, "k2")
-    loss = kl_loss(kl, mask, 0.3, mode, num_tokens=50, num_seqs=7)
-    assert loss.item() == pytest.approx(0.3 * aggregate_loss(kl, mask, mode, num_tokens=50, num_seqs=7).item())
+    counts = dict(num_tokens=50, num_seqs=7, norm_len=6)
+    loss = kl_loss(kl, mask, 0.3, mode, **counts)
+    assert loss.item() == pytest.approx(0.3 * aggregate_loss(kl, mask, mode, **counts).item())
     (g,) = torch.autograd.grad(loss, logp)
     assert (g[~mask] == 0).all() and g[mask].abs().sum() > 0

@@ -64,7 +64,7 @@ def test_concurrent_resolves_build_once(tmp_path):
 
     folder = tmp_path / "models" / "thing-v1"
     results = []
-    threads = [threading.Thread(target=lambda: results.append(models._materialise(folder, build))) for _ in range(4)]
+    threads = [threading.Thread(target=lambda: results.append(models.materialise(folder, build))) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
@@ -82,7 +82,7 @@ def test_failed_build_leaves_nothing(tmp_path):
 
     folder = tmp_path / "models" / "thing-v1"
     with pytest.raises(RuntimeError, match="disk full"):
-        models._materialise(folder, build)
+        models.materialise(folder, build)
     assert not folder.exists()
     assert [p.name for p in folder.parent.iterdir()] == ["thing-v1.lock"]
 

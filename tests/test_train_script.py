@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -86,16 +87,25 @@ def test_every_experiment_config_parses(name):
     assert training_args.kl_estimator and model_args.model_name_or_path
 
 
-def test_readme_python_example_runs(tmp_path, monkeypatch):
-    """The README's Python example, on the tiny model and one update, runs as written."""
+def test_readme_python_example_runs(tmp_path, monkeypatch, capsys):
+    """The README's Python example, on the tiny model and one update, runs as written: it trains one PPO update,
+    logs the KL coefficient and statistic, and prints them."""
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
     start = readme.index("### From Python")
     code = readme[readme.index("```python", start) + len("```python") : readme.index("```", readme.index("```python", start) + 9)]
-    code = code.replace("klppo:smollm2-135m-instruct", "klppo:tiny-llama").replace("max_steps=10", "max_steps=1")
-    code = code.replace("response_length=24", "response_length=4").replace('output_dir="out"', f'output_dir="{tmp_path}"')
+    for old, new in (("klppo:smollm2-135m-instruct", "klppo:tiny-llama"), ("max_steps=10", "max_steps=1"),
+                     ("response_length=24", "response_length=4"), ('output_dir="out"', f'output_dir="{tmp_path}"')):  # fmt: skip
+        assert old in code, f"the README example no longer has {old!r}: update this test"
+        code = code.replace(old, new)
     monkeypatch.chdir(tmp_path)
-    exec(compile(code, "README example", "exec"), {})
+    namespace = {}
+    exec(compile(code, "README example", "exec"), namespace)
+    trainer = namespace["trainer"]
+    assert trainer.state.global_step == 1
+    logged = [h for h in trainer.state.log_history if "kl/coef" in h]
+    assert len(logged) == 1 and math.isfinite(logged[0]["kl/value"]) and logged[0]["kl/coef"] == 0.07
+    assert capsys.readouterr().out.strip().splitlines()[-1].split() == [str(trainer.kl_controller.value), str(logged[0]["kl/value"])]
 
 
 @pytest.mark.slow
@@ -134,3 +144,39 @@ def test_more_user_errors_are_one_paragraph(tmp_path, case):
     assert "Traceback" not in proc.stderr and proc.stderr.count("error:") == 1
     expected = {"yaml": "line", "lr": "learning_rate", "folder": "does not exist"}[case]
     assert expected in proc.stderr
+
+
+def test_a_diverging_full_fine_tune_saves_no_diverged_model_and_ends_in_one_paragraph(tmp_path, capsys):
+    """learning_rate 1e20 on the tiny config (full fine-tuning: no rollback copy): the first update's steps leave
+    finite weights whose logits are not finite. The run stops there with one `error:` paragraph naming the fix and
+    exit 2, and no model it saved (checkpoint or final) gives non-finite logits."""
+    from klppo.cli import cli
+
+    out = tmp_path / "out"
+    code = cli(["--config", TINY, "--output_dir", str(out), "--learning_rate", "1e20", "--max_steps", "3",
+                "--save_strategy", "steps", "--save_steps", "1", "--disable_tqdm", "true"])  # fmt: skip
+    stderr = capsys.readouterr().err
+    assert code == 2 and stderr.count("error:") == 1, stderr[-4000:]
+    assert "diverged" in stderr and "learning_rate" in stderr and "nonfinite_rollback" in stderr
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    saved = [p.parent for p in out.rglob("config.json")]
+    ids = torch.tensor([[1, 2, 3, 4]])
+    for folder in saved:
+        logits = AutoModelForCausalLM.from_pretrained(str(folder))(ids).logits
+        assert torch.isfinite(logits).all(), f"{folder} gives non-finite logits"
+
+
+@pytest.mark.parametrize("returned", ["[1.0]", "['good'] * len(completions)"])
+def test_a_wrong_reward_result_is_one_paragraph(tmp_path, capsys, returned):
+    """A reward function returning the wrong number of values, or strings: exit 2 and one `error:` paragraph that
+    names the function, as for other user errors (in process: an exception would fail the test)."""
+    from klppo.cli import cli
+
+    (tmp_path / "bad_reward.py").write_text(f"def bad(prompts, completions, **kwargs):\n    return {returned}\n")
+    code = cli(["--config", TINY, "--output_dir", str(tmp_path / "out"), "--reward_funcs",
+                str(tmp_path / "bad_reward.py") + ":bad", "--disable_tqdm", "true"])  # fmt: skip
+    stderr = capsys.readouterr().err
+    assert code == 2 and stderr.count("error:") == 1, stderr[-4000:]
+    assert "Reward function 'bad' returned" in stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -13,6 +14,7 @@ from datasets import Dataset
 from klppo import KLPPOConfig, KLPPOTrainer
 from klppo.kl import kl_estimators
 from klppo.models import TINY_MODEL, resolve_model_path
+from klppo.ppo.steps import Advantages
 
 LOGGED_METRICS = [
     "kl/coef", "kl/value", "kl/k1", "kl/k2", "kl/k3", "kl/clamped_frac",
@@ -86,14 +88,88 @@ def test_every_trainable_parameter_changes_reference_does_not(tiny_path, prompts
     assert log["kl/k2"] > 0.0 and log["kl/k3"] > 0.0
 
 
-@pytest.mark.parametrize("estimator", kl_estimators())
-def test_each_estimator_runs_in_loss_mode(tiny_path, prompts, tmp_path, estimator):
-    args = make_args(tmp_path, kl_mode="loss", kl_estimator=estimator, critic="shared", num_ppo_epochs=2)
+def moved_policy_rollout(tiny_path, prompts, args, n: int = 4):
+    """A trainer whose policy has moved away from the reference (its LM head perturbed, the same way for every
+    call) and a rollout of `n` prompts sampled from it."""
     trainer = make_trainer(tiny_path, prompts, args)
-    trainer.train()
-    log = last_log(trainer)
-    assert math.isfinite(log["loss/kl"]) and math.isfinite(log["kl/value"])
-    assert log["objective/non_score_reward"] == 0.0  # loss mode puts nothing in the reward
+    with torch.no_grad():
+        head = trainer.model.policy.get_output_embeddings().weight
+        head.add_(0.5 * torch.randn(head.shape, generator=torch.Generator().manual_seed(0)))
+    torch.manual_seed(0)
+    return trainer, trainer.rollout(trainer.prompt_batch(prompts["prompt"][:n]))
+
+
+def kl_loss_term(trainer, rollout) -> tuple[float, dict]:
+    """The loss-mode KL term (coefficient 1) of one micro-batch holding the whole `rollout`, and the gradient
+    it puts on the policy's weights. Advantages are 0 and the critic is separate, so the policy's gradient is
+    the KL term's alone."""
+    n = rollout.batch_size
+    advantages = Advantages(torch.zeros_like(rollout.values), rollout.values, kl_loss_coef=1.0)
+    counts = dict(num_tokens=rollout.response_mask.sum(), num_seqs=n)
+    trainer.model.zero_grad()
+    loss, parts = trainer.micro_batch_loss(rollout, advantages, torch.arange(n), counts)
+    loss.backward()
+    grads = {name: p.grad for name, p in trainer.model.policy.named_parameters() if p.requires_grad}
+    return float(parts["loss/kl"][0]), grads
+
+
+def test_each_estimators_loss_term_is_finite_and_pulls_the_policy(tiny_path, prompts, tmp_path):
+    """Every registered estimator in loss mode, away from the reference: the KL term is finite and puts a finite,
+    non-zero gradient on the policy (one micro-batch each, on the same rollout)."""
+    rollout = None
+    for estimator in kl_estimators():
+        args = make_args(tmp_path, kl_mode="loss", kl_estimator=estimator, critic="separate")
+        trainer, own = moved_policy_rollout(tiny_path, prompts, args)
+        rollout = rollout or own  # every trainer's policy is the same: one rollout serves them all
+        term, grads = kl_loss_term(trainer, rollout)
+        assert math.isfinite(term), estimator
+        norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values() if g is not None))
+        assert torch.isfinite(norm) and norm > 0, estimator
+
+
+def test_the_loss_coefficient_is_beta_over_the_advantage_std_within_a_floor(tiny_path, prompts, tmp_path):
+    """`kl_loss_scale="advantage_std"`: the loss-mode coefficient is beta / s, s the advantages' std. When the
+    advantages collapse (every sample scored alike), s falls to the whitening's epsilon (1e-4) and beta / s
+    would reach 1e4 beta; s is floored at 0.01, so the coefficient stays within 100 beta."""
+    from types import SimpleNamespace
+
+    args = make_args(tmp_path, kl_mode="loss", kl_estimator="k3", gamma=1.0, lam=1.0, whiten_rewards=False)
+    trainer = make_trainer(tiny_path, prompts, args)
+    mask = torch.ones(4, 3)
+    rollout = SimpleNamespace(response_mask=mask, values=torch.zeros(4, 3))
+    rewards = SimpleNamespace(scorable=torch.ones(4, dtype=torch.bool))
+    scores = torch.zeros(4, 3)
+    scores[:, -1] = torch.tensor([1.0, -1.0, 0.5, -0.5])  # advantages: each sequence's score on all its tokens
+    spread = trainer.compute_advantages(rollout, rewards, SimpleNamespace(rewards=scores, coef=0.1))
+    std = float(torch.tensor([1.0, -1.0, 0.5, -0.5]).repeat_interleave(3).std())
+    assert spread.metrics["policy/advantage_std"] == pytest.approx(std, rel=1e-6)
+    assert spread.kl_loss_coef == pytest.approx(0.1 / std, rel=1e-6)
+    collapsed = trainer.compute_advantages(rollout, rewards, SimpleNamespace(rewards=torch.zeros(4, 3), coef=0.1))
+    assert collapsed.metrics["policy/advantage_std"] == pytest.approx(1e-4)
+    assert collapsed.kl_loss_coef == pytest.approx(0.1 / 0.01)
+
+
+def test_seq_mean_token_sum_norm_divides_by_response_length_not_the_padded_width(tiny_path, prompts, tmp_path):
+    """`seq-mean-token-sum-norm` normalises by a constant, `num_seqs * response_length` (Dr. GRPO, verl): the same
+    rollout padded with masked columns gives the same KL term."""
+    args = make_args(tmp_path, kl_mode="loss", kl_estimator="k1", kl_loss_agg_mode="seq-mean-token-sum-norm",
+                     critic="separate", response_length=6)  # fmt: skip
+    trainer, rollout = moved_policy_rollout(tiny_path, prompts, args)
+    pad_id = trainer.processing_class.pad_token_id
+
+    def pad(t, value):
+        return torch.nn.functional.pad(t, (0, 3), value=value)
+
+    wide = dataclasses.replace(
+        rollout, responses=pad(rollout.responses, pad_id), response_mask=pad(rollout.response_mask, 0),
+        query_responses=pad(rollout.query_responses, pad_id), attention_mask=pad(rollout.attention_mask, 0),
+        logp=pad(rollout.logp, 0.0), ref_logp=pad(rollout.ref_logp, 0.0), values=pad(rollout.values, 0.0),
+    )  # fmt: skip
+    k1_sum = float(((rollout.logp - rollout.ref_logp) * rollout.response_mask).sum())
+    expected = k1_sum / (4 * 6)
+    assert abs(k1_sum) > 1e-3
+    assert kl_loss_term(trainer, rollout)[0] == pytest.approx(expected, rel=1e-4)
+    assert kl_loss_term(trainer, wide)[0] == pytest.approx(expected, rel=1e-4)
 
 
 @pytest.mark.parametrize("mode", ["reward", "none"])
@@ -211,6 +287,7 @@ def test_shared_critic_and_perplexity_eval(tiny_path, prompts, tmp_path):
         (dict(critic="both"), "separate"),
         (dict(kl_target_unit="nats"), "sequence"),
         (dict(save_strategy="epoch"), "save_steps"),
+        (dict(stop_token=None, missing_eos_penalty=1.0), "stop_token='eos'"),  # fixed length: EOS is never sampled
     ],
 )
 def test_config_rejects_bad_values(tmp_path, overrides, match):
@@ -240,6 +317,8 @@ def test_generation_logprobs_and_values_match_a_scoring_forward(tiny_path, promp
     torch.testing.assert_close(rollout.logp[mask], scored.logp[mask], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(rollout.values[mask], scored.values[mask], rtol=1e-4, atol=1e-4)
     assert rollout.logp[mask].abs().sum() > 0
+    # the share of responses that end with EOS means something only when responses can end with it
+    assert ("objective/eos_frac" in trainer.compute_rewards(rollout).metrics) == (stop_token is not None)
 
 
 def test_sample_categorical_draws_exactly_the_given_probabilities(monkeypatch):
@@ -537,10 +616,13 @@ def test_a_diverging_update_is_undone_and_the_log_says_so(tiny_path, prompts, tm
     assert all(torch.isfinite(v).all() for v in saved.values())
 
 
-def test_rollback_is_on_by_default_with_lora_and_off_for_full_fine_tuning(tiny_path, prompts, tmp_path, caplog):
+def test_rollback_is_on_by_default_with_lora_and_off_for_full_fine_tuning(tiny_path, prompts, tmp_path):
     """The undo copy costs 3x the trainable weights: taken by default only when they are a small share (LoRA with
     the shared critic).
-    Without it, a diverging update says how many of its steps were applied."""
+    Without it, an update whose steps leave a policy with non-finite logits stops training, saying how many of its
+    steps were applied and how to fix the run, and nothing is saved from then on."""
+    from klppo.ppo.health import TrainingDiverged
+
     from peft import LoraConfig
 
     lora = make_trainer(tiny_path, prompts, make_args(tmp_path, critic="shared"),
@@ -555,10 +637,10 @@ def test_rollback_is_on_by_default_with_lora_and_off_for_full_fine_tuning(tiny_p
     full = make_trainer(tiny_path, prompts, args)
     assert not full.rollback_updates
     assert make_trainer(tiny_path, prompts, make_args(tmp_path, nonfinite_rollback=True)).rollback_updates
-    with caplog.at_level("WARNING"):
+    with pytest.raises(TrainingDiverged, match=r"after 1 optimizer step\(s\).*learning_rate.*nonfinite_rollback"):
         full.train()
-    assert full.nonfinite_skips == 1
-    assert any("step(s) of this update had already been applied" in r.getMessage() for r in caplog.records)
+    full.save_model(str(tmp_path / "final"))
+    assert not os.path.exists(tmp_path / "final")
 
 
 def test_every_config_field_is_documented_once_in_the_class_docstring():
@@ -650,28 +732,46 @@ def test_the_guard_holds_the_target_by_default_with_the_tracking_controller_only
         make_args(tmp_path, kl_target=4.0, kl_guard_margin="tight")
 
 
+def as_written_before_the_guard(checkpoint: str) -> str:
+    """`checkpoint` with its saved settings stripped of the guard's, as a checkpoint from before the guard was
+    saved has them."""
+    path = os.path.join(checkpoint, "kl_controller.json")
+    with open(path) as f:
+        state = json.load(f)
+    state["settings"] = {k: v for k, v in state["settings"].items() if not k.startswith("kl_guard")}
+    with open(path, "w") as f:
+        json.dump(state, f)
+    return checkpoint
+
+
 def test_the_default_guard_fires_in_training_and_an_old_checkpoint_says_it_is_now_on(tiny_path, prompts, tmp_path, caplog):
     """The tracking controller's default guard acts in `train()` (4 steps per update, a target the first step
     passes), and a checkpoint written before the guard's settings were saved resumes with a warning naming
     them."""
-    args = make_args(tmp_path, kl_target=1e-6, num_mini_batches=2, num_ppo_epochs=2, per_device_train_batch_size=4,
-                     gradient_accumulation_steps=1, max_steps=2)  # fmt: skip
+    kw = dict(kl_target=1e-6, num_mini_batches=2, num_ppo_epochs=2, per_device_train_batch_size=4,
+              gradient_accumulation_steps=1, max_steps=2, save_strategy="steps", save_steps=2)  # fmt: skip
+    args = make_args(tmp_path, **kw)
     assert args.kl_controller == "tracking" and args.kl_guard_margin == 0.0 and args.kl_guard_low_margin == 0.0
     trainer = make_trainer(tiny_path, prompts, args)
     trainer.train()
     assert [h["kl/guard_fired"] for h in trainer.state.log_history if "kl/guard_fired" in h] == [1.0, 1.0]
-    saved = {k: v for k, v in trainer._klppo_state()["settings"].items() if not k.startswith("kl_guard")}
+    old = as_written_before_the_guard(os.path.join(args.output_dir, "checkpoint-2"))
+    resumed = make_trainer(tiny_path, prompts, make_args(tmp_path, output_dir=str(tmp_path / "again"), **kw))
     with caplog.at_level("WARNING"):
-        trainer._check_resume_settings(saved)
+        resumed.train(resume_from_checkpoint=old)  # at its last update: loads and checks, trains nothing
     messages = " ".join(r.getMessage() for r in caplog.records)
     assert "kl_guard_margin changed from inf to 0.0" in messages
     assert "kl_guard_low_margin changed from inf to 0.0" in messages
     assert "kl_guard_reset_momentum changed from False to True" in messages
     caplog.clear()  # with the guard off now (another controller), an old checkpoint has nothing to report
-    adaptive = make_trainer(tiny_path, prompts, make_args(tmp_path, kl_target=1e-6, kl_controller="adaptive"))
-    saved = {k: v for k, v in adaptive._klppo_state()["settings"].items() if not k.startswith("kl_guard")}
+    kw = dict(kl_target=1e-6, kl_controller="adaptive", save_strategy="steps", save_steps=1)
+    adaptive = make_trainer(tiny_path, prompts, make_args(tmp_path, output_dir=str(tmp_path / "adaptive"), **kw))
+    adaptive.train()
+    old = as_written_before_the_guard(str(tmp_path / "adaptive" / "checkpoint-1"))
+    again = make_trainer(tiny_path, prompts, make_args(tmp_path, output_dir=str(tmp_path / "adaptive2"), **kw))
     with caplog.at_level("WARNING"):
-        adaptive._check_resume_settings(saved)
+        again.train(resume_from_checkpoint=old)
+    assert again.state.global_step == 1
     assert not any("kl_guard" in r.getMessage() for r in caplog.records)
 
 

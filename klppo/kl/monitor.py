@@ -10,9 +10,13 @@ class KLDriftMonitor:
 
     An adaptive controller should keep the KL statistic near ``target``. When the statistic is
     above ``high * target`` (or below ``low * target``) for ``patience`` consecutive updates,
-    :meth:`update` returns a warning once. It warns again only after the statistic has come back
-    inside the band, or has crossed to the other side of it (a new kind of drift), so a run that
-    stays out of band logs one message, not one per step.
+    :meth:`update` returns a warning. One excursion warns once: a side warns again only after the
+    statistic has stayed inside the band for ``patience`` updates (a reading or two back inside is
+    the same excursion), or after a warning about the other side (a new kind of drift).
+
+    The policy starts at the reference, so the statistic starts near 0 and climbs towards the target:
+    below the band is then the approach, not a penalty that is too strong. The low side therefore
+    counts only once the statistic has reached the band (``>= low * target``) a first time.
 
     Args:
         target: the KL target, in the units of the statistic passed to :meth:`update`.
@@ -36,25 +40,34 @@ class KLDriftMonitor:
         self.name = name
         self.side: str | None = None  # "above", "below" or None (inside the band)
         self.streak = 0  # consecutive updates on `side`
-        self.warned = False  # already warned for the current streak
+        self.warned: str | None = None  # the side warned about in the current excursion
+        self.inside = 0  # consecutive updates inside the band
+        self.reached = False  # the statistic has reached the band: the approach is over
 
     def update(self, value: float) -> str | None:
         """Record one value of the statistic; return a warning message or ``None``."""
         value = float(value)
+        self.reached = self.reached or value >= self.low * self.target
         if value > self.high * self.target:
             side = "above"
         elif value < self.low * self.target:
-            side = "below"
+            side = "below" if self.reached else None
+            if side is None:
+                return None  # the approach: nothing to count
         else:
             side = None
-        if side != self.side:
-            self.side, self.streak, self.warned = side, 0, False
         if side is None:
+            self.side, self.streak, self.inside = None, 0, self.inside + 1
+            if self.inside >= self.patience:
+                self.warned = None  # back for long enough: the excursion is over
             return None
+        self.inside = 0
+        if side != self.side:
+            self.side, self.streak = side, 0
         self.streak += 1
-        if self.streak < self.patience or self.warned:
+        if self.streak < self.patience or self.warned == side:
             return None
-        self.warned = True
+        self.warned = side
         return self._message(value)
 
     def _message(self, value: float) -> str:
@@ -77,19 +90,16 @@ class KLDriftMonitor:
             "(nats per token vs nats per sequence differ by about the response length)."
         )
 
+    _STATE = ("target", "patience", "high", "low", "name", "side", "streak", "warned", "inside", "reached")
+
     def state_dict(self) -> dict:
-        return {
-            "target": self.target,
-            "patience": self.patience,
-            "high": self.high,
-            "low": self.low,
-            "name": self.name,
-            "side": self.side,
-            "streak": self.streak,
-            "warned": self.warned,
-        }
+        return {key: getattr(self, key) for key in self._STATE}
 
     def load_state_dict(self, state: dict) -> None:
-        for key in ("target", "patience", "high", "low", "name", "side", "streak", "warned"):
+        for key in self._STATE:
             if key in state:
                 setattr(self, key, state[key])
+        if isinstance(self.warned, bool):  # saved when `warned` was a flag for the current side
+            self.warned = self.side if self.warned else None
+        if "reached" not in state:  # saved before the approach was told apart: assume it is over
+            self.reached = True

@@ -55,8 +55,9 @@ def aggregate_loss(
         token-mean: ``sum_{b,t} v*m / num_tokens`` (default ``num_tokens = sum m``).
         seq-mean-token-sum: ``sum_b (sum_t v*m) / num_seqs`` (default ``num_seqs = B``).
         seq-mean-token-mean: ``sum_b (sum_t v*m / n_b) / num_seqs``.
-        seq-mean-token-sum-norm: ``sum_{b,t} v*m / (num_seqs * norm_len)`` (default
-            ``norm_len = T``): a constant normaliser, as in Dr. GRPO and verl.
+        seq-mean-token-sum-norm: ``sum_{b,t} v*m / (num_seqs * norm_len)``, ``norm_len`` a constant
+            (required): the maximum response length, as in Dr. GRPO and verl. Not the padded width
+            ``T``, which changes with the longest response of each batch.
 
     ``num_tokens`` / ``num_seqs`` may be global counts (all ranks, the whole mini-batch); see the
     module docstring for why. Fully masked rows count as sequences (with zero loss) in the default
@@ -84,8 +85,12 @@ def aggregate_loss(
     if mode == "seq-mean-token-mean":
         per_seq = masked.sum(-1) / weights.sum(-1).clamp(min=1)
         return per_seq.sum() / n_seqs
-    length = _count(values.shape[1] if norm_len is None else norm_len, None, values)
-    return masked.sum() / (n_seqs * length)
+    if norm_len is None:
+        raise ValueError(
+            "seq-mean-token-sum-norm divides by a constant: pass norm_len, the maximum response length "
+            "(`response_length`)."
+        )
+    return masked.sum() / (n_seqs * _count(norm_len, None, values))
 
 
 def kl_reward(kl: torch.Tensor, mask: torch.Tensor, coef: Union[float, torch.Tensor]) -> torch.Tensor:

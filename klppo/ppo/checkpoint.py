@@ -64,7 +64,8 @@ class CheckpointMixin:
         output_dir = output_dir or self.args.output_dir
         if not self._weights_finite():
             if self.is_world_process_zero():
-                logger.warning("Not saving to %s: the trainable weights are not finite.", output_dir)
+                logger.warning("Not saving to %s: the trainable weights are not finite, or training stopped on a "
+                               "diverged policy.", output_dir)  # fmt: skip
             return
         unwrapped = self.accelerator.unwrap_model(self.model)
         if state_dict is None:
@@ -92,7 +93,8 @@ class CheckpointMixin:
         if not self._weights_finite():
             if self.is_world_process_zero():
                 logger.warning(
-                    "Not writing checkpoint %d: the trainable weights are not finite; the last checkpoint is kept.",
+                    "Not writing checkpoint %d: the trainable weights are not finite, or training stopped on a "
+                    "diverged policy; the last checkpoint is kept.",
                     self.state.global_step,
                 )
             return
@@ -128,10 +130,13 @@ class CheckpointMixin:
         self.accelerator.wait_for_everyone()
 
     def _weights_finite(self) -> bool:
-        """Whether every trainable weight is finite, on every rank (ZeRO-3 holds each weight's shard, `ds_tensor`,
-        on one rank only: the verdict is reduced over ranks, so that every rank decides alike)."""
+        """Whether every trainable weight is finite and training was not stopped on a diverged policy (whose
+        weights can be finite while its logits are not), on every rank (ZeRO-3 holds each weight's shard,
+        `ds_tensor`, on one rank only: the verdict is reduced over ranks, so that every rank decides alike)."""
         from ..kl.reduce import all_reduce_sum
 
+        if self.nonfinite_guard.stopped:
+            return False
         unwrapped = self.accelerator.unwrap_model(self.model_wrapped)
         shards = [getattr(p, "ds_tensor", p) for p in unwrapped.parameters() if p.requires_grad]
         bad = torch.tensor(float(not all(bool(torch.isfinite(t).all()) for t in shards)), device=self.accelerator.device)

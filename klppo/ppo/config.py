@@ -23,6 +23,9 @@ from ..kl import (
 logger = logging.getLogger(__name__)
 
 KL_LOSS_SCALES = ("advantage_std", "none")
+# `kl_loss_scale="advantage_std"` divides beta by max(s, this): collapsed advantages leave s at the whitening's
+# epsilon (1e-4), which would multiply beta by 1e4
+KL_LOSS_MIN_ADVANTAGE_STD = 0.01
 # Learning-rate defaults when `learning_rate` is not set. LoRA: measured on the default job (SmolLM2-135M,
 # 32 sequences per update, one epoch): 5e-4 kept policy/approxkl <= 0.007 and learned within 15 updates.
 # Full fine-tuning (the same job with use_peft false): 3e-5 learned on 3 seeds with approxkl <= 0.0025;
@@ -110,18 +113,23 @@ KLPPO_CONFIG_DOC = r"""
             gradient; their fraction is logged as `kl/clamped_frac`.
         kl_loss_agg_mode (`str`, *optional*, defaults to `"token-mean"`):
             Aggregation of the KL loss term: `token-mean`, `seq-mean-token-sum`, `seq-mean-token-mean` or
-            `seq-mean-token-sum-norm`. Counts are global (all processes, whole mini-batch), so results do not
-            depend on how a batch is split across processes and accumulation steps.
+            `seq-mean-token-sum-norm` (each sequence's sum divided by the constant `response_length`). Counts
+            are global (all processes, whole mini-batch), so results do not depend on how a batch is split
+            across processes and accumulation steps.
         kl_loss_scale (`str`, *optional*, defaults to `"advantage_std"`):
             How the loss-mode coefficient relates to `kl_coef`. With whitened advantages the policy-gradient
             term is divided by the advantages' standard deviation `s`, so adding `beta * KL` to the loss
             maximises `E[r] - beta * s * KL`, not `E[r] - beta * KL`. `"advantage_std"` uses `beta / s` in the
             loss (`s` reduced over all processes, logged as `policy/advantage_std`), so `kl_coef` names the
-            same objective `E[r] - beta * KL` in every `kl_mode`. `"none"` uses `beta` as is: the convention of
+            same objective `E[r] - beta * KL` in every `kl_mode`; `s` is floored at 0.01, so the coefficient
+            stays within `100 * beta` when the advantages collapse (every sample scored alike: the whitened
+            advantages are then noise, and `s` would fall to the whitening's epsilon, `beta / s` to `1e4 * beta`).
+            Rewards on a scale far below 1 are best rescaled. `"none"` uses `beta` as is: the convention of
             TRL's GRPO and verl, where beta weighs KL against the normalised advantage.
         kl_drift_patience (`int`, *optional*, defaults to `5`):
             Warn when the controller statistic stays above 2x or below 0.5x the target for this many
-            consecutive updates.
+            consecutive updates (once per excursion; below only after it has first reached 0.5x the target,
+            not while it climbs from 0 at the start).
         kl_guard_margin (`float` or `None`, *optional*, defaults to `None`: 0 with `tracking`, else `inf`):
             A hard guard on top of the controller: within an update, once the KL to the reference at the current
             policy passes `kl_target * (1 + kl_guard_margin)` and the update has pushed it up, the mini-batch takes
@@ -204,7 +212,8 @@ KLPPO_CONFIG_DOC = r"""
         stop_token_id (`int` or `None`, *optional*, defaults to `None`):
             An explicit stop token id (overrides `stop_token`).
         missing_eos_penalty (`float` or `None`, *optional*, defaults to `None`):
-            Subtracted from the score of responses that did not end with the stop token.
+            Subtracted from the score of responses that did not end with the stop token (needs one:
+            `stop_token="eos"` or `stop_token_id`).
         reward_weights (`list[float]` or `None`, *optional*, defaults to `None`):
             Weights of the reward functions (default: all 1).
         rollout_forward_batch_size (`int`, *optional*, defaults to `16`):
@@ -236,16 +245,16 @@ KLPPO_CONFIG_DOC = r"""
         heldout_eval_texts (`int`, *optional*, defaults to `32`):
             Number of held-out texts for `eval/perplexity`.
         nonfinite_rollback (`bool` or `None`, *optional*, defaults to `None`):
-            When a loss or gradient of an update is non-finite, undo the whole update: the trainable weights, the
-            optimizer state and the scheduler are restored to the start of the update, so a skipped update
-            changed nothing. With several optimizer steps per update this costs one copy of the trainable weights
-            and of the optimizer state per update. `None` (the default) turns it on when the trainable weights
-            (policy and critic) are at most 10% of all weights, as with LoRA and `critic="shared"`, where the copy
-            is small, and off otherwise (full fine-tuning, or a separately trained critic), where the copy would
+            When a loss or gradient of an update is non-finite, or its steps leave a policy whose logits (or
+            the critic's values) are not finite, undo the whole update: the trainable weights, the optimizer
+            state and the scheduler are restored to the start of the update, so a skipped update changed
+            nothing. This costs one copy of the trainable weights and of the optimizer state per update.
+            `None` (the default) turns it on when the trainable weights (policy and critic) are at most 10% of
+            all weights, as with LoRA and `critic="shared"`, where the copy is small, and off otherwise (full fine-tuning, or a separately trained critic), where the copy would
             hold those weights once more and Adam's two moments (3x the trainable weights); the log then says
-            how many optimizer steps of the skipped update had already been applied. `True` or `False` forces it
-            (on the command line `--nonfinite_rollback true` or `false`). With one step per update nothing is
-            copied: a non-finite step is never applied.
+            how many optimizer steps of the skipped update had already been applied, and a policy left with
+            non-finite logits stops training (`TrainingDiverged`, nothing saved from it). `True` or `False`
+            forces it (on the command line `--nonfinite_rollback true` or `false`).
         health_patience (`int`, *optional*, defaults to `3`):
             Warn, naming the fix, when `policy/approxkl` (> 0.02), `policy/clipfrac` (> 0.2), `policy/entropy`
             (< half its first value) or `val/clipfrac` (> 0.5) stays outside its healthy range for this many
@@ -490,6 +499,12 @@ class KLPPOConfig(TrainingArguments):
             raise ValueError(f"`temperature` must be > 0, got {self.temperature}.")
         if self.stop_token not in ("eos", None):
             raise _choice_error("stop_token", self.stop_token, ("eos", None))
+        if self.missing_eos_penalty is not None and self.stop_token is None and self.stop_token_id is None:
+            raise ValueError(
+                f"`missing_eos_penalty={self.missing_eos_penalty}` needs a stop token: with `stop_token=None` every "
+                "response has the full length and EOS is never sampled, so the penalty could never apply. Set "
+                "stop_token='eos' (or stop_token_id), or remove missing_eos_penalty."
+            )
         if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
             raise ValueError(f"`gamma` and `lam` must lie in [0, 1], got gamma={self.gamma}, lam={self.lam}.")
         if self.cliprange <= 0 or self.cliprange_value <= 0:

@@ -19,7 +19,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-__all__ = ["HEALTH_RANGES", "HealthRange", "NonfiniteGuard", "PPOHealthMonitor"]
+import torch
+
+__all__ = [
+    "HEALTH_RANGES", "HealthRange", "NonfiniteGuard", "PPOHealthMonitor", "TrainingDiverged", "policy_outputs_finite",
+]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -111,17 +115,46 @@ class PPOHealthMonitor:
         self.first.update(state.get("first", {}))
 
 
+class TrainingDiverged(RuntimeError):
+    """Training stopped on non-finite values; the message says what diverged and how to fix the run."""
+
+
+@torch.no_grad()
+@torch.no_grad()
+def policy_outputs_finite(model, sequences, accelerator, rows: int = 1) -> bool:
+    """Whether the actor-critic `model` gives finite logits and values on the first `rows` of `sequences` (a
+    `Sequences` of this rank), on every rank. An optimizer step can leave finite weights whose logits overflow
+    on some inputs (a learning rate far too high): the weights alone do not tell. Every rank runs the forward
+    pass (sharded models need all of them) and the verdicts are summed, so all ranks answer the same."""
+    from ..kl.reduce import all_reduce_sum
+    from .rollout import position_ids_from_mask
+
+    first = sequences.select(slice(0, rows))
+    logits, values = model(
+        first.query_responses, attention_mask=first.attention_mask,
+        position_ids=position_ids_from_mask(first.attention_mask), response_length=first.responses.shape[1],
+    )  # fmt: skip
+    bad = torch.zeros(1, dtype=torch.float64, device=accelerator.device)
+    for x in (logits, values):
+        if x is not None:
+            bad += (~torch.isfinite(x)).sum()
+    return all_reduce_sum(bad, accelerator).item() == 0
+
+
 class NonfiniteGuard:
     """Counts updates skipped for NaN/inf and stops training after `max_in_a_row` of them in a row.
 
     `record(step, what, outcome)` logs one skipped update (`what` held non-finite values, `outcome` says what
-    happened to the weights) and raises once too many follow each other; `reset()` after a clean update.
+    happened to the weights) and raises `TrainingDiverged` once too many follow each other; `reset()` after a
+    clean update; `stop(message)` ends training at once. `stopped` tells that the guard ended training: the
+    weights are then not to be saved.
     """
 
     def __init__(self, max_in_a_row: int = 3):
         self.max_in_a_row = int(max_in_a_row)
         self.skips = 0
         self.consecutive = 0
+        self.stopped = False
 
     def record(self, step: int, what: str, outcome: str, log: bool = True) -> dict[str, float]:
         self.skips += 1
@@ -131,12 +164,27 @@ class NonfiniteGuard:
                 "Skipped PPO update %d: non-finite values in %s (%d skipped so far); %s.", step, what, self.skips, outcome
             )
         if self.consecutive >= self.max_in_a_row:
-            raise RuntimeError(
+            self.stop(
                 f"{self.consecutive} PPO updates in a row had non-finite values in {what}; training "
                 "stopped (checkpoints already written are intact). Lower the learning rate, set "
                 "`kl_value_clamp`, check the reward functions for NaN/inf, or use bf16/fp32 instead of fp16."
             )
         return {"train/skipped_update": 1.0}
+
+    def stop(self, message: str) -> None:
+        """End training with `message` (raises `TrainingDiverged`)."""
+        self.stopped = True
+        raise TrainingDiverged(message)
+
+    def policy_diverged(self, step: int, applied_steps: int, args) -> None:
+        """End training: update `step`'s `applied_steps` optimizer steps left a policy with non-finite logits
+        (or critic values) and no copy to undo them; the message names the fixes in `args` (a `KLPPOConfig`)."""
+        self.stop(
+            f"The policy diverged at PPO update {step}: after {applied_steps} optimizer step(s) its logits (or the "
+            "critic's values) are not finite. Training stopped; no checkpoint holds these weights (those written "
+            f"before are intact). Lower learning_rate (now {args.learning_rate:g}) or max_grad_norm (now "
+            f"{args.max_grad_norm}), or set nonfinite_rollback: true to undo such an update and go on."
+        )
 
     def reset(self) -> None:
         self.consecutive = 0

@@ -13,6 +13,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from trl.trainer.utils import selective_log_softmax
 
 from ..rewards.text import is_conversational
+from .health import TrainingDiverged
 from .steps import PromptBatch
 from .value import last_hidden_states
 
@@ -70,7 +71,7 @@ def clear_sampling_errors():
     except RuntimeError as err:
         text = str(err).lower()
         if "inf" in text or "nan" in text:
-            raise RuntimeError(
+            raise TrainingDiverged(
                 "The policy's logits are not finite, so no response can be sampled: its weights have diverged. "
                 "Lower the learning rate or max_grad_norm, raise the KL coefficient, or use bf16/fp32 instead of "
                 "fp16; resume from the last checkpoint (checkpoints written so far are intact)."

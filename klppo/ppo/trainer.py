@@ -51,9 +51,9 @@ from .build import build_models, check_trainer_inputs, default_learning_rate, lo
 from .callbacks import KLProgressCallback, maybe_offline_wandb, now, record_samples, timed
 from .checkpoint import CheckpointMixin
 from .loop import TrainingLoopMixin
-from .config import KLPPOConfig
+from .config import KL_LOSS_MIN_ADVANTAGE_STD, KLPPOConfig
 from .guard import LOWER, UPPER, KLGuard, reset_momentum
-from .health import NonfiniteGuard, PPOHealthMonitor
+from .health import NonfiniteGuard, PPOHealthMonitor, policy_outputs_finite
 from .losses import ppo_losses
 from .rollback import restore_optimisation, snapshot_optimisation
 from .rollout import (
@@ -192,14 +192,14 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
         else:
             with timed(timings, "time/advantages", self.accelerator):
                 advantages = self.compute_advantages(rollout, rewards, penalty)  # step 7
-            snapshot = None  # one optimizer step per update: a non-finite step is never applied, nothing to undo
-            if self.rollback_updates and self.args.num_ppo_epochs * self.args.num_mini_batches > 1:
+            snapshot = None
+            if self.rollback_updates:
                 with timed(timings, "time/rollback_snapshot", self.accelerator):
                     snapshot = snapshot_optimisation(self.accelerator.unwrap_model(self.model_wrapped), self.optimizer, self.lr_scheduler)
             with timed(timings, "time/optimise", self.accelerator):
                 result = self.optimise(rollout, advantages, kl_reading=penalty.metrics["kl/value"])  # step 8
             metrics.update(result.metrics, **advantages.metrics)
-            metrics.update(self._after_optimise(result, snapshot))
+            metrics.update(self._after_optimise(result, snapshot, rollout))
         timings["time/update"] = now(self.accelerator) - start
         metrics.update(timings, **{"train/nonfinite_skips": float(self.nonfinite_skips), "lr": lr})
         for message in self.health_monitor.update(metrics):
@@ -226,17 +226,23 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
         trainable, total = all_reduce_sum(counts, self.accelerator).tolist()
         return 10 * trainable <= total
 
-    def _after_optimise(self, result: OptimiseResult, snapshot: dict | None) -> dict[str, float]:
-        """Roll back (or report) an update stopped by a non-finite loss or gradient."""
-        if not result.skipped:
+    def _after_optimise(self, result: OptimiseResult, snapshot: dict | None, rollout: Rollout) -> dict[str, float]:
+        """Roll back (or report) an update stopped by a non-finite loss or gradient, or whose steps left a policy
+        with non-finite logits or values; such a policy that cannot be rolled back stops training."""
+        rows = self.args.per_device_train_batch_size  # the forward pass of one micro-batch checks the policy
+        diverged = result.applied_steps > 0 and not policy_outputs_finite(self.model_wrapped, rollout, self.accelerator, rows)
+        if not (result.skipped or diverged):
             self.nonfinite_guard.reset()
             return {}
+        what = "the policy's logits or values after the update" if diverged else "the loss or its gradient"
         if snapshot is not None:
             restore_optimisation(snapshot, self.accelerator.unwrap_model(self.model_wrapped), self.optimizer, self.lr_scheduler)
             outcome = "the weights and optimizer state were restored to the start of the update"
+        elif diverged:
+            self.nonfinite_guard.policy_diverged(self.state.global_step + 1, result.applied_steps, self.args)
         else:
             outcome = f"{result.applied_steps} optimizer step(s) of this update had already been applied"
-        return self._record_nonfinite("the loss or its gradient", outcome)
+        return self._record_nonfinite(what, outcome)
 
     # ------------------------------------------------------------------ steps 1-3: rollout
     @torch.no_grad()
@@ -380,7 +386,8 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
         for name, (total, count) in per_function.items():
             stats.add(f"rewards/{name}", total, count)
         stats.add("objective/scores", scores.sum(), scores.numel())
-        stats.add("objective/eos_frac", has_stop.float().sum(), has_stop.numel())
+        if self.stop_token_id is not None:  # fixed-length responses never end with a stop token
+            stats.add("objective/eos_frac", has_stop.float().sum(), has_stop.numel())
         stats.add("objective/response_length", mask.sum(), mask.shape[0])
         return Rewards(completions, scores, applicable, stats.means(self.accelerator))
 
@@ -469,8 +476,10 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
             advantages, std = global_masked_whiten(advantages, mask * scorable, accelerator=acc, return_std=True)
             std = std.item()
         # Whitening divides the policy-gradient term by std(A), so the loss E[A]/std - c * KL maximises
-        # E[r] - c * std * KL: a loss-mode coefficient beta / std keeps beta's meaning that of reward mode.
-        kl_loss_coef = penalty.coef / std if args.kl_loss_scale == "advantage_std" else penalty.coef
+        # E[r] - c * std * KL: a loss-mode coefficient beta / std keeps beta's meaning that of reward mode
+        # (std floored: collapsed advantages would leave it at the whitening's epsilon)
+        scale = max(std, KL_LOSS_MIN_ADVANTAGE_STD) if args.kl_loss_scale == "advantage_std" else 1.0
+        kl_loss_coef = penalty.coef / scale
         return Advantages(advantages, returns, kl_loss_coef, {"policy/advantage_std": std})
 
     # ------------------------------------------------------------------ step 8: optimisation
@@ -618,7 +627,7 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
         else:
             kl = self._estimate_kl(logp, mb.ref_logp, old_logp=mb.logp)
         mask = mb.response_mask
-        return kl_loss(kl, mask, coef, self.args.kl_loss_agg_mode, **counts, norm_len=mask.shape[1])
+        return kl_loss(kl, mask, coef, self.args.kl_loss_agg_mode, **counts, norm_len=self.args.response_length)
 
     @property
     def nonfinite_skips(self) -> int:

@@ -12,7 +12,7 @@ Prompts and completions are plain strings or conversational message lists
 
 from __future__ import annotations
 
-from .combine import combine_rewards, reward_values
+from .combine import RewardFunctionError, combine_rewards, reward_values
 from .lexical import long_word_reward, long_word_share
 from .loading import BUILTIN_REWARDS, load_reward_funcs, reward_func_name
 from .reward_model import RewardModelFunction
@@ -21,6 +21,7 @@ from .text import completion_text, is_conversational
 
 __all__ = [
     "BUILTIN_REWARDS",
+    "RewardFunctionError",
     "RewardModelFunction",
     "combine_rewards",
     "completion_text",

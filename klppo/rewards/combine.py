@@ -7,30 +7,38 @@ import torch
 from .text import is_conversational
 
 
+class RewardFunctionError(ValueError):
+    """A reward function returned something other than one number (or None) per completion."""
+
+
 def reward_values(raw, expected: int, name: str) -> list[float | None]:
     """Check one reward function's result and turn it into floats (None stays None: "not applicable").
 
     A reward function returns one number (or None) per completion; anything else is a bug in it, reported
-    with its name, the expected length and what it returned.
+    with its name, the expected length and what it returned (`RewardFunctionError`).
     """
     fix = f"return a list of {expected} numbers (None for samples the function does not apply to)"
     if raw is None or isinstance(raw, (str, bytes, dict)) or not hasattr(raw, "__len__"):
-        raise ValueError(f"Reward function {name!r} returned {type(raw).__name__} {raw!r:.80}; {fix}.")
+        raise RewardFunctionError(f"Reward function {name!r} returned {type(raw).__name__} {raw!r:.80}; {fix}.")
     if torch.is_tensor(raw):
         raw = raw.detach().flatten().tolist()
     if len(raw) != expected:
-        raise ValueError(f"Reward function {name!r} returned {len(raw)} values for {expected} completions; {fix}.")
+        raise RewardFunctionError(
+            f"Reward function {name!r} returned {len(raw)} values for {expected} completions; {fix}."
+        )
     out: list[float | None] = []
     for i, v in enumerate(raw):
         if v is None:
             out.append(None)
             continue
         if isinstance(v, (str, bytes)) or (torch.is_tensor(v) and v.numel() != 1):
-            raise ValueError(f"Reward function {name!r} returned {type(v).__name__} {v!r:.60} for completion {i}; {fix}.")
+            raise RewardFunctionError(
+                f"Reward function {name!r} returned {type(v).__name__} {v!r:.60} for completion {i}; {fix}."
+            )
         try:
             out.append(float(v))
         except (TypeError, ValueError):
-            raise ValueError(
+            raise RewardFunctionError(
                 f"Reward function {name!r} returned {type(v).__name__} {v!r:.60} for completion {i}; {fix}."
             ) from None
     return out
