@@ -6,7 +6,7 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["KLPPOConfig", "KLPPOTrainer", "__version__"]
+__all__ = ["KLPPOConfig", "KLPPOTrainer", "PPOConfig", "PPOTrainer", "__version__"]
 
 
 def __getattr__(name):
@@ -18,4 +18,8 @@ def __getattr__(name):
         from .ppo.trainer import KLPPOTrainer
 
         return KLPPOTrainer
+    if name in ("PPOConfig", "PPOTrainer"):  # TRL 1.12's names (`klppo.trl_compat`)
+        from . import trl_compat
+
+        return getattr(trl_compat, name)
     raise AttributeError(f"module 'klppo' has no attribute {name!r}")

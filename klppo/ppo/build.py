@@ -22,13 +22,14 @@ def check_trainer_inputs(args: KLPPOConfig | None, train_dataset, reward_funcs) 
     if not isinstance(args, KLPPOConfig):
         raise TypeError(f"`args` must be a KLPPOConfig, got {type(args).__name__}.")
     if train_dataset is None:
-        raise ValueError("KLPPOTrainer needs a `train_dataset` with a `prompt` column.")
-    if "prompt" not in train_dataset.column_names:
+        raise ValueError("KLPPOTrainer needs a `train_dataset` with a `prompt` column (or pre-tokenized `input_ids`).")
+    column = next((c for c in ("prompt", "input_ids") if c in train_dataset.column_names), None)
+    if column is None:
         raise ValueError(
-            f"`train_dataset` needs a `prompt` column; it has {train_dataset.column_names}. "
-            "Rename the prompt column with `dataset.rename_column(old, 'prompt')`."
+            f"`train_dataset` needs a `prompt` column (text or conversations) or an `input_ids` column (token ids); "
+            f"it has {train_dataset.column_names}. Rename the prompt column with `dataset.rename_column(old, 'prompt')`."
         )
-    if len(train_dataset) == 0 or not any(train_dataset["prompt"]):
+    if len(train_dataset) == 0 or not any(len(p) for p in train_dataset[column]):
         raise ValueError(
             f"`train_dataset` has no non-empty prompt ({len(train_dataset)} rows): PPO needs prompts to continue."
         )
@@ -59,14 +60,18 @@ def default_learning_rate(model, peft_config=None) -> float:
     return DEFAULT_LORA_LEARNING_RATE if lora else DEFAULT_FULL_LEARNING_RATE
 
 
-def build_models(model, given_path: str | None, args: KLPPOConfig, ref_model, value_model, peft_config, reward_funcs):
-    """`(actor_critic, ref_model, use_adapter_reference)`; `given_path` is the policy's path when it was given
-    as one.
+def build_models(model, given_path: str | None, args: KLPPOConfig, ref_model, value_model, peft_config, reward_funcs,
+                 ref_adapter_name: str | None = None):
+    """`(actor_critic, ref_model, use_adapter_reference, ref_adapter_name)`; `given_path` is the policy's path when
+    it was given as one.
 
     The reference is `ref_model` (a module or a path), else the policy with its adapter disabled when
-    `peft_config` is given (no second copy in memory), else a frozen copy of the initial policy. A separate
-    critic initialised from the policy starts from the weights passed in (copied before any adapter is
-    added), or from the policy's path. Dropout is off in every model.
+    `peft_config` is given (no second copy in memory; a fresh adapter starts as the identity), else, for a
+    policy that already carries a trained PEFT adapter, the policy with a frozen copy of that adapter active
+    (adapter `"ref"`, or the adapter named `ref_adapter_name`), else a frozen copy of the initial policy. A
+    separate critic initialised from the policy starts from the weights passed in (copied before any adapter is
+    added), or from the policy's path. Dropout is off in every model. `ref_adapter_name` in the result is the
+    adapter the reference runs with, None for "adapters disabled".
     """
     critic_start = None
     if args.critic == "separate" and value_model is None and args.critic_init == "policy":
@@ -75,8 +80,17 @@ def build_models(model, given_path: str | None, args: KLPPOConfig, ref_model, va
     if peft_config is not None:
         from peft import get_peft_model
 
+        if hasattr(model, "peft_config"):
+            raise ValueError(
+                "The policy already carries a PEFT adapter and a `peft_config` was given too. To go on training the "
+                "adapter it has, pass the model without `peft_config` (its reference is then a frozen copy of that "
+                "adapter); to train a new adapter on top, merge the old one first (`model.merge_and_unload()`)."
+            )
         use_adapter_reference = ref_model is None
         model = get_peft_model(model, peft_config)
+    elif ref_model is None and hasattr(model, "peft_config"):
+        use_adapter_reference = True
+        ref_adapter_name = reference_adapter(model, ref_adapter_name)
     elif ref_model is None:
         ref_model = copy_model(model)
     if isinstance(ref_model, str):
@@ -93,7 +107,42 @@ def build_models(model, given_path: str | None, args: KLPPOConfig, ref_model, va
     for module in (actor_critic, ref_model):
         if module is not None:
             disable_dropout_in_model(module)
-    return actor_critic, ref_model, use_adapter_reference
+    return actor_critic, ref_model, use_adapter_reference, ref_adapter_name if use_adapter_reference else None
+
+
+REFERENCE_ADAPTER = "ref"
+
+
+def reference_adapter(model, ref_adapter_name: str | None = None) -> str:
+    """The adapter that serves as the reference of a PEFT `model` whose active adapter is already trained: the
+    adapter `ref_adapter_name` when given (it must be loaded), else a frozen copy of the active adapter, added as
+    `"ref"` (as TRL's GRPO does). Disabling the adapter instead would make the reference the base model, not
+    the policy the run starts from. The active adapter is made trainable (PEFT loads adapters frozen)."""
+    active = model.active_adapter
+    if ref_adapter_name is not None:
+        if ref_adapter_name not in model.peft_config:
+            raise ValueError(
+                f"`ref_adapter_name`={ref_adapter_name!r} is not an adapter of the policy (it has "
+                f"{sorted(model.peft_config)}). Load it first (`model.load_adapter(path, adapter_name=...)`), or "
+                "leave `ref_adapter_name` unset to use a frozen copy of the active adapter."
+            )
+    else:
+        ref_adapter_name = REFERENCE_ADAPTER
+        if ref_adapter_name in model.peft_config:
+            raise ValueError(
+                f"The policy already has an adapter named {ref_adapter_name!r}; pass `ref_adapter_name="
+                f"{ref_adapter_name!r}` to use it as the reference, or rename it."
+            )
+        model.add_adapter(ref_adapter_name, model.peft_config[active])
+        params = dict(model.named_parameters())
+        for name, param in params.items():
+            if f".{active}." in name:
+                params[name.replace(f".{active}.", f".{ref_adapter_name}.")].data.copy_(param.data)
+    model.set_adapter(active)  # trainable, and the only active one
+    for name, param in model.named_parameters():
+        if f".{ref_adapter_name}." in name:
+            param.requires_grad_(False)
+    return ref_adapter_name
 
 
 def copy_model(model: nn.Module) -> nn.Module:
@@ -135,6 +184,8 @@ def build_critic(value_model, args: KLPPOConfig, policy_start, reward_funcs) -> 
     policy's path or a copy of its initial weights (for `critic_init="policy"`)."""
     if isinstance(value_model, nn.Module):
         return value_model if isinstance(value_model, CriticModel) else CriticModel.from_model(value_model)
+    if value_model is not None and CriticModel.is_saved_critic(value_model):
+        return CriticModel.from_pretrained(value_model)  # a critic saved by an earlier run
     source = value_model or args.critic_init
     if source == "policy":
         if isinstance(policy_start, nn.Module):

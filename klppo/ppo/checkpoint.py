@@ -1,7 +1,7 @@
 """Checkpoints: atomic saves with the KL controller's state, and resuming that says what it does.
 
 A klppo checkpoint is Trainer's (optimizer, scheduler, RNG, `trainer_state.json`) plus the policy in Hugging
-Face format, every trainable weight of the actor-critic (`klppo_trainable.safetensors`) and the controller and
+Face format, a separate critic in `value_model/` (`CriticModel.from_pretrained`), every trainable weight of the actor-critic (`klppo_trainable.safetensors`) and the controller and
 monitors' state with the run's KL settings (`kl_controller.json`). It is written into a staging folder and
 renamed into place when complete, so a crash never leaves a partial `checkpoint-N`.
 """
@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 
 CONTROLLER_STATE_NAME = "kl_controller.json"
 TRAINABLE_STATE_NAME = "klppo_trainable.safetensors"
+VALUE_MODEL_DIR = "value_model"  # a separate critic, saved beside the policy
 STAGING_DIR = ".checkpoint-staging"
 # settings compared on resume: refused if changed / combined with the saved state / ignored for it
 RESUME_REFUSED = ("kl_controller", "kl_target_unit", "kl_mode")
@@ -75,7 +76,12 @@ class CheckpointMixin:
         os.makedirs(output_dir, exist_ok=True)
         prefix = "policy."
         policy_sd = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
-        unwrapped.policy.save_pretrained(output_dir, state_dict=policy_sd)
+        # a PEFT policy saves its trained adapter only (not the frozen copy that serves as the reference)
+        adapters = {"selected_adapters": [unwrapped.policy.active_adapter]} if hasattr(unwrapped.policy, "peft_config") else {}
+        unwrapped.policy.save_pretrained(output_dir, state_dict=policy_sd, **adapters)
+        if unwrapped.critic is not None:  # a separate critic, loadable on its own (`value_model=<folder>`)
+            critic_sd = {k[len("critic.") :]: v for k, v in state_dict.items() if k.startswith("critic.")}
+            unwrapped.critic.save_pretrained(os.path.join(output_dir, VALUE_MODEL_DIR), state_dict=critic_sd)
         trainable = {n for n, p in unwrapped.named_parameters() if p.requires_grad}
         from safetensors.torch import save_file
 

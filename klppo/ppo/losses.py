@@ -62,5 +62,8 @@ def ppo_losses(logits, logp, values, old_logp, old_values, advantages, returns, 
         "policy/clipfrac": ((pg_clipped.to(fmask.dtype) * fmask).sum(), n_tok),
         "val/clipfrac": ((vf_clipped.to(fmask.dtype) * fmask).sum(), n_tok),
         "policy/entropy": ((entropy_from_logits(logits.detach()) * fmask).sum(), n_tok),
+        # the probability ratio pi / pi_old: its token mean, and its second moment for `val/ratio_var`
+        "val/ratio": ((log_ratio.detach().exp() * fmask).sum(), n_tok),
+        "val/ratio_sq": (((2 * log_ratio.detach()).exp() * fmask).sum(), n_tok),
     }
     return pg_loss + args.vf_coef * vf_loss, parts

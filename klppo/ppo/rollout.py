@@ -20,13 +20,19 @@ from .value import last_hidden_states
 
 def collate_prompts(features: list[dict], tokenizer, max_prompt_length: int | None) -> PromptBatch:
     """Tokenize dataset rows (a `prompt` column, plain or conversational) into a left-padded batch. A
-    conversational prompt goes through the tokenizer's chat template with the generation prompt; prompts
-    longer than `max_prompt_length` keep their last tokens. Other columns travel in `extra`."""
-    prompts = [f["prompt"] for f in features]
-    if is_conversational(prompts[0]):
+    conversational prompt goes through the tokenizer's chat template with the generation prompt; rows of
+    pre-tokenized `input_ids` (and no `prompt`) are used as they are, their decoded text standing for the prompt.
+    Prompts longer than `max_prompt_length` keep their last tokens. Other columns travel in `extra`."""
+    if "prompt" not in features[0]:  # pre-tokenized, as TRL's PPO scripts prepare their datasets
+        ids = [list(f["input_ids"]) for f in features]
+        features = [{k: v for k, v in f.items() if k not in ("input_ids", "attention_mask")} for f in features]
+        prompts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+    elif is_conversational(features[0]["prompt"]):
+        prompts = [f["prompt"] for f in features]
         texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
         ids = tokenizer(texts, add_special_tokens=False, padding=False)["input_ids"]
     else:
+        prompts = [f["prompt"] for f in features]
         ids = tokenizer(prompts, padding=False)["input_ids"]
     if max_prompt_length:
         ids = [x[-max_prompt_length:] for x in ids]

@@ -30,6 +30,7 @@ from torch.profiler import record_function
 from transformers import PreTrainedTokenizerBase, Trainer, set_seed
 from transformers.trainer_callback import ProgressCallback
 from trl.models.utils import unwrap_model_for_generation
+from trl.trainer.utils import use_adapter
 
 from ..kl import (
     GlobalSums,
@@ -119,14 +120,15 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
         given_path = model if isinstance(model, str) else None
         model, _, processing_class = load_policy_and_tokenizer(model, processing_class)
         specs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-        self.reward_funcs, self.reward_weights = load_reward_funcs(specs, args.reward_weights)
+        self.reward_funcs, self.reward_weights = load_reward_funcs(specs, args.reward_weights, policy_tokenizer=processing_class)
         self.reward_func_names = [reward_func_name(f) for f in self.reward_funcs]
         if args.learning_rate is None:
             args.learning_rate = default_learning_rate(model, peft_config)
             logger.info("learning_rate not set: %g (the default for this kind of fine-tuning)", args.learning_rate)
-        actor_critic, self.ref_model, self.use_adapter_reference = build_models(
-            model, given_path, args, ref_model, value_model, peft_config, self.reward_funcs
-        )
+        actor_critic, self.ref_model, self.use_adapter_reference, self.ref_adapter_name = build_models(
+            model, given_path, args, ref_model, value_model, peft_config, self.reward_funcs,
+            ref_adapter_name=getattr(args, "ref_adapter_name", None),
+        )  # fmt: skip
         if args.activation_checkpointing:
             actor_critic.activation_checkpointing_enable(args.activation_checkpointing_kwargs)
             args.activation_checkpointing = args.gradient_checkpointing = False  # done; not for Trainer to redo
@@ -355,7 +357,7 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
         )  # fmt: skip
         if self.use_adapter_reference:
             policy = self.accelerator.unwrap_model(self.model_wrapped).policy
-            with policy.disable_adapter():
+            with use_adapter(policy, self.ref_adapter_name):  # None: adapters disabled
                 logits = policy(**kwargs).logits
         else:
             logits = self.ref_model(**kwargs).logits
@@ -368,9 +370,11 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
         mask = rollout.response_mask
         completion_ids = [r[m.bool()].tolist() for r, m in zip(rollout.responses, mask)]
         completions = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
+        prompt_mask = rollout.attention_mask[:, : rollout.context_length].bool()
+        prompt_ids = [q[m].tolist() for q, m in zip(rollout.query_responses[:, : rollout.context_length], prompt_mask)]
         scores, applicable, per_function = combine_rewards(
             self.reward_funcs, self.reward_weights, self.reward_func_names, rollout.prompts, completions,
-            completion_ids, rollout.extra, self.accelerator.device,
+            completion_ids, {**rollout.extra, "prompt_ids": prompt_ids}, self.accelerator.device,
         )  # fmt: skip
         if not bool(applicable.all()) and self.is_world_process_zero():
             logger.warning(
@@ -504,6 +508,8 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
                 if (status == "nonfinite" and self.rollback_updates) or guarded:
                     break
         metrics = {**stats.means(self.accelerator), **self.kl_guard.metrics(guarded)}
+        if "val/ratio_sq" in metrics:  # the ratio's variance over the update's tokens, from its two moments
+            metrics["val/ratio_var"] = max(metrics.pop("val/ratio_sq") - metrics["val/ratio"] ** 2, 0.0)
         if guarded and self.is_world_process_zero():
             logger.info(self.kl_guard.describe(guarded, applied))
         return OptimiseResult(metrics, skipped, applied)

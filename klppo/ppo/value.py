@@ -85,6 +85,56 @@ class CriticModel(nn.Module):
             return cls(backbone, _LinearValue(score))
         return cls(backbone, ValueHead(hidden_size_of(model.config)))
 
+    HEAD_FILE = "value_head.safetensors"
+
+    def save_pretrained(self, save_directory: str, **kwargs) -> None:
+        """Save the critic in a folder of its own: the backbone in Hugging Face format (`AutoModel`) and the head
+        in `value_head.safetensors`; `CriticModel.from_pretrained(folder)`, or `value_model=folder` in the
+        trainer, loads it back (to resume elsewhere, or to start another run's critic from it). `kwargs` go to the
+        backbone's `save_pretrained` (e.g. `state_dict`, for weights gathered from shards)."""
+        import json
+        import os
+
+        from safetensors.torch import save_file
+
+        state_dict = kwargs.pop("state_dict", None)
+        if state_dict is None:
+            state_dict = self.state_dict()
+        backbone_sd = {k[len("backbone.") :]: v for k, v in state_dict.items() if k.startswith("backbone.")}
+        head_sd = {k[len("head.") :]: v.detach().cpu().contiguous() for k, v in state_dict.items() if k.startswith("head.")}
+        self.backbone.save_pretrained(save_directory, state_dict=backbone_sd, **kwargs)
+        save_file(head_sd, os.path.join(save_directory, self.HEAD_FILE))
+        with open(os.path.join(save_directory, "value_head.json"), "w") as f:
+            json.dump({"head": type(self.head).__name__}, f)
+
+    @classmethod
+    def is_saved_critic(cls, path) -> bool:
+        """Whether `path` is a folder written by `save_pretrained`."""
+        import os
+
+        return isinstance(path, (str, os.PathLike)) and os.path.isfile(os.path.join(path, cls.HEAD_FILE))
+
+    @classmethod
+    def from_pretrained(cls, path, dtype=torch.float32, **kwargs) -> "CriticModel":
+        """Load a critic saved by `save_pretrained`; `kwargs` go to `AutoModel.from_pretrained`."""
+        import json
+        import os
+
+        from safetensors.torch import load_file
+        from transformers import AutoModel
+
+        backbone = AutoModel.from_pretrained(path, dtype=dtype, **kwargs)
+        with open(os.path.join(path, "value_head.json")) as f:
+            kind = json.load(f)["head"]
+        head_sd = load_file(os.path.join(path, cls.HEAD_FILE))
+        if kind == "_LinearValue":
+            weight = head_sd["score.weight"]
+            head = _LinearValue(nn.Linear(weight.shape[1], weight.shape[0], bias="score.bias" in head_sd))
+        else:
+            head = ValueHead(hidden_size_of(backbone.config))
+        head.load_state_dict(head_sd)
+        return cls(backbone, head.to(dtype))
+
     def forward(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
         out = self.backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False

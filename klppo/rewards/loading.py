@@ -26,7 +26,7 @@ VALID_FORMS = (
 )
 
 
-def load_reward_funcs(specs, weights: Sequence[float] | None = None, **reward_model_kwargs):
+def load_reward_funcs(specs, weights: Sequence[float] | None = None, policy_tokenizer=None, **reward_model_kwargs):
     """Build reward functions and their weights.
 
     Args:
@@ -36,6 +36,11 @@ def load_reward_funcs(specs, weights: Sequence[float] | None = None, **reward_mo
             other string, taken as a reward model's local folder or Hub id and wrapped in
             :class:`~klppo.rewards.RewardModelFunction`.
         weights: one weight per spec (default: all 1.0). The trainer's score is the weighted sum.
+        policy_tokenizer: the policy's tokenizer. A reward model whose tokenizer has the same vocabulary
+            then scores the policy's token ids directly (``token_ids=True``: nothing is decoded and
+            re-encoded), and a reward model given as a module with no tokenizer of its own uses this one
+            (TRL's PPO assumed a shared tokenizer); a reward model with another vocabulary re-tokenizes
+            the text with its own tokenizer.
         reward_model_kwargs: passed to :class:`~klppo.rewards.RewardModelFunction` for reward
             models (``batch_size``, ``max_length``, ``device``, ``label_index``, ``dtype``...).
 
@@ -61,7 +66,14 @@ def load_reward_funcs(specs, weights: Sequence[float] | None = None, **reward_mo
             f"Got {len(specs)} reward functions and {len(weights)} reward weights: give one weight per "
             "reward function, or none for equal weights of 1.0."
         )
-    return [_load_one(spec, reward_model_kwargs) for spec in specs], weights
+    funcs = [_load_one(spec, reward_model_kwargs, policy_tokenizer) for spec in specs]
+    if policy_tokenizer is not None:
+        from .reward_model import RewardModelFunction
+
+        for fn in funcs:
+            if isinstance(fn, RewardModelFunction) and "token_ids" not in reward_model_kwargs:
+                fn.use_token_ids_if_shared(policy_tokenizer)
+    return funcs, weights
 
 
 def reward_func_name(fn) -> str:
@@ -73,10 +85,12 @@ def reward_func_name(fn) -> str:
     return name if isinstance(name, str) and name else type(fn).__name__
 
 
-def _load_one(spec, reward_model_kwargs: dict):
+def _load_one(spec, reward_model_kwargs: dict, policy_tokenizer=None):
     from .reward_model import RewardModelFunction
 
     if _is_module(spec):  # a model object: a PreTrainedModel is callable, but not a reward function
+        if policy_tokenizer is not None and not getattr(getattr(spec, "config", None), "name_or_path", ""):
+            reward_model_kwargs = {"tokenizer": policy_tokenizer, **reward_model_kwargs}
         return _reward_model(spec, reward_model_kwargs, RewardModelFunction)
     if callable(spec):
         return spec

@@ -27,6 +27,12 @@ class RewardModelFunction:
     Sequences are right-padded and truncated from the left to ``max_length`` tokens, so the end of
     the completion (what the reward model reads last) is always kept.
 
+    With ``token_ids=True`` the reward model reads the policy's own tokens, as TRL's PPO did: the
+    ``prompt_ids`` and ``completion_ids`` the trainer passes (the completion up to and including its
+    stop token), concatenated, with nothing decoded or re-encoded. This needs a reward model that
+    shares the policy's tokenizer; `load_reward_funcs(..., policy_tokenizer=...)` turns it on when
+    the two vocabularies are the same. The tokenizer then only gives the pad token id.
+
     Args:
         model_or_path: an ``AutoModelForSequenceClassification`` model, or a Hub id / local folder
             (or a special ``klppo:`` id) to load one from.
@@ -39,6 +45,8 @@ class RewardModelFunction:
         label_index: the logit used as reward. ``None`` requires a model with exactly one label
             (``num_labels == 1``) and uses logit 0; set it to use, e.g., the "positive" logit of a
             two-class classifier.
+        token_ids: score the policy's token ids (``prompt_ids`` + ``completion_ids``) instead of
+            re-tokenized text; needs the policy's tokenizer.
         model_kwargs: passed to ``from_pretrained`` when loading from a path (e.g. ``dtype``).
 
     Attributes:
@@ -55,6 +63,7 @@ class RewardModelFunction:
         max_length: int = 512,
         device=None,
         label_index: int | None = None,
+        token_ids: bool = False,
         **model_kwargs,
     ):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -98,7 +107,39 @@ class RewardModelFunction:
         self.max_length = max_length
         self.device = device
         self.label_index = label_index
+        self.token_ids = token_ids
         self.__name__ = Path(source.rstrip("/")).name if source else type(model).__name__
+
+    def use_token_ids_if_shared(self, policy_tokenizer) -> bool:
+        """Score token ids (``token_ids``) when this reward model's tokenizer has the same vocabulary as the
+        policy's, so that its ids mean the same tokens. Returns the choice."""
+        self.token_ids = self.tokenizer is policy_tokenizer or self.tokenizer.get_vocab() == policy_tokenizer.get_vocab()
+        return self.token_ids
+
+    @torch.no_grad()
+    def score_ids(self, sequences: list[list[int]]) -> list[float]:
+        """Scores of token-id sequences (each prompt + completion), cut from the left to ``max_length``.
+
+        Rows are left-padded (masked, with position ids counted from the first real token, as TRL's
+        ``get_reward`` did), so the last position holds each row's last token whatever the pad id, which may
+        lie outside the reward model's vocabulary (a pad token the policy's tokenizer added). As in TRL, a
+        trailing token equal to the model's pad id (an EOS that doubles as pad) is not the one scored."""
+        device = self.device if self.device is not None else next(self.model.parameters()).device
+        was_training = self.model.training
+        self.model.eval()
+        scores: list[float] = []
+        try:
+            for start in range(0, len(sequences), self.batch_size):
+                batch = [list(s)[-self.max_length :] for s in sequences[start : start + self.batch_size]]
+                width = max(len(s) for s in batch)
+                input_ids = torch.tensor([[0] * (width - len(s)) + s for s in batch], device=device)
+                mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in batch], device=device)
+                position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+                logits = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids).logits
+                scores.extend(logits[:, self.label_index].float().tolist())
+        finally:
+            self.model.train(was_training)
+        return scores
 
     def __repr__(self) -> str:
         return f"RewardModelFunction({self.__name__!r}, batch_size={self.batch_size}, max_length={self.max_length})"
@@ -118,9 +159,16 @@ class RewardModelFunction:
         return completion_text(prompt) + completion_text(completion), False
 
     @torch.no_grad()
-    def __call__(self, prompts, completions, completion_ids=None, **kwargs) -> list[float]:
+    def __call__(self, prompts, completions, completion_ids=None, prompt_ids=None, **kwargs) -> list[float]:
         if len(prompts) != len(completions):
             raise ValueError(f"Got {len(prompts)} prompts and {len(completions)} completions: they must pair up.")
+        if self.token_ids:
+            if prompt_ids is None or completion_ids is None:
+                raise ValueError(
+                    f"{self!r} scores token ids (token_ids=True) but was called without `prompt_ids` and "
+                    "`completion_ids`; KLPPOTrainer passes both. Called by hand, pass them, or use token_ids=False."
+                )
+            return self.score_ids([list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)])
         formatted = [self.format(p, c) for p, c in zip(prompts, completions)]
         device = self.device if self.device is not None else next(self.model.parameters()).device
         was_training = self.model.training
