@@ -878,3 +878,42 @@ def test_a_resumed_run_continues_the_tracking_controller_exactly(tiny_path, prom
     ended = make_trainer(tiny_path, prompts, make_args(tmp_path, output_dir=str(tmp_path / "ended"), **{**kw, "max_steps": 2}))
     ended.train(resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-2"))
     assert ended.state.global_step == 2 and ended.kl_guard.low_armed is True
+
+
+def _sequence_classifier(tmp_path, name: str, config) -> str:
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    torch.manual_seed(0)
+    path = tmp_path / name
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(path)
+    return path
+
+
+def test_reward_critic_needs_the_policy_vocabulary_and_causal_attention(tiny_path, prompts, tmp_path):
+    """`critic_init="reward"` feeds the policy's token ids to a copy of the reward model: a causal reward model of
+    the policy's tokenizer trains; one with another vocabulary, or a bidirectional one, is refused with the fix."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoConfig, AutoTokenizer, BertConfig, PreTrainedTokenizerFast
+
+    same = _sequence_classifier(tmp_path, "same", AutoConfig.from_pretrained(tiny_path, num_labels=1))
+    AutoTokenizer.from_pretrained(tiny_path).save_pretrained(same)
+    args = make_args(tmp_path, critic="separate", critic_init="reward")
+    trainer = make_trainer(tiny_path, prompts, args, reward_funcs=str(same))
+    before = {n: p.detach().clone() for n, p in trainer.model.critic.named_parameters()}
+    trainer.train()
+    assert any(not torch.equal(before[n], p) for n, p in trainer.model.critic.named_parameters())
+
+    other = _sequence_classifier(tmp_path, "other", AutoConfig.from_pretrained(tiny_path, num_labels=1))
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, "[PAD]": 1, "good": 2}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]", pad_token="[PAD]").save_pretrained(other)
+    with pytest.raises(ValueError, match="vocabulary differs from the policy's.*critic_init='policy'"):
+        make_trainer(tiny_path, prompts, make_args(tmp_path, critic="separate", critic_init="reward"), reward_funcs=str(other))
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    bert = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      intermediate_size=64, num_labels=1, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    bidirectional = _sequence_classifier(tmp_path, "bert", bert)
+    tokenizer.save_pretrained(bidirectional)
+    with pytest.raises(ValueError, match="not a causal"):
+        make_trainer(tiny_path, prompts, make_args(tmp_path, critic="separate", critic_init="reward"), reward_funcs=str(bidirectional))

@@ -192,8 +192,26 @@ def build_critic(value_model, args: KLPPOConfig, policy_start, reward_funcs) -> 
             return CriticModel.from_model(policy_start)
         source = policy_start
     elif source == "reward":
-        reward_model = next((f.model for f in reward_funcs if hasattr(f, "model")), None)
-        if reward_model is None:
+        reward_fn = next((f for f in reward_funcs if hasattr(f, "model")), None)
+        if reward_fn is None:
             raise ValueError("critic_init='reward' needs a reward model among `reward_funcs`.")
-        return CriticModel.from_model(copy_model(reward_model))
+        check_critic_reads_policy_tokens(reward_fn)
+        return CriticModel.from_model(copy_model(reward_fn.model).requires_grad_(True))  # the reward model is frozen
     return CriticModel.from_model(load_causal_lm(source))
+
+
+def check_critic_reads_policy_tokens(reward_fn) -> None:
+    """A critic started from a reward model reads the POLICY's token ids, one value per position from the tokens
+    before it: the reward model must share the policy's vocabulary and attend causally. Anything else is refused
+    in one paragraph that names the fix."""
+    flags = [m.is_causal for m in reward_fn.model.modules() if isinstance(getattr(m, "is_causal", None), bool)]
+    causal = bool(flags) and all(flags)  # transformers' attention modules say whether they mask the future
+    shared = bool(getattr(reward_fn, "token_ids", False))  # set when its vocabulary is the policy's
+    if not (causal and shared):
+        why = "its tokenizer's vocabulary differs from the policy's" if not shared else (
+            f"{type(reward_fn.model).__name__} is not a causal (decoder-only) model: its values would see later tokens")
+        raise ValueError(
+            f"critic_init='reward' cannot start the critic from this reward model: {why}. The critic scores the "
+            "policy's own token ids at every response position. Use critic_init='policy' (the default), "
+            "critic='shared', or a reward model of the policy's family (same tokenizer), or pass value_model=."
+        )
