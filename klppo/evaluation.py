@@ -114,9 +114,11 @@ def evaluate_policy(trainer) -> dict[str, float]:
 
         trainer.heldout_texts = load_heldout_texts(max_texts=args.heldout_eval_texts)
     policy = acc.unwrap_model(trainer.model_wrapped).policy
-    metrics = {
-        "eval/perplexity": heldout_perplexity(policy, trainer.processing_class, trainer.heldout_texts, accelerator=acc)
-    }
+    from .ppo.engines import root_unsharded
+
+    with root_unsharded(trainer.model_wrapped):  # the forward enters through the policy, not the FSDP root
+        perplexity = heldout_perplexity(policy, trainer.processing_class, trainer.heldout_texts, accelerator=acc)
+    metrics = {"eval/perplexity": perplexity}
     prompts = trainer.eval_prompts
     if prompts is not None:
         n = min(len(prompts), args.local_rollout_batch_size)

@@ -144,7 +144,9 @@ class CheckpointMixin:
         if self.nonfinite_guard.stopped:
             return False
         unwrapped = self.accelerator.unwrap_model(self.model_wrapped)
-        shards = [getattr(p, "ds_tensor", p) for p in unwrapped.parameters() if p.requires_grad]
+        # this rank's shard: ZeRO-3's `ds_tensor`, FSDP2's local tensor, else the whole weight
+        shards = [p.to_local() if hasattr(p, "to_local") else getattr(p, "ds_tensor", p)
+                  for p in unwrapped.parameters() if p.requires_grad]  # fmt: skip
         bad = torch.tensor(float(not all(bool(torch.isfinite(t).all()) for t in shards)), device=self.accelerator.device)
         return all_reduce_sum(bad, self.accelerator).item() == 0
 

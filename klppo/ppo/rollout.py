@@ -354,6 +354,7 @@ def generate_responses(
     value_head=None,
     suppressed: torch.Tensor | None = None,
     keep_logits: bool = False,
+    synced: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, list[torch.Tensor] | None]:
     """Sample responses for left-padded prompts in chunks of `chunk` sequences.
 
@@ -363,6 +364,8 @@ def generate_responses(
     critic). `suppressed` token ids are masked out of the scored log-softmax, as in `response_logits`.
     Full-vocabulary logits exist for one chunk at a time, unless `keep_logits` (with `temperature`) returns
     them: the scaled, masked logits of each chunk, for a logits-based KL statistic without a scoring pass.
+    `synced` keeps every rank generating until all have finished (`synced_gpus`): sharded weights (FSDP) need
+    every rank in every forward pass.
 
     Returns:
         `(responses [B, R], logp [B, R] or None, values [B, R] or None, logits)`, right-padded (pad token /
@@ -384,6 +387,7 @@ def generate_responses(
                 attention_mask=attention_mask[start : start + chunk],
                 generation_config=generation_config,
                 logits_processor=processors,
+                synced_gpus=synced or None,  # None: transformers decides (on under DeepSpeed ZeRO-3)
             )
         if processors is not None:
             processors[0].raise_if_nonfinite()

@@ -183,6 +183,15 @@ class ActorCritic(nn.Module):
     def config(self):
         return self.policy.config
 
+    @property
+    def _no_split_modules(self) -> list[str]:
+        """The transformer blocks of the policy and the critic: the units FSDP's transformer-based wrap shards."""
+        blocks = set(getattr(self.policy, "_no_split_modules", None) or [])
+        if self.critic is not None:
+            backbone = self.critic.backbone
+            blocks |= set(getattr(backbone, "_no_split_modules", None) or [])
+        return sorted(blocks)
+
     def forward(
         self, input_ids, attention_mask=None, position_ids=None, compute_values: bool = True, response_length: int = 0
     ):
