@@ -57,3 +57,18 @@ def tiny_model_and_tokenizer(tiny_model_path):
     from klppo.models import tiny_model_and_tokenizer as build
 
     return build()
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_model_path(tiny_model_path, tmp_path_factory):
+    """A random one-output Llama sequence classifier with the tiny tokenizer, saved to disk (a reward model)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(tiny_model_path, num_labels=1)
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(config)
+    path = tmp_path_factory.mktemp("tiny-rm")
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny_model_path).save_pretrained(path)
+    return path

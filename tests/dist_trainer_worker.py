@@ -73,13 +73,18 @@ def make_trainer(out_dir: str, **overrides) -> KLPPOTrainer:
     )
 
 
-def run_update(rollout_path: str, out_dir: str, grad_accum: int) -> dict:
-    trainer = make_trainer(out_dir, gradient_accumulation_steps=grad_accum)
-    acc = trainer.accelerator
+def rank_share(rollout_path: str, acc):
+    """This rank's contiguous slice of a saved `(rollout, rewards)`."""
     full_rollout, full_rewards = torch.load(rollout_path, weights_only=False)
     per_rank = full_rollout.batch_size // acc.num_processes
     rows = slice(acc.process_index * per_rank, (acc.process_index + 1) * per_rank)
-    rollout, rewards = full_rollout.select(rows), full_rewards.select(rows)
+    return full_rollout.select(rows), full_rewards.select(rows)
+
+
+def run_update(rollout_path: str, out_dir: str, grad_accum: int) -> dict:
+    trainer = make_trainer(out_dir, gradient_accumulation_steps=grad_accum)
+    acc = trainer.accelerator
+    rollout, rewards = rank_share(rollout_path, acc)
     trainer.setup_optimisation(num_updates=1)
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if p.requires_grad}
     coef_before = trainer.kl_controller.value
@@ -147,10 +152,7 @@ def run_engine_update(rollout_path: str, out_dir: str) -> None:
     trainer = make_trainer(out_dir, per_device_train_batch_size=1, gradient_accumulation_steps=2, num_mini_batches=2,
                            learning_rate=0.05, kl_mode="reward", nonfinite_rollback=False)  # fmt: skip
     acc = trainer.accelerator
-    full_rollout, full_rewards = torch.load(rollout_path, weights_only=False)
-    per_rank = full_rollout.batch_size // acc.num_processes
-    rows = slice(acc.process_index * per_rank, (acc.process_index + 1) * per_rank)
-    rollout, rewards = full_rollout.select(rows), full_rewards.select(rows)
+    rollout, rewards = rank_share(rollout_path, acc)
     trainer.setup_optimisation(num_updates=1)
     before = full_weights(trainer)
     penalty = trainer.apply_kl(rollout, rewards)

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForSequenceClassification
 
 from klppo.rewards import (
     RewardModelFunction,
@@ -98,18 +98,6 @@ def test_unloadable_model_spec_explains_the_forms(tmp_path):
     message = str(err.value)
     assert "no-such-reward-model" in message and "sequence-classification" in message
     assert "'package.module:function'" in message and "klppo:sentiment" in message
-
-
-@pytest.fixture(scope="module")
-def tiny_reward_model_path(tiny_model_path, tmp_path_factory):
-    """A random 1-label Llama sequence classifier with the tiny tokenizer, saved to disk."""
-    config = AutoConfig.from_pretrained(tiny_model_path, num_labels=1)
-    torch.manual_seed(0)
-    model = AutoModelForSequenceClassification.from_config(config)
-    path = tmp_path_factory.mktemp("tiny-rm")
-    model.save_pretrained(path)
-    AutoTokenizer.from_pretrained(tiny_model_path).save_pretrained(path)
-    return path
 
 
 def test_reward_model_by_path(tiny_reward_model_path):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from klppo import KLPPOConfig, KLPPOTrainer, PPOConfig, PPOTrainer
 from klppo.models import TINY_MODEL, load_causal_lm, load_tokenizer, resolve_model_path
@@ -54,15 +54,9 @@ def tiny_path():
 
 
 @pytest.fixture(scope="module")
-def reward_model_path(tiny_path, tmp_path_factory):
-    """A random one-output Llama sequence classifier with the tiny tokenizer (TRL's `reward_model_path`)."""
-    config = AutoConfig.from_pretrained(tiny_path, num_labels=1)
-    torch.manual_seed(0)
-    model = AutoModelForSequenceClassification.from_config(config)
-    path = tmp_path_factory.mktemp("tiny-rm")
-    model.save_pretrained(path)
-    AutoTokenizer.from_pretrained(tiny_path).save_pretrained(path)
-    return str(path)
+def reward_model_path(tiny_reward_model_path):
+    """TRL's `reward_model_path`: a one-output sequence classifier with the tiny tokenizer."""
+    return str(tiny_reward_model_path)
 
 
 def base_args(tmp_path, **overrides) -> dict:
