@@ -881,7 +881,7 @@ def test_a_resumed_run_continues_the_tracking_controller_exactly(tiny_path, prom
 
 
 def _sequence_classifier(tmp_path, name: str, config) -> str:
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModelForSequenceClassification
 
     torch.manual_seed(0)
     path = tmp_path / name
