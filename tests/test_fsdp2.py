@@ -1,7 +1,7 @@
 """FSDP2 pieces on CPU (gloo, one process, `torch.distributed.fsdp.fully_shard` without accelerate, which turns
 FSDP on only on GPUs): the actor-critic names its transformer blocks for the transformer-based wrap, and a
 forward that enters through the policy instead of the FSDP root works only with the root unsharded, and then
-gives the unsharded model's logits (generation likewise).
+gives the unsharded model's logits (generation likewise); a checkpoint's whole weights load into the shards.
 
 The sharding runs in a subprocess (this file run as a script), so that its process group does not leak into the
 other tests.
@@ -29,6 +29,7 @@ def test_fsdp2_root_unsharded_for_off_root_forwards(tiny_model_path, tmp_path):
     assert "DTensor" in result["error_without_unshard"]  # the pitfall: the root's weights are still sharded
     assert result["logits_match"] is True and result["generation_matches"] is True
     assert result["resharded_after"] is True
+    assert result["loaded_logits_match"] is True and result["loaded_differs_from_before"] is True
 
 
 def _run(out_path: str) -> None:
@@ -39,7 +40,7 @@ def _run(out_path: str) -> None:
     from torch.distributed.tensor import DTensor
 
     from klppo.models import tiny_model_and_tokenizer
-    from klppo.ppo.engines import root_unsharded
+    from klppo.ppo.engines import load_full_weights, root_unsharded
     from klppo.ppo.value import ActorCritic, ValueHead
 
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", MASTER_PORT=os.environ.get("MASTER_PORT", "29591"))
@@ -71,6 +72,15 @@ def _run(out_path: str) -> None:
     result["logits_match"] = bool(torch.allclose(logits, expected, atol=1e-6))
     result["generation_matches"] = bool(torch.equal(generation, expected_generation))
     result["resharded_after"] = isinstance(model.lm_head.weight, DTensor)
+    # resuming: a checkpoint's whole weights go into the sharded actor-critic
+    torch.manual_seed(1)
+    other, _ = tiny_model_and_tokenizer(seed=1)
+    saved = {f"policy.{name}": value for name, value in other.state_dict().items()}
+    load_full_weights(actor_critic, saved)
+    with torch.no_grad(), root_unsharded(actor_critic):
+        reloaded = model(ids).logits
+    result["loaded_logits_match"] = bool(torch.allclose(reloaded, other(ids).logits, atol=1e-6))
+    result["loaded_differs_from_before"] = not bool(torch.allclose(reloaded, expected, atol=1e-3))
     with open(out_path, "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()

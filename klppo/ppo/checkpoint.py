@@ -18,6 +18,8 @@ import shutil
 import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from .engines import load_full_weights
+
 logger = logging.getLogger(__name__)
 
 CONTROLLER_STATE_NAME = "kl_controller.json"
@@ -231,7 +233,7 @@ class CheckpointMixin:
 
             deepspeed_load_checkpoint(self.model_wrapped, checkpoint, load_module_strict=False)
         else:
-            unwrapped.load_state_dict(weights, strict=False)
+            load_full_weights(unwrapped, weights)
         self._load_optimizer_and_scheduler(checkpoint)
         self._load_rng_state(checkpoint)
         max_steps = self.state.max_steps

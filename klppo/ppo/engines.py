@@ -34,3 +34,20 @@ def root_unsharded(model: nn.Module):
         yield
     finally:
         model.reshard()
+
+
+def load_full_weights(model: nn.Module, weights: dict) -> None:
+    """Load whole tensors (a klppo checkpoint's trainable weights) into the matching weights of `model`; a weight
+    that FSDP2 shards (a DTensor) takes its shard of the whole tensor. Weights not named are left as they are."""
+    import torch
+
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in weights.items():
+            param = params[name]
+            value = value.to(device=param.device, dtype=param.dtype)
+            if hasattr(param, "device_mesh"):  # a DTensor: this rank's shard, laid out as the weight is
+                from torch.distributed.tensor import distribute_tensor
+
+                value = distribute_tensor(value, param.device_mesh, param.placements)
+            param.copy_(value)

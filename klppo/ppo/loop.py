@@ -84,10 +84,13 @@ class TrainingLoopMixin:
             num_updates = self.num_updates() if num_updates is None else num_updates
             optimizer_steps = num_updates * args.num_ppo_epochs * args.num_mini_batches
             self.create_optimizer_and_scheduler(num_training_steps=optimizer_steps)
+            # checkpoints hold every trainable weight in full: ZeRO-3 gathers them when saving, FSDP saves a full
+            # state dict (a sharded one would bypass klppo's checkpoint files)
             if self.is_deepspeed_enabled:
-                # checkpoints hold every trainable weight in full: ZeRO-3 gathers them when saving
                 zero = self.accelerator.state.deepspeed_plugin.deepspeed_config.setdefault("zero_optimization", {})
                 zero["stage3_gather_16bit_weights_on_model_save"] = True
+            if self.is_fsdp_enabled:
+                self.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
             self.model_wrapped, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
             if self.is_deepspeed_enabled:
                 self.deepspeed = self.model_wrapped
