@@ -1,12 +1,12 @@
-"""The klppo side of `scripts/bench.py`, run in a fresh process per measurement.
+"""The klppo side of `benchmarks/bench.py`, run in a fresh process per measurement.
 
 Two jobs, each printing one JSON object (also written to `--out`):
 
-    python scripts/bench_klppo.py train --model-path DIR --prompts prompts.json --workload a
-    python scripts/bench_klppo.py kl-memory --variant chunked --positions 64 --vocab 49152
+    python benchmarks/bench_klppo.py train --model-path DIR --prompts prompts.json --workload a
+    python benchmarks/bench_klppo.py kl-memory --variant chunked --positions 64 --vocab 49152
 
 `train` runs `warmup + updates` PPO updates of `KLPPOTrainer` on a workload and reports the same
-fields as `scripts/bench_peer.py` (see there for the peer's phase definitions):
+fields as `benchmarks/bench_peer.py` (see there for the peer's phase definitions):
 
   a: the peer's layout: policy, a separately loaded frozen reference, a value model and a reward
      model, both `AutoModelForSequenceClassification(num_labels=1)` built from the base

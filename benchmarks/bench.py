@@ -1,15 +1,15 @@
 """Side-by-side benchmark: klppo's `KLPPOTrainer` against TRL 1.12's PPO trainer (the peer).
 
-    python scripts/bench.py --model tiny                        # both workloads, 3 alternating repeats
-    python scripts/bench.py --model smollm2 --repeats 3 --warmup 1 --updates 3
-    python scripts/bench.py --quick                             # tiny model, klppo only, 2 updates
+    python benchmarks/bench.py --model tiny                        # both workloads, 3 alternating repeats
+    python benchmarks/bench.py --model smollm2 --repeats 3 --warmup 1 --updates 3
+    python benchmarks/bench.py --quick                             # tiny model, klppo only, 2 updates
 
 TRL removed its PPO trainer in 1.13, so the peer runs in a virtual environment of its own
 (`$KLPPO_BENCH_PEER_VENV`, default ~/.cache/klppo/bench-peer-venv), which this script creates on
 first use: torch==2.13.0 first (an open pin pulls a CUDA build), then trl==1.12.0 and peft.
 
-Every measurement is a fresh subprocess (`scripts/bench_klppo.py` in this environment,
-`scripts/bench_peer.py` in the peer's), so peak RSS belongs to one run; klppo and peer runs
+Every measurement is a fresh subprocess (`benchmarks/bench_klppo.py` in this environment,
+`benchmarks/bench_peer.py` in the peer's), so peak RSS belongs to one run; klppo and peer runs
 alternate (klppo first in even repeats, the peer first in odd ones) so that a slow spell of a shared
 machine hits both sides. Matched settings: the same model folder, the same prompts (plain text),
 `--batch-size` prompts per update, `--response-length` sampled tokens (no stop token, so both sides
@@ -50,8 +50,8 @@ import tempfile
 import time
 from pathlib import Path
 
-SCRIPTS = Path(__file__).resolve().parent
-REPO_ROOT = SCRIPTS.parent
+HERE = Path(__file__).resolve().parent
+REPO_ROOT = HERE.parent
 
 import bench_assets  # this script's folder is on sys.path
 
@@ -181,8 +181,8 @@ def train_cmd(side: str, args, workload: str, model_path: str, prompts: Path) ->
         "--response-length", str(args.response_length),
     ]  # fmt: skip
     if side == "klppo":
-        return [sys.executable, str(SCRIPTS / "bench_klppo.py"), "train", *common]
-    return [str(bench_assets.peer_python()), str(SCRIPTS / "bench_peer.py"), *common]
+        return [sys.executable, str(HERE / "bench_klppo.py"), "train", *common]
+    return [str(bench_assets.peer_python()), str(HERE / "bench_peer.py"), *common]
 
 
 def summarise_side(runs: list[dict], side: str) -> dict:
@@ -239,7 +239,7 @@ def kl_memory_check(args, workdir: Path) -> dict:
     results = {}
     for variant in ("chunked", "dense", "naive"):
         cmd = [
-            sys.executable, str(SCRIPTS / "bench_klppo.py"), "kl-memory",
+            sys.executable, str(HERE / "bench_klppo.py"), "kl-memory",
             "--variant", variant,
             "--positions", str(args.kl_positions),
             "--vocab", str(args.kl_vocab),
@@ -463,7 +463,7 @@ def main(argv=None) -> dict:
     if args.render:
         return render(Path(args.render))
     THREADS["n"] = args.threads
-    command = "python scripts/bench.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    command = "python benchmarks/bench.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.with_peer:

@@ -1,10 +1,10 @@
-"""The peer side of `scripts/bench.py`: TRL 1.12's `trl.experimental.ppo.PPOTrainer`, timed.
+"""The peer side of `benchmarks/bench.py`: TRL 1.12's `trl.experimental.ppo.PPOTrainer`, timed.
 
 Runs inside the peer's own virtual environment (trl==1.12.0, the last TRL with a PPO trainer) and
-imports nothing from klppo. `scripts/bench.py` creates that environment and calls this script; to
+imports nothing from klppo. `benchmarks/bench.py` creates that environment and calls this script; to
 run it by hand:
 
-    ~/.cache/klppo/bench-peer-venv/bin/python scripts/bench_peer.py \
+    ~/.cache/klppo/bench-peer-venv/bin/python benchmarks/bench_peer.py \
         --model-path MODEL_DIR --prompts prompts.json --workload a --warmup 1 --updates 3
 
 It trains `warmup + updates` PPO updates and prints one JSON object (also written to `--out`):

@@ -1,4 +1,4 @@
-"""Assets for `scripts/bench.py`: model folders, prompts and the peer's virtual environment.
+"""Assets for `benchmarks/bench.py`: model folders, prompts and the peer's virtual environment.
 
 Runs in klppo's own environment (never inside the peer's). Both sides of the benchmark load the
 same local model folder (from `klppo.models`) and receive the same prompts as plain strings (a JSON

@@ -1,6 +1,6 @@
-"""The peer side of `scripts/learn_vs_peer.py`: TRL 1.12's PPO trained on klppo's default task.
+"""The peer side of `benchmarks/learn_vs_peer.py`: TRL 1.12's PPO trained on klppo's default task.
 
-Runs inside the peer's virtual environment (`scripts/bench.py` creates it; this script also needs
+Runs inside the peer's virtual environment (`benchmarks/bench.py` creates it; this script also needs
 `vaderSentiment` there) and imports nothing from klppo. The task is klppo's `configs/default.yaml`:
 SmolLM2-135M-Instruct, LoRA r=16 / alpha=32 on every attention and MLP projection with the
 adapter-disabled reference, 32 sampled sequences of 12 tokens per update (8 x 4 mini-batches), one PPO
@@ -15,7 +15,7 @@ response position. Here the "backbone" passes the token ids through and `score` 
 prompt / response split is the `context_length` TRL passes to `get_reward`, handed to the module by a
 wrapper around that function.
 
-    PEER/bin/python scripts/learn_peer.py --model-path DIR --prompts prompts.json --learning-rate 5e-4 \
+    PEER/bin/python benchmarks/learn_peer.py --model-path DIR --prompts prompts.json --learning-rate 5e-4 \
         --seed 0 --out run.json
 
 Writes `{"settings": ..., "log_history": trainer.state.log_history}` (per update: `objective/scores`, the

@@ -3,7 +3,7 @@
 The task is klppo's default job (`configs/default.yaml`: SmolLM2-135M-Instruct with LoRA, VADER sentiment of
 the completion, 32 sequences of 12 tokens per update, 36 updates = 1,152 sampled sequences). klppo runs it as
 shipped (tracking controller, target 4 nats per sequence, starting at beta 0.07); the peer
-(`scripts/learn_peer.py`, TRL 1.12 `trl.experimental.ppo.PPOTrainer` in its own virtual environment) runs the
+(`benchmarks/learn_peer.py`, TRL 1.12 `trl.experimental.ppo.PPOTrainer` in its own virtual environment) runs the
 same model, adapter, prompts, batch layout and reward with its own layout (a separate value model) and a
 fixed beta of 0.07, k1 in the reward, as TRL has no controller.
 
@@ -11,8 +11,8 @@ Each side gets a learning-rate sweep on seed 0; the best rate (largest reward sl
 the other seeds. Reward gained per 1,000 sequences is the least-squares slope of the per-update mean reward
 (`objective/scores`, the raw reward before any KL penalty) against sequences sampled, times 1,000.
 
-    python scripts/learn_vs_peer.py run      # the sweep, then the best rates on seeds 1 and 2 (2 processes)
-    python scripts/learn_vs_peer.py report   # results/learn_vs_peer/: summary.md, summary.json, curves.png
+    python benchmarks/learn_vs_peer.py run      # the sweep, then the best rates on seeds 1 and 2 (2 processes)
+    python benchmarks/learn_vs_peer.py report   # results/learn_vs_peer/: summary.md, summary.json, curves.png
 
 Runs are resumable: a run whose output exists is not repeated. One torch thread per process.
 """
@@ -65,7 +65,7 @@ def run_command(side: str, lr: float, seed: int, runs: Path) -> list[str]:
     if not prompts.exists():  # the default job's training prompts, as plain strings
         prompts.write_text(json.dumps(offline_prompts("train"), indent=0))
     return [
-        str(bench_assets.ensure_peer_venv()), str(ROOT / "scripts" / "learn_peer.py"),
+        str(bench_assets.ensure_peer_venv()), str(ROOT / "benchmarks" / "learn_peer.py"),
         "--model-path", bench_assets.resolve_model("smollm2"), "--prompts", str(prompts),
         "--learning-rate", str(lr), "--seed", str(seed), "--out", str(runs / f"{name}.json"),
     ]  # fmt: skip
@@ -184,7 +184,7 @@ def summary_markdown(result: dict) -> str:
     lines = [
         "# Learning against the peer: klppo vs TRL 1.12 PPO on the default task",
         "",
-        "Command: `python scripts/learn_vs_peer.py run && python scripts/learn_vs_peer.py report`. "
+        "Command: `python benchmarks/learn_vs_peer.py run && python benchmarks/learn_vs_peer.py report`. "
         f"Rates swept on seed {result['sweep_seed']}; the best rate of each side then ran on every seed. "
         "Reward gained per 1,000 sampled sequences: least-squares slope of the per-update mean reward "
         "(VADER compound score, before any KL penalty) against sequences sampled, x 1,000. KL: nats per "

@@ -1,6 +1,6 @@
 """How far the log-probs read from generation (KV cache) are from a recomputed forward pass, per dtype.
 
-    python scripts/bf16_logprobs.py --out results/bf16_logprobs
+    python research/bf16_logprobs.py --out results/bf16_logprobs
 
 klppo can read the sampling policy's log-probs from `generate`'s own logits instead of a second forward pass. That
 is exact only if the cached and uncached paths compute the same logits. This script samples responses from the

@@ -1,7 +1,8 @@
 """How well can any beta controller hold the KL? A plant model fitted to compare runs, and the floor it implies.
 
-    python scripts/plant_model.py --runs 'results/compare_long_words_v2_*/runs/*.json' --target 4 \
-        --out results/plant_model/long_words.json
+    python research/plant_model.py --runs 'OUT/runs/*.json' --target 4 --out plant_model.json
+
+where OUT is a `scripts/compare.py` results folder that kept its per-update run records (`runs/`).
 
 Each run record of `scripts/compare.py` holds, per update t, the coefficient beta_t that update used and the KL
 its rollout read (the controller's statistic, `kl/full` where logged, else `kl/k1`). From update `--start` on
@@ -47,9 +48,7 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from klppo.kl.controllers import TrackingKLController  # noqa: E402
+from klppo.kl.controllers import TrackingKLController
 
 
 def load_series(patterns: list[str]) -> list[tuple[str, np.ndarray, np.ndarray]]:
@@ -247,7 +246,7 @@ def main(argv=None) -> None:
                       + ("  (shipped gains)" if r in shipped else ""))
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        report = {"command": "python scripts/plant_model.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        report = {"command": "python research/plant_model.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                   "model": model, "floors": floors, "simulated": sims, "grid": swept,
                   "settings": {k: v for k, v in vars(args).items() if k not in ("runs", "out")}, "runs": args.runs}
         with open(args.out, "w") as fh:
