@@ -19,12 +19,21 @@ def test_every_results_folder_is_cited():
     assert not uncited, f"results folders cited nowhere in README.md or docs/: {uncited}"
 
 
-def test_relative_links_resolve():
+def anchors(path: Path) -> set[str]:
+    """GitHub's anchors of a markdown file's headings: lower case, punctuation dropped, spaces as hyphens."""
+    headings = re.findall(r"^#+ (.+)$", path.read_text(encoding="utf-8"), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_relative_links_and_their_anchors_resolve():
     broken = []
     for path in DOCS:
-        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text(encoding="utf-8")):
-            if "://" not in target and not (path.parent / target).exists():
-                broken.append(f"{path.relative_to(ROOT)}: {target}")
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", path.read_text(encoding="utf-8")):
+            if "://" in target:
+                continue
+            linked = (path.parent / target).resolve() if target else path
+            if not linked.exists() or (anchor and linked.suffix == ".md" and anchor not in anchors(linked)):
+                broken.append(f"{path.relative_to(ROOT)}: {target}#{anchor}")
     assert not broken, broken
 
 

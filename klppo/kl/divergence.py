@@ -233,7 +233,7 @@ def stale_readme_tables(text: str) -> list[str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="Print, write or check the README's estimator and controller tables.")
+    parser = argparse.ArgumentParser(description="Print, write or check the estimator and controller tables of docs/kl.md.")
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--write-readme", metavar="PATH", help="rewrite the table between the markers in PATH")
     group.add_argument("--check", metavar="PATH", help="exit 1 if the table in PATH is out of date")
