@@ -189,7 +189,7 @@ def cli(argv=None) -> int:
         return 2
     except (ValueError, TypeError) as err:
         # configuration mistakes (unknown YAML key, invalid KL field, ...) are caught at parse time
-        print(f"error: {err}\nSee `python scripts/train.py --help` and the README's configuration reference.", file=sys.stderr)
+        print(f"error: {err}\nSee `python scripts/train.py --help` and docs/configuration.md.", file=sys.stderr)
         return 2
     try:
         main(parsed)

@@ -1,7 +1,8 @@
 """Reward at equal KL: a controlled arm against the fixed-beta frontier, seed by seed.
 
-    python scripts/frontier.py --arm results/compare_default_v2_confirm/summary.json:tracking \
-        --fixed results/compare_default_confirm/summary.json:fixed-0.035,fixed-0.06
+    python scripts/frontier.py --arm results/compare_default_startup_confirm/summary.json:tracking-two-sided \
+        --fixed results/compare_default_confirm/summary.json:fixed-0.035,fixed-0.06 \
+        results/compare_default_fixed008_confirm/summary.json:fixed-0.08
 
 For every seed the controlled arm and the fixed arms share, the fixed arms' (final KL, final reward) points are
 joined by straight lines (extended past the outer points with the nearest segment's slope), and read at the

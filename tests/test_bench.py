@@ -1,4 +1,4 @@
-"""`scripts/bench.py --quick`: the klppo side of the benchmark runs and reports finite figures.
+"""`benchmarks/bench.py --quick`: the klppo side of the benchmark runs and reports finite figures.
 
 The peer (TRL 1.12 in a virtual environment of its own) is left out: installing it takes minutes.
 """
@@ -26,7 +26,7 @@ def positive(x) -> bool:
 @pytest.mark.slow
 def test_quick_bench_writes_finite_figures(tmp_path):
     done = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "scripts" / "bench.py"), "--quick", "--profile", "--out", str(tmp_path)],
+        [sys.executable, str(REPO_ROOT / "benchmarks" / "bench.py"), "--quick", "--profile", "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=900,
@@ -37,7 +37,7 @@ def test_quick_bench_writes_finite_figures(tmp_path):
     assert (tmp_path / "tiny-quick.md").read_text().startswith("# klppo vs TRL 1.12 PPO")
 
     assert report["model"] == "tiny"
-    assert report["command"].startswith("python scripts/bench.py")
+    assert report["command"].startswith("python benchmarks/bench.py")
     assert report["machine"]["cpu_count"] >= 1 and report["machine"]["torch"]
     assert set(report["workloads"]) == {"a", "b"}
     for name, workload in report["workloads"].items():
@@ -69,7 +69,7 @@ def test_quick_bench_writes_finite_figures(tmp_path):
 
 @pytest.mark.slow
 def test_quick_growth_writes_a_table_slopes_and_a_plot(tmp_path):
-    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "bench.py"), "--quick", "--growth", "2x4,2x8,4x4", "--out", str(tmp_path)]
+    cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "bench.py"), "--quick", "--growth", "2x4,2x8,4x4", "--out", str(tmp_path)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "growth.json").read_text())
@@ -82,7 +82,7 @@ def test_quick_growth_writes_a_table_slopes_and_a_plot(tmp_path):
 
 def test_growth_slopes_are_exact_on_power_laws(monkeypatch):
     """time = 0.01 * length^2 * batch: slope 2 against the length, 1 against the batch."""
-    monkeypatch.syspath_prepend(str(REPO_ROOT / "scripts"))
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "benchmarks"))
     import bench
 
     def point(batch, length):

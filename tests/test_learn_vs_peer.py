@@ -1,4 +1,4 @@
-"""scripts/learn_vs_peer.py: the reward slope and the paired ratio, on hand-made runs (no training)."""
+"""benchmarks/learn_vs_peer.py: the reward slope and the paired ratio, on hand-made runs (no training)."""
 
 import importlib.util
 import json
@@ -10,7 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("klppo_learn_vs_peer", os.path.join(ROOT, "scripts", "learn_vs_peer.py"))
+    spec = importlib.util.spec_from_file_location("klppo_learn_vs_peer", os.path.join(ROOT, "benchmarks", "learn_vs_peer.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

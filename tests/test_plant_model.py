@@ -1,4 +1,4 @@
-"""scripts/plant_model.py: the fit recovers a known first-order plant, and the simulation's floors and orders."""
+"""research/plant_model.py: the fit recovers a known first-order plant, and the simulation's floors and orders."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "scripts", "plant_model.py")
+SCRIPT = os.path.join(ROOT, "research", "plant_model.py")
 
 
 def load_plant_model():

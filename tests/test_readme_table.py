@@ -1,16 +1,16 @@
-"""The README's estimator table is generated code: it must equal estimator_table_markdown()."""
+"""The estimator and controller tables of docs/kl.md are generated code: they must equal the generators' output."""
 
 from pathlib import Path
 
 from klppo.kl import estimator_table_markdown, kl_estimators
 from klppo.kl.divergence import main, readme_table_block, replace_readme_table
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-FIX = "run: python -m klppo.kl.divergence --write-readme README.md"
+TABLES = Path(__file__).resolve().parents[1] / "docs" / "kl.md"
+FIX = "run: python -m klppo.kl.divergence --write-readme docs/kl.md"
 
 
-def test_readme_table_is_up_to_date():
-    block = readme_table_block(README.read_text(encoding="utf-8"))
+def test_estimator_table_is_up_to_date():
+    block = readme_table_block(TABLES.read_text(encoding="utf-8"))
     assert block.strip() == estimator_table_markdown().strip(), FIX
 
 
@@ -36,12 +36,12 @@ def test_replace_and_check(tmp_path):
     assert path.read_text() == fresh
 
 
-def test_readme_controller_table_comes_from_the_registry():
+def test_controller_table_comes_from_the_registry():
     from klppo.kl import KLController, register_kl_controller, unregister_kl_controller
     from klppo.kl.controllers import controller_table_markdown
     from klppo.kl.divergence import CONTROLLER_TABLE_END, CONTROLLER_TABLE_START
 
-    block = readme_table_block(README.read_text(encoding="utf-8"), CONTROLLER_TABLE_START, CONTROLLER_TABLE_END)
+    block = readme_table_block(TABLES.read_text(encoding="utf-8"), CONTROLLER_TABLE_START, CONTROLLER_TABLE_END)
     assert block.strip() == controller_table_markdown().strip(), FIX
     assert "| `tracking` |" in block and "`kl_track_kp`" in block
 

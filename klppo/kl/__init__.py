@@ -5,7 +5,7 @@
 - ``penalty``: KL into per-token rewards or into the loss; loss aggregation modes.
 - ``reduce``: token-weighted global statistics across ranks (one collective each), ``GlobalSums``.
 - ``monitor``: ``KLDriftMonitor``, which warns when the statistic stays far from its target.
-- ``divergence``: which divergence a configuration follows; the README estimator table
+- ``divergence``: which divergence a configuration follows; the estimator table of `docs/kl.md`
   (imported on first use so that ``python -m klppo.kl.divergence`` runs cleanly).
 """
 

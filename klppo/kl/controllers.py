@@ -501,7 +501,7 @@ class TrackingKLController(_LogSpaceController):
 
     The defaults were chosen on one-token bandits whose equilibrium coefficient is known in closed
     form, from a start 5x below and 5x above it (``tests/test_convergence.py``), and on the default
-    sentiment task (README, "Results").
+    sentiment task (`docs/results.md`).
 
     Beta acts on the KL two readings after the one that set it, and each update moves the KL by an amount
     beta does not decide, so no setting of these gains holds the KL much tighter than a fixed beta near the
@@ -633,10 +633,10 @@ class TrackingKLController(_LogSpaceController):
 
 
 def controller_table_markdown() -> str:
-    """The README's controller table (markdown), generated from the registry: each controller's name, the
+    """The controller table of `docs/kl.md` (markdown), generated from the registry: each controller's name, the
     first paragraph of its docstring, the config fields that feed it and whether it needs ``kl_target``."""
     lines = [
-        "Generated from the controller registry by `python -m klppo.kl.divergence --write-readme README.md`.",
+        "Generated from the controller registry by `python -m klppo.kl.divergence --write-readme docs/kl.md`.",
         "",
         "| `kl_controller` | what it does | config fields | needs `kl_target` |",
         "| --- | --- | --- | --- |",

@@ -1,6 +1,6 @@
 """Per-token KL estimators, their registry, and the exact full-vocabulary KL.
 
-Notation, per sampled response token (the README section "KL estimators and the gradient each one gives")::
+Notation, per sampled response token (`docs/kl.md`, "KL estimators and the gradient each one gives")::
 
     d = logp - ref_logp          log pi_theta(token) - log pi_ref(token)
     r = exp(-d)                  pi_ref(token) / pi_theta(token)
@@ -74,7 +74,7 @@ LOW_VAR_KL_CLAMP = 10.0
 class KLEstimatorSpec:
     """One registry entry.
 
-    name: registry key. fn: the estimator. formula: value formula, for docs and the README table.
+    name: registry key. fn: the estimator. formula: value formula, for docs and the estimator table.
     uses_old_logp: whether ``old_logp`` changes the result. output_clamp: a bound the estimator
     itself applies to its output (``low_var_kl``), or None. base: for a straight-through ``X+``
     entry the name ``X``, otherwise the entry's own name. inputs: ``"logprobs"`` (the sampled

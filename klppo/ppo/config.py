@@ -64,13 +64,13 @@ KLPPO_CONFIG_DOC = r"""
             Per-token estimator: `k1`, `k2`, `k3`, `low_var_kl`, `abs`, `corrected_k3`, each also with a `+`
             suffix (value of the estimator, gradient of `k2`), or `"full"` (exact KL over the whole vocabulary,
             computed in chunks). Combinations whose gradient is not that of KL(pi||ref) log one warning
-            naming the divergence they follow (see the README's estimator table).
+            naming the divergence they follow (see the estimator table in `docs/kl.md`).
         kl_statistic (`str` or `None`, *optional*, defaults to `None`):
             Estimator of the controller statistic `kl/value`, the KL that `kl_target` names and the controller
             reads; any `kl_estimator` name. It only measures: the KL in the reward or the loss stays
             `kl_estimator`. `"full"` sums the exact KL over the vocabulary at each sampled position: the same
             expectation as `k1`'s sum (the chain rule of KL), without `k1`'s per-token sampling noise (1.6-3x less
-            noise in a reading of 32 sequences of 12 tokens; README, "The KL statistic"). It costs one policy forward
+            noise in a reading of 32 sequences of 12 tokens; `docs/kl.md`, "The KL statistic"). It costs one policy forward
             pass per update when the generation's logits exceed `generation_logits_max_mb`. `None`: `"full"` when a
             `kl_target` is set, else `kl_estimator`.
         kl_coef (`float`, *optional*, defaults to `0.05`):

@@ -1,0 +1,281 @@
+"""The klppo side of `benchmarks/bench.py`, run in a fresh process per measurement.
+
+Two jobs, each printing one JSON object (also written to `--out`):
+
+    python benchmarks/bench_klppo.py train --model-path DIR --prompts prompts.json --workload a
+    python benchmarks/bench_klppo.py kl-memory --variant chunked --positions 64 --vocab 49152
+
+`train` runs `warmup + updates` PPO updates of `KLPPOTrainer` on a workload and reports the same
+fields as `benchmarks/bench_peer.py` (see there for the peer's phase definitions):
+
+  a: the peer's layout: policy, a separately loaded frozen reference, a value model and a reward
+     model, both `AutoModelForSequenceClassification(num_labels=1)` built from the base
+     (`critic="separate"`; the value model is the sequence classifier's backbone + its `score`).
+  b: klppo's economical default: a LoRA policy, the reference is the policy with its adapter
+     disabled (`ref_model=None`), `critic="shared"` (a value head on the policy), and the reward
+     is the function `klppo.rewards.sentiment.positive_sentiment_reward` (VADER, no model).
+
+Phase times are klppo's own `time/*` metrics from `trainer.state.log_history`. `time/update_wall` is
+measured the way the peer's `time/update` is: the wall time between consecutive `on_step_end`
+callbacks (the first from `on_train_begin`), so it includes what klppo's `time/update` leaves out
+(logging). The two sides are compared on `time/update_wall`.
+
+`kl-memory` measures the peak extra memory of one forward + backward of full-vocabulary KL over
+`positions x vocab` logits: `chunked` is `klppo.kl.full_kl(..., chunk_size)`, `dense` is the same
+function with one chunk holding every position, `naive` is the textbook dense formula
+`(softmax(p) * (log_softmax(p) - log_softmax(q))).sum(-1)` as old TRL wrote it. Each variant runs in
+its own process so that peak RSS (`ru_maxrss`) belongs to it alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+from bench_workload import (  # this script's folder is on sys.path
+    add_workload_arguments,
+    emit,
+    load_causal_lm,
+    load_scalar_head,
+    lora_config,
+    memory_record,
+    peak_rss_mb,
+    repeated_prompts,
+    timing_record,
+    versions,
+    workload_settings,
+)
+from transformers import TrainerCallback
+
+
+def status_mb(field: str) -> float:
+    """A memory field of /proc/self/status (VmRSS, VmHWM) in MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise KeyError(field)
+
+
+def reset_peak_rss() -> float | None:
+    """Reset the kernel's peak-RSS mark to the current RSS and return it (None where unsupported).
+
+    Linux resets VmHWM when "5" is written to /proc/self/clear_refs. With glibc's mmap threshold
+    pinned low (`MALLOC_MMAP_THRESHOLD_`, set by `bench.py`), freed tensors go back to the kernel at
+    once, so VmHWM follows the live tensors and its growth is the peak extra memory.
+    """
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return status_mb("VmRSS")
+    except OSError:
+        return None
+
+
+def train(args) -> dict:
+    """Time `warmup + updates` PPO updates of `KLPPOTrainer` on the workload."""
+    import transformers
+
+    from klppo.models import load_tokenizer
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(args.seed)
+    rss_start = peak_rss_mb()
+    tokenizer = load_tokenizer(args.model_path)
+    trainer, critic = build_trainer(args, tokenizer)
+    wall = UpdateClock()
+    trainer.add_callback(wall)
+    profiler = UpdateProfiler(args.warmup) if args.profile else None
+    if profiler is not None:
+        trainer.add_callback(profiler)
+    rss_setup = peak_rss_mb()
+    try:
+        trainer.train()
+    finally:
+        if profiler is not None:
+            profiler.stop()
+    logs = [h for h in trainer.state.log_history if "time/update" in h]
+    per_update = [
+        {**{k: float(v) for k, v in log.items() if k.startswith("time/")}, "time/update_wall": seconds}
+        for log, seconds in zip(logs, wall.seconds)
+    ]
+    measured = per_update[args.warmup :]
+    layout = (
+        "separate policy, reference, value and reward models (critic='separate')"
+        if args.workload == "a"
+        else "LoRA policy, adapter-disabled reference, shared value head, sentiment reward function"
+    )
+    extra = {"profile": profiler.account(len(measured))} if profiler is not None else {}
+    return {
+        **extra,
+        "side": "klppo",
+        "implementation": "klppo.KLPPOTrainer",
+        "workload": args.workload,
+        "layout": layout,
+        **timing_record(args, per_update, "time/update_wall"),
+        "kl_share": statistics.median(u.get("time/kl", 0.0) / u["time/update"] for u in measured),
+        "generated_length": [h.get("objective/response_length") for h in logs],
+        **memory_record(rss_start, rss_setup),
+        "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
+        "settings": workload_settings(args, lora=args.workload == "b", kl_estimator="k1", kl_controller="fixed", critic=critic),
+        "versions": versions(),
+    }
+
+
+class UpdateClock(TrainerCallback):
+    """Wall time of each PPO update, between `on_step_end` callbacks (the first from `on_train_begin`)."""
+
+    def __init__(self):
+        self.seconds: list[float] = []
+
+    def on_train_begin(self, *a, **k):
+        self.last = time.perf_counter()
+
+    def on_step_end(self, *a, **k):
+        now = time.perf_counter()
+        self.seconds.append(now - self.last)
+        self.last = now
+
+
+class UpdateProfiler(TrainerCallback):
+    """`torch.profiler` over the updates after `warmup`: CPU time of klppo's `klppo/*` ranges (its phases, and
+    the PPO epochs' forward, backward, gradient clipping and optimizer step) and the top operators."""
+
+    def __init__(self, warmup: int):
+        self.warmup, self.profile, self.stopped = warmup, None, False
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.warmup and self.profile is None:
+            self.profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self.profile.__enter__()
+
+    def on_train_end(self, *a, **k):
+        self.stop()
+
+    def stop(self):
+        if self.profile is not None and not self.stopped:
+            self.profile.__exit__(None, None, None)
+            self.stopped = True
+
+    def account(self, updates: int) -> dict:
+        """Seconds per update of each `klppo/*` range (inclusive) and of the 12 operators with the most self
+        CPU time (`aten::*` and the like, exclusive)."""
+        if self.profile is None or updates < 1:
+            raise SystemExit("--profile needs at least one measured update (--updates >= 1 after --warmup)")
+        events = self.profile.key_averages()
+        ranges = {e.key: e.cpu_time_total / 1e6 / updates for e in events if e.key.startswith("klppo/")}
+        ops = sorted((e for e in events if not e.key.startswith("klppo/")), key=lambda e: -e.self_cpu_time_total)
+        top = {e.key: e.self_cpu_time_total / 1e6 / updates for e in ops[:12]}
+        return {"updates": updates, "ranges_s": ranges, "top_ops_self_s": top}
+
+
+def build_trainer(args, tokenizer):
+    """`(trainer, critic)`: workload (a) is TRL's four-model layout, (b) klppo's efficient default."""
+    from datasets import Dataset
+
+    from klppo import KLPPOConfig, KLPPOTrainer
+
+    if args.workload == "a":
+        kwargs = {
+            "ref_model": load_causal_lm(args),
+            "value_model": load_scalar_head(args, tokenizer.pad_token_id),
+            "reward_funcs": load_scalar_head(args, tokenizer.pad_token_id),
+        }
+        critic = "separate"
+    else:
+        from klppo.rewards.sentiment import positive_sentiment_reward
+
+        kwargs = {"reward_funcs": positive_sentiment_reward, "peft_config": lora_config(args)}
+        critic = "shared"
+    config = KLPPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="klppo-bench-"), per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=1, num_mini_batches=args.num_mini_batches, num_ppo_epochs=args.num_ppo_epochs,
+        response_length=args.response_length, temperature=args.temperature, learning_rate=args.learning_rate,
+        kl_coef=args.kl_coef, kl_estimator="k1", kl_controller="fixed", critic=critic,
+        max_steps=args.warmup + args.updates, stop_token=None, missing_eos_penalty=None, logging_steps=1,
+        save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True, num_sample_generations=0,
+        use_cpu=not torch.cuda.is_available(), seed=args.seed,
+    )  # fmt: skip
+    dataset = Dataset.from_dict({"prompt": repeated_prompts(args)})
+    trainer = KLPPOTrainer(model=load_causal_lm(args), args=config, processing_class=tokenizer, train_dataset=dataset, **kwargs)
+    return trainer, critic
+
+
+def kl_memory(args) -> dict:
+    """Peak extra memory of full-vocabulary KL, forward + backward, for one variant."""
+    import torch.nn.functional as F
+
+    from klppo.kl import full_kl
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def run(positions: int):
+        torch.manual_seed(0)
+        logits = torch.randn(positions, args.vocab, device=device, requires_grad=True)
+        ref_logits = torch.randn(positions, args.vocab, device=device)
+        if args.variant == "naive":
+            logp, logq = F.log_softmax(logits, -1), F.log_softmax(ref_logits, -1)
+            kl = (logp.exp() * (logp - logq)).sum(-1)
+        else:
+            kl = full_kl(logits, ref_logits, chunk_size=args.chunk_size if args.variant == "chunked" else positions)
+        kl.sum().backward()
+        return logits, ref_logits, kl.detach()
+
+    run(2)  # first calls set up thread pools and caches: keep them out of the measurement
+    torch.manual_seed(0)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    rss_base = reset_peak_rss()
+    start = time.perf_counter()
+    logits, _, kl = run(args.positions)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    input_mb = 2 * logits.numel() * logits.element_size() / 2**20
+    peak_rss = status_mb("VmHWM") if rss_base is not None else None
+
+    result = {
+        "variant": args.variant,
+        "positions": args.positions,
+        "vocab": args.vocab,
+        "chunk_size": args.chunk_size if args.variant == "chunked" else args.positions,
+        "device": device.type,
+        "inputs_mb": input_mb,
+        "grad_mb": input_mb / 2,
+        # the inputs are allocated inside the measured window: count what comes on top of them
+        "peak_extra_rss_mb": peak_rss - rss_base - input_mb if peak_rss is not None else None,
+        "seconds": seconds,
+        "kl_mean": float(kl.mean()),
+    }
+    if device.type == "cuda":
+        result["peak_extra_cuda_mb"] = torch.cuda.max_memory_allocated() / 2**20 - input_mb
+    return result
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    jobs = parser.add_subparsers(dest="job", required=True)
+    run = jobs.add_parser("train", help="time PPO updates of KLPPOTrainer")
+    add_workload_arguments(run)
+    run.add_argument("--profile", action="store_true", help="torch.profiler over the measured updates")
+    mem = jobs.add_parser("kl-memory", help="peak extra memory of full-vocabulary KL")
+    mem.add_argument("--variant", choices=["chunked", "dense", "naive"], required=True)
+    mem.add_argument("--positions", type=int, default=64)
+    mem.add_argument("--vocab", type=int, default=49152)
+    mem.add_argument("--chunk-size", type=int, default=4)
+    mem.add_argument("--out", default=None)
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    result = train(args) if args.job == "train" else kl_memory(args)
+    emit(result, args.out)
+
+
+if __name__ == "__main__":
+    main()
