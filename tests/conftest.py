@@ -11,15 +11,9 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import tempfile
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(ROOT))
 
 _SESSION_CACHE: str | None = None
 

@@ -14,9 +14,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from klppo.kl import global_masked_whiten, kl_statistic, reduce_sum_count  # noqa: E402
+from klppo.kl import global_masked_whiten, kl_statistic, reduce_sum_count
 
 # rows held by each rank: 2 sequences / 10 tokens on rank 0, 3 sequences / 12 tokens on rank 1
 RANK_ROWS = {0: slice(0, 2), 1: slice(2, 5)}

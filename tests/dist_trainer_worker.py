@@ -20,10 +20,9 @@ import sys
 import torch
 from datasets import Dataset
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from klppo import KLPPOConfig, KLPPOTrainer  # noqa: E402
-from klppo.models import TINY_MODEL, resolve_model_path  # noqa: E402
+from klppo import KLPPOConfig, KLPPOTrainer
+from klppo.models import TINY_MODEL, resolve_model_path
 
 
 def length_reward(prompts, completions, completion_ids=None, **kwargs):

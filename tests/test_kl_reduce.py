@@ -192,11 +192,7 @@ def test_two_process_reduction(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
-    sys.path.insert(0, str(ROOT / "tests"))
-    try:
-        from dist_reduce_worker import RANK_ROWS, make_batch
-    finally:
-        sys.path.remove(str(ROOT / "tests"))
+    from dist_reduce_worker import RANK_ROWS, make_batch  # tests/ is on sys.path under pytest
     values, mask = make_batch()
     token = values[mask].mean().item()
     sequence = (values * mask).sum(1).mean().item()

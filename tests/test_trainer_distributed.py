@@ -18,7 +18,6 @@ import pytest
 import torch
 
 WORKER = os.path.join(os.path.dirname(__file__), "dist_trainer_worker.py")
-sys.path.insert(0, os.path.dirname(__file__))
 
 
 def free_port() -> int:
