@@ -20,6 +20,11 @@ _SESSION_CACHE: str | None = None
 
 def pytest_configure(config):
     global _SESSION_CACHE
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # one test process per core: one thread each, subprocesses too
+        import torch
+
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
     keep = os.environ.get("KLPPO_TEST_CACHE")
     if keep:
         os.environ["KLPPO_CACHE"] = keep
