@@ -8,7 +8,7 @@ One PPO update (`ppo_update`), each step a public method that returns a typed re
 4. rewards, missing-EOS penalty                              `compute_rewards`
 5. KL: every estimator logged, the configured one applied    `apply_kl`
 6. controller update from the globally reduced statistic     `apply_kl`
-7. GAE advantages and returns, whitening                     `compute_advantages`
+7. advantages (GAE, or critic-free RLOO / GRPO), whitening   `compute_advantages`
 8. PPO epochs over mini-batches                              `optimise`
 9. log, evaluate, checkpoint                                 `train`
 
@@ -47,7 +47,7 @@ from ..kl import (
 )
 from ..kl.reduce import all_reduce_sum
 from ..rewards import combine_rewards, load_reward_funcs, reward_func_name
-from .advantages import gae_advantages
+from .advantages import gae_advantages, sequence_advantages
 from .build import build_models, check_trainer_inputs, default_learning_rate, load_policy_and_tokenizer, prepare_frozen
 from .callbacks import KLProgressCallback, maybe_offline_wandb, now, record_samples, timed
 from .checkpoint import CheckpointMixin
@@ -314,14 +314,17 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
         timings = timings if timings is not None else defaultdict(float)
         chunk = self.args.rollout_forward_batch_size
         need_policy = logp is None or (self.kl_statistic_spec.needs_logits and policy_logits is None)
+        need_values = values is None and not self.args.critic_free
         parts = [
-            self._score_chunk(sequences.select(slice(i, i + chunk)), need_policy, values is None, timings,
+            self._score_chunk(sequences.select(slice(i, i + chunk)), need_policy, need_values, timings,
                               None if policy_logits is None else policy_logits[k])  # fmt: skip
             for k, i in enumerate(range(0, sequences.batch_size, chunk))
         ]
         scored = {k: torch.cat([p[k] for p in parts], dim=0) if parts[0][k] is not None else None for k in parts[0]}
         scored["logp"] = logp if logp is not None else scored["logp"]
         scored["values"] = values if values is not None else scored["values"]
+        if scored["values"] is None:  # critic-free advantages: no values (zeros keep the rollout's shape)
+            scored["values"] = torch.zeros_like(scored["ref_logp"])
         return Rollout(**vars(sequences.sequences()), **scored)
 
     def _score_chunk(self, seq: Sequences, need_policy: bool, need_values: bool, timings: dict,
@@ -478,23 +481,31 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
     # ------------------------------------------------------------------ step 7: advantages
     @torch.no_grad()
     def compute_advantages(self, rollout: Rollout, rewards: Rewards, penalty: KLPenalty) -> Advantages:
-        """Step 7: GAE over the per-token rewards, whitened with global statistics. Samples no reward function
-        applied to carry no policy gradient (advantage 0) and stay out of the whitening."""
+        """Step 7: GAE over the per-token rewards (or, critic-free, RLOO / GRPO on each sequence's return, the same
+        on every token), whitened with global statistics (not GRPO's, normalised per group already). Samples no
+        reward function applied to carry no policy gradient (advantage 0) and stay out of the whitening."""
         args, acc, mask = self.args, self.accelerator, rollout.response_mask
         per_token = penalty.rewards
         if args.whiten_rewards:
             per_token = global_masked_whiten(per_token, mask, accelerator=acc, shift_mean=False)
-        advantages, returns = gae_advantages(per_token, rollout.values, mask, args.gamma, args.lam)
+        if args.critic_free:  # the sequence's RLHF reward: score + summed KL rewards; groups of num_generations rows
+            returns = (per_token * mask).sum(dim=1)
+            advantages = sequence_advantages(args.advantage_estimator, returns, args.num_generations)
+            advantages, returns = advantages[:, None] * mask, returns[:, None] * mask
+        else:
+            advantages, returns = gae_advantages(per_token, rollout.values, mask, args.gamma, args.lam)
         scorable = rewards.scorable.to(advantages.dtype)[:, None]
         advantages = advantages * scorable
         std = 1.0
-        if args.whiten_advantages:
+        if args.whiten_advantages and args.advantage_estimator != "grpo":
             advantages, std = global_masked_whiten(advantages, mask * scorable, accelerator=acc, return_std=True)
             std = std.item()
         # Whitening divides the policy-gradient term by std(A), so the loss E[A]/std - c * KL maximises
         # E[r] - c * std * KL: a loss-mode coefficient beta / std keeps beta's meaning that of reward mode
         # (std floored: collapsed advantages would leave it at the whitening's epsilon)
-        scale = max(std, KL_LOSS_MIN_ADVANTAGE_STD) if args.kl_loss_scale == "advantage_std" else 1.0
+        # (GRPO: each group has its own scale; beta weighs KL against the group-normalised reward, as in TRL)
+        rescale = args.kl_loss_scale == "advantage_std" and args.advantage_estimator != "grpo"
+        scale = max(std, KL_LOSS_MIN_ADVANTAGE_STD) if rescale else 1.0
         kl_loss_coef = penalty.coef / scale
         return Advantages(advantages, returns, kl_loss_coef, {"policy/advantage_std": std})
 
@@ -616,7 +627,7 @@ class KLPPOTrainer(TrainingLoopMixin, CheckpointMixin, Trainer):
             mb.query_responses, attention_mask=mb.attention_mask, position_ids=pos, response_length=resp.shape[1]
         )
         logits = response_logits(logits, resp.shape[1], args.temperature, self.suppressed_ids)
-        values = values[:, mb.context_length - 1 : -1].float()
+        values = values[:, mb.context_length - 1 : -1].float() if values is not None else None
         logp = response_logprobs(logits, resp)
         # Each micro-batch holds a share of its mini-batch's global mean: summed over micro-batches and ranks,
         # the shares give one value per optimizer step.
