@@ -199,8 +199,9 @@ KLPPO_CONFIG_DOC = r"""
             names the objective `E[r] - beta * KL` in reward and loss mode alike. `"grpo"`: `(return - group mean) /
             (group std + 1e-4)` (Shao et al. 2024, as TRL's GRPOTrainer); `whiten_advantages` and `kl_loss_scale` do
             not apply (the loss-mode coefficient is `kl_coef` as is, weighed against the group-normalised reward).
-            The per-group std rescales each prompt's reward by a number that depends on the policy: with the KL in
-            the loss the fixed point is `ref * exp(r / (beta * std_pi(r)))`, not `ref * exp(r / beta) / Z`; with
+            The per-group std rescales each prompt's reward by a number that depends on the policy and the group
+            size: with the KL in the loss the fixed point is a tilt of the reference whose strength moves with the
+            policy's own reward spread, not `ref * exp(r / beta) / Z` (`klppo.ppo.advantages.grpo_advantages`); with
             `k1` in the reward the whole return is rescaled and `ref * exp(r / beta) / Z` stays a fixed point. Use a
             `kl_target` to hold the KL whatever beta then means. The return of a sequence is its score plus, in
             reward mode, its summed per-token KL rewards; its advantage goes to every response token. `"rloo"` and
