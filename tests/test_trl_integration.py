@@ -132,3 +132,16 @@ def test_only_controller_fields_are_taken_and_checked_like_klppoconfig(tiny_path
     with pytest.raises(TypeError, match="GRPOTrainer and RLOOTrainer"):
         add_kl_control(object())
     assert getattr(trainer, "kl_control", None) is None  # nothing was registered by the refused calls
+
+
+def test_the_example_runs_offline_on_the_tiny_model(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "grpo_kl_control.py"
+    spec = importlib.util.spec_from_file_location("grpo_kl_control", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    trainer = example.main(["--model", "klppo:tiny-llama", "--max_steps", "2", "--output_dir", str(tmp_path)])
+    assert [h["step"] for h in step_logs(trainer)] == [1, 2]
+    assert trainer.kl_control.settings.kl_controller == "tracking" and "kl/coef" in capsys.readouterr().out
