@@ -179,3 +179,21 @@ def test_num_train_epochs_counts_prompts(tiny_path, prompts, tmp_path):
     args = KLPPOConfig(output_dir=str(tmp_path / "o"), per_device_train_batch_size=8, advantage_estimator="rloo",
                        num_generations=4, max_steps=-1, num_train_epochs=1, report_to="none", use_cpu=True)  # fmt: skip
     assert args.num_updates(len(prompts), world_size=1) == 2
+
+
+def test_a_critic_free_run_saves_and_resumes(tiny_path, prompts, tmp_path):
+    """No critic in the checkpoint (no `value_model/`); resuming continues at the next update."""
+    import os
+
+    kw = dict(advantage_estimator="rloo", num_generations=4, save_strategy="steps", save_steps=1)
+    full = make_trainer(tiny_path, prompts, tmp_path, **kw)
+    full.train()
+    checkpoint = os.path.join(full.args.output_dir, "checkpoint-1")
+    assert os.path.isdir(checkpoint) and not os.path.exists(os.path.join(checkpoint, "value_model"))
+    resumed = make_trainer(tiny_path, prompts, tmp_path / "again", **kw)
+    resumed.train(resume_from_checkpoint=checkpoint)
+    assert resumed.state.global_step == 2
+    with pytest.raises(Exception, match="advantage_estimator"):
+        make_trainer(tiny_path, prompts, tmp_path / "gae", save_strategy="steps", save_steps=1).train(
+            resume_from_checkpoint=checkpoint
+        )
