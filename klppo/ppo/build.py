@@ -74,7 +74,12 @@ def build_models(model, given_path: str | None, args: KLPPOConfig, ref_model, va
     adapter the reference runs with, None for "adapters disabled".
     """
     critic_start = None
-    if args.critic == "separate" and value_model is None and args.critic_init == "policy":
+    if args.critic_free:
+        logger.info(
+            "advantage_estimator='%s' needs no critic: none is built or trained (critic=%r%s ignored).",
+            args.advantage_estimator, args.critic, ", value_model" if value_model is not None else "",
+        )  # fmt: skip
+    elif args.critic == "separate" and value_model is None and args.critic_init == "policy":
         critic_start = given_path or copy_model(model)
     use_adapter_reference = False
     if peft_config is not None:
@@ -97,7 +102,9 @@ def build_models(model, given_path: str | None, args: KLPPOConfig, ref_model, va
         ref_model = load_causal_lm(ref_model)
     if ref_model is not None:
         ref_model.eval().requires_grad_(False)
-    if args.critic == "shared":
+    if args.critic_free:
+        actor_critic = ActorCritic(model)
+    elif args.critic == "shared":
         if value_model is not None:
             raise ValueError("`value_model` is for critic='separate'; critic='shared' puts a head on the policy.")
         head = ValueHead(hidden_size_of(model.config))

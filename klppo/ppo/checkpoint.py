@@ -27,7 +27,7 @@ TRAINABLE_STATE_NAME = "klppo_trainable.safetensors"
 VALUE_MODEL_DIR = "value_model"  # a separate critic, saved beside the policy
 STAGING_DIR = ".checkpoint-staging"
 # settings compared on resume: refused if changed / combined with the saved state / ignored for it
-RESUME_REFUSED = ("kl_controller", "kl_target_unit", "kl_mode")
+RESUME_REFUSED = ("kl_controller", "kl_target_unit", "kl_mode", "advantage_estimator")
 RESUME_COMBINED = ("kl_target", "kl_estimator", "kl_statistic", "kl_horizon", "kl_loss_scale", "kl_guard_margin",
                    "kl_guard_low_margin", "kl_guard_reset_momentum")
 RESUME_IGNORED = ("kl_coef", "learning_rate")

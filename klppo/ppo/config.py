@@ -33,6 +33,8 @@ KL_LOSS_MIN_ADVANTAGE_STD = 0.01
 DEFAULT_LORA_LEARNING_RATE = 5e-4
 DEFAULT_FULL_LEARNING_RATE = 3e-5
 CRITIC_KINDS = ("separate", "shared")
+ADVANTAGE_ESTIMATORS = ("gae", "rloo", "grpo")
+CRITIC_FREE_DEFAULT_GENERATIONS = 4
 
 
 def _choice_error(field_name: str, value, choices) -> ValueError:
@@ -190,6 +192,26 @@ KLPPO_CONFIG_DOC = r"""
             Whiten per-token rewards (global statistics) before GAE.
         whiten_advantages (`bool`, *optional*, defaults to `True`):
             Whiten advantages with global statistics across processes.
+        advantage_estimator (`str`, *optional*, defaults to `"gae"`):
+            `"gae"`: GAE over per-token rewards with a critic (`critic`, `gamma`, `lam`). `"rloo"`: REINFORCE leave-one-out
+            (Ahmadian et al. 2024): each response's return minus the mean return of the other `num_generations - 1`
+            responses to its prompt, an unbiased policy gradient, then whitened like GAE's advantages, so `kl_coef`
+            names the objective `E[r] - beta * KL` in reward and loss mode alike. `"grpo"`: `(return - group mean) /
+            (group std + 1e-4)` (Shao et al. 2024, as TRL's GRPOTrainer); `whiten_advantages` and `kl_loss_scale` do
+            not apply (the loss-mode coefficient is `kl_coef` as is, weighed against the group-normalised reward).
+            The per-group std rescales each prompt's reward by a number that depends on the policy and the group
+            size: with the KL in the loss the fixed point is a tilt of the reference whose strength moves with the
+            policy's own reward spread, not `ref * exp(r / beta) / Z` (`klppo.ppo.advantages.grpo_advantages`); with
+            `k1` in the reward the whole return is rescaled and `ref * exp(r / beta) / Z` stays a fixed point. Use a
+            `kl_target` to hold the KL whatever beta then means. The return of a sequence is its score plus, in
+            reward mode, its summed per-token KL rewards; its advantage goes to every response token. `"rloo"` and
+            `"grpo"` build and train no critic (`critic`, `critic_init`, `value_model`, `vf_coef`, `cliprange_value`,
+            `gamma`, `lam` are ignored, with one logged note).
+        num_generations (`int` or `None`, *optional*, defaults to `None`):
+            Responses sampled per prompt: each prompt of a rollout appears this many times in a row, on one process.
+            The per-process rollout batch (`per_device_train_batch_size * gradient_accumulation_steps *
+            num_mini_batches`) must be a multiple of it. `None`: 1 with `"gae"`, 4 with `"rloo"` and `"grpo"`, which
+            need at least 2.
         critic (`str`, *optional*, defaults to `"separate"`):
             `"separate"`: a value model of its own (initialised per `critic_init`); `"shared"`: a value head on
             the policy backbone, one forward pass for both.
@@ -343,6 +365,8 @@ class KLPPOConfig(TrainingArguments):
     lam: float = field(default=0.95, metadata=_doc("lam"))
     whiten_rewards: bool = field(default=False, metadata=_doc("whiten_rewards"))
     whiten_advantages: bool = field(default=True, metadata=_doc("whiten_advantages"))
+    advantage_estimator: str = field(default="gae", metadata=_doc("advantage_estimator"))
+    num_generations: int | None = field(default=None, metadata=_doc("num_generations"))
     critic: str = field(default="separate", metadata=_doc("critic"))
     shared_critic_detach: bool = field(default=False, metadata=_doc("shared_critic_detach"))
     critic_init: str = field(default="policy", metadata=_doc("critic_init"))
@@ -492,6 +516,7 @@ class KLPPOConfig(TrainingArguments):
     def _validate_ppo_fields(self) -> None:
         if self.critic not in CRITIC_KINDS:
             raise _choice_error("critic", self.critic, CRITIC_KINDS)
+        self._validate_advantage_fields()
         for name in ("num_ppo_epochs", "num_mini_batches", "response_length", "rollout_forward_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}.")
@@ -535,6 +560,30 @@ class KLPPOConfig(TrainingArguments):
         if self.max_nonfinite_updates < 1:
             raise ValueError(f"`max_nonfinite_updates` must be >= 1, got {self.max_nonfinite_updates}.")
 
+    def _validate_advantage_fields(self) -> None:
+        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
+            raise _choice_error("advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS)
+        if self.num_generations is None:
+            self.num_generations = 1 if self.advantage_estimator == "gae" else CRITIC_FREE_DEFAULT_GENERATIONS
+        if self.num_generations < 1 or (self.critic_free and self.num_generations < 2):
+            least = 2 if self.critic_free else 1
+            raise ValueError(
+                f"`num_generations` must be >= {least} with advantage_estimator='{self.advantage_estimator}', got "
+                f"{self.num_generations}" + (": its baseline is the other responses to the same prompt." if least == 2 else ".")
+            )
+        rollout = self.local_rollout_batch_size
+        if rollout % self.num_generations:
+            low = rollout // self.num_generations * self.num_generations
+            raise ValueError(
+                f"The per-process rollout batch ({rollout} = per_device_train_batch_size "
+                f"{self.per_device_train_batch_size} x gradient_accumulation_steps {self.gradient_accumulation_steps} "
+                f"x num_mini_batches {self.num_mini_batches}) is not a multiple of num_generations="
+                f"{self.num_generations}: every prompt's {self.num_generations} responses must sit on one process, in "
+                f"one rollout. Set per_device_train_batch_size (or gradient_accumulation_steps, num_mini_batches) so "
+                f"that the product is a multiple of {self.num_generations}, e.g. {max(low, self.num_generations)} or "
+                f"{low + self.num_generations}, or choose a num_generations that divides {rollout}."
+            )
+
     def _warn_biased_gradient(self) -> None:
         for mode in self.kl_modes_applied:
             info = divergence_followed(self.kl_estimator, mode, off_policy=self.is_off_policy)
@@ -546,6 +595,16 @@ class KLPPOConfig(TrainingArguments):
     def kl_modes_applied(self) -> tuple[str, ...]:
         """The places the KL term acts: a subset of ("reward", "loss")."""
         return KL_MODES[self.kl_mode]
+
+    @property
+    def critic_free(self) -> bool:
+        """Whether the advantages need no critic (`advantage_estimator` "rloo" or "grpo")."""
+        return self.advantage_estimator != "gae"
+
+    @property
+    def local_prompts_per_rollout(self) -> int:
+        """Distinct prompts in one rollout on this process (each sampled `num_generations` times)."""
+        return self.local_rollout_batch_size // (self.num_generations or 1)
 
     @property
     def is_off_policy(self) -> bool:
@@ -565,5 +624,5 @@ class KLPPOConfig(TrainingArguments):
         """Number of PPO updates: `max_steps` if set, else epochs over the prompt set."""
         if self.max_steps > 0:
             return int(self.max_steps)
-        global_batch = self.local_rollout_batch_size * world_size
-        return max(1, math.ceil(self.num_train_epochs * dataset_size / global_batch))
+        global_prompts = self.local_prompts_per_rollout * world_size
+        return max(1, math.ceil(self.num_train_epochs * dataset_size / global_prompts))

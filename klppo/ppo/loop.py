@@ -31,17 +31,19 @@ class TrainingLoopMixin:
         checkpoint = self._checkpoint_to_resume(resume_from_checkpoint)
         if checkpoint:
             self._resume(checkpoint)
+        generations = args.num_generations or 1  # each prompt's responses in consecutive rows, on this rank
         batches = endless_prompt_batches(
-            self.train_dataset, args.local_rollout_batch_size, self.prompt_batch, self.accelerator, args.seed,
-            skip=self.state.global_step,
-        )
+            self.train_dataset, args.local_prompts_per_rollout,
+            lambda rows: self.prompt_batch([row for row in rows for _ in range(generations)]), self.accelerator,
+            args.seed, skip=self.state.global_step,
+        )  # fmt: skip
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         start_time, metrics = time.time(), {}
         while self.state.global_step < num_updates:
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
             metrics = self.ppo_update(next(batches))
             self.state.global_step += 1
-            self.state.epoch = self.state.global_step * self._sequences_per_update() / len(self.train_dataset)
+            self.state.epoch = self.state.global_step * self._prompts_per_update() / len(self.train_dataset)
             self.control = self.callback_handler.on_step_end(args, self.state, self.control)
             self._log_evaluate_save(metrics)
             if self.control.should_training_stop:
@@ -51,12 +53,13 @@ class TrainingLoopMixin:
         runtime = time.time() - start_time
         return TrainOutput(self.state.global_step, metrics.get("loss/policy", float("nan")), {"train_runtime": runtime})
 
-    def _sequences_per_update(self) -> int:
-        return self.args.local_rollout_batch_size * self.accelerator.num_processes
+    def _prompts_per_update(self) -> int:
+        """Prompts per update, all ranks (each sampled `num_generations` times)."""
+        return self.args.local_prompts_per_rollout * self.accelerator.num_processes
 
     def _init_state(self, num_updates: int) -> None:
         self.state.max_steps = num_updates
-        self.state.num_train_epochs = math.ceil(num_updates * self._sequences_per_update() / len(self.train_dataset))
+        self.state.num_train_epochs = math.ceil(num_updates * self._prompts_per_update() / len(self.train_dataset))
         self.state.compute_steps(self.args, num_updates)
         self.state.is_local_process_zero = self.is_local_process_zero()
         self.state.is_world_process_zero = self.is_world_process_zero()

@@ -43,27 +43,29 @@ def ppo_losses(logits, logp, values, old_logp, old_values, advantages, returns, 
 
     `logits [B, R, V]` (scaled) only feed the entropy statistic; `share` is this micro-batch's part of one
     optimizer step's logged loss (1 / (micro-batches per mini-batch * ranks)). Returns
-    `(pg_loss + vf_coef * vf_loss, parts)`.
+    `(pg_loss + vf_coef * vf_loss, parts)`, or `(pg_loss, parts)` when `values` is None (no critic).
     """
     from trl.trainer.utils import entropy_from_logits
 
     from ..kl.penalty import aggregate_loss
 
     pg_tok, pg_clipped, log_ratio = clipped_policy_loss(logp, old_logp, advantages, args.cliprange)
-    vf_tok, vf_clipped = clipped_value_loss(values, old_values, returns, args.cliprange_value)
     pg_loss = aggregate_loss(pg_tok, mask, "token-mean", num_tokens=num_tokens)
-    vf_loss = aggregate_loss(vf_tok, mask, "token-mean", num_tokens=num_tokens)
     fmask = mask.to(logp.dtype)
     n_tok = fmask.sum()
     parts = {
         "loss/policy": (pg_loss.detach(), share),
-        "loss/value": (vf_loss.detach(), share),
         "policy/approxkl": ((0.5 * log_ratio.detach() ** 2 * fmask).sum(), n_tok),
         "policy/clipfrac": ((pg_clipped.to(fmask.dtype) * fmask).sum(), n_tok),
-        "val/clipfrac": ((vf_clipped.to(fmask.dtype) * fmask).sum(), n_tok),
         "policy/entropy": ((entropy_from_logits(logits.detach()) * fmask).sum(), n_tok),
         # the probability ratio pi / pi_old: its token mean, and its second moment for `val/ratio_var`
         "val/ratio": ((log_ratio.detach().exp() * fmask).sum(), n_tok),
         "val/ratio_sq": (((2 * log_ratio.detach()).exp() * fmask).sum(), n_tok),
     }
+    if values is None:  # critic-free advantages: no value loss
+        return pg_loss, parts
+    vf_tok, vf_clipped = clipped_value_loss(values, old_values, returns, args.cliprange_value)
+    vf_loss = aggregate_loss(vf_tok, mask, "token-mean", num_tokens=num_tokens)
+    parts["loss/value"] = (vf_loss.detach(), share)
+    parts["val/clipfrac"] = ((vf_clipped.to(fmask.dtype) * fmask).sum(), n_tok)
     return pg_loss + args.vf_coef * vf_loss, parts

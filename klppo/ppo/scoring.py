@@ -64,14 +64,17 @@ class ScoringMixin:
         timings = timings if timings is not None else defaultdict(float)
         chunk = self.args.rollout_forward_batch_size
         need_policy = logp is None or (self.kl_statistic_spec.needs_logits and policy_logits is None)
+        need_values = values is None and not self.args.critic_free
         parts = [
-            self._score_chunk(sequences.select(slice(i, i + chunk)), need_policy, values is None, timings,
+            self._score_chunk(sequences.select(slice(i, i + chunk)), need_policy, need_values, timings,
                               None if policy_logits is None else policy_logits[k])  # fmt: skip
             for k, i in enumerate(range(0, sequences.batch_size, chunk))
         ]
         scored = {k: torch.cat([p[k] for p in parts], dim=0) if parts[0][k] is not None else None for k in parts[0]}
         scored["logp"] = logp if logp is not None else scored["logp"]
         scored["values"] = values if values is not None else scored["values"]
+        if scored["values"] is None:  # critic-free advantages: no values (zeros keep the rollout's shape)
+            scored["values"] = torch.zeros_like(scored["ref_logp"])
         return Rollout(**vars(sequences.sequences()), **scored)
 
     def _score_chunk(self, seq: Sequences, need_policy: bool, need_values: bool, timings: dict,

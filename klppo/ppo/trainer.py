@@ -8,7 +8,7 @@ One PPO update (`ppo_update`), each step a public method that returns a typed re
 4. rewards, missing-EOS penalty                              `compute_rewards`
 5. KL: every estimator logged, the configured one applied    `apply_kl`
 6. controller update from the globally reduced statistic     `apply_kl`
-7. GAE advantages and returns, whitening                     `compute_advantages`
+7. advantages (GAE, or critic-free RLOO / GRPO), whitening   `compute_advantages`
 8. PPO epochs over mini-batches                              `optimise`
 9. log, evaluate, checkpoint                                 `train`
 
@@ -46,7 +46,7 @@ from ..kl import (
 )
 from ..kl.reduce import all_reduce_sum
 from ..rewards import combine_rewards, load_reward_funcs, reward_func_name
-from .advantages import gae_advantages
+from .advantages import gae_advantages, sequence_advantages
 from .build import build_models, check_trainer_inputs, default_learning_rate, load_policy_and_tokenizer, prepare_frozen
 from .callbacks import KLProgressCallback, maybe_offline_wandb, now, record_samples, timed
 from .checkpoint import CheckpointMixin
@@ -377,23 +377,31 @@ class KLPPOTrainer(ScoringMixin, TrainingLoopMixin, CheckpointMixin, Trainer):
     # ------------------------------------------------------------------ step 7: advantages
     @torch.no_grad()
     def compute_advantages(self, rollout: Rollout, rewards: Rewards, penalty: KLPenalty) -> Advantages:
-        """Step 7: GAE over the per-token rewards, whitened with global statistics. Samples no reward function
-        applied to carry no policy gradient (advantage 0) and stay out of the whitening."""
+        """Step 7: GAE over the per-token rewards (or, critic-free, RLOO / GRPO on each sequence's return, the same
+        on every token), whitened with global statistics (not GRPO's, normalised per group already). Samples no
+        reward function applied to carry no policy gradient (advantage 0) and stay out of the whitening."""
         args, acc, mask = self.args, self.accelerator, rollout.response_mask
         per_token = penalty.rewards
         if args.whiten_rewards:
             per_token = global_masked_whiten(per_token, mask, accelerator=acc, shift_mean=False)
-        advantages, returns = gae_advantages(per_token, rollout.values, mask, args.gamma, args.lam)
+        if args.critic_free:  # the sequence's RLHF reward: score + summed KL rewards; groups of num_generations rows
+            returns = (per_token * mask).sum(dim=1)
+            advantages = sequence_advantages(args.advantage_estimator, returns, args.num_generations)
+            advantages, returns = advantages[:, None] * mask, returns[:, None] * mask
+        else:
+            advantages, returns = gae_advantages(per_token, rollout.values, mask, args.gamma, args.lam)
         scorable = rewards.scorable.to(advantages.dtype)[:, None]
         advantages = advantages * scorable
         std = 1.0
-        if args.whiten_advantages:
+        if args.whiten_advantages and args.advantage_estimator != "grpo":
             advantages, std = global_masked_whiten(advantages, mask * scorable, accelerator=acc, return_std=True)
             std = std.item()
         # Whitening divides the policy-gradient term by std(A), so the loss E[A]/std - c * KL maximises
         # E[r] - c * std * KL: a loss-mode coefficient beta / std keeps beta's meaning that of reward mode
         # (std floored: collapsed advantages would leave it at the whitening's epsilon)
-        scale = max(std, KL_LOSS_MIN_ADVANTAGE_STD) if args.kl_loss_scale == "advantage_std" else 1.0
+        # (GRPO: each group has its own scale; beta weighs KL against the group-normalised reward, as in TRL)
+        rescale = args.kl_loss_scale == "advantage_std" and args.advantage_estimator != "grpo"
+        scale = max(std, KL_LOSS_MIN_ADVANTAGE_STD) if rescale else 1.0
         kl_loss_coef = penalty.coef / scale
         return Advantages(advantages, returns, kl_loss_coef, {"policy/advantage_std": std})
 
@@ -515,7 +523,7 @@ class KLPPOTrainer(ScoringMixin, TrainingLoopMixin, CheckpointMixin, Trainer):
             mb.query_responses, attention_mask=mb.attention_mask, position_ids=pos, response_length=resp.shape[1]
         )
         logits = response_logits(logits, resp.shape[1], args.temperature, self.suppressed_ids)
-        values = values[:, mb.context_length - 1 : -1].float()
+        values = values[:, mb.context_length - 1 : -1].float() if values is not None else None
         logp = response_logprobs(logits, resp)
         # Each micro-batch holds a share of its mini-batch's global mean: summed over micro-batches and ranks,
         # the shares give one value per optimizer step.

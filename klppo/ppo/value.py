@@ -154,8 +154,8 @@ class _LinearValue(nn.Module):
 class ActorCritic(nn.Module):
     """Policy and critic as one module, so that one optimizer and one data-parallel wrapper cover both.
 
-    `forward(input_ids, attention_mask, position_ids) -> (logits, values)`; with `compute_values=False`
-    the critic is skipped; `response_length=R` computes logits only at the R positions that predict the last R
+    `forward(input_ids, attention_mask, position_ids) -> (logits, values)`; with `compute_values=False`, or
+    with neither a critic nor a value head (the critic-free advantage estimators), `values` is None; `response_length=R` computes logits only at the R positions that predict the last R
     tokens (`rollout.response_positions`), `[B, R, V]`.
     """
 
@@ -167,8 +167,8 @@ class ActorCritic(nn.Module):
         detach_value_input: bool = False,
     ):
         super().__init__()
-        if (critic is None) == (value_head is None):
-            raise ValueError("ActorCritic needs exactly one of `critic` (separate) or `value_head` (shared).")
+        if critic is not None and value_head is not None:
+            raise ValueError("ActorCritic takes at most one of `critic` (separate) or `value_head` (shared).")
         self.policy = policy
         self.critic = critic
         self.value_head = value_head
@@ -178,6 +178,10 @@ class ActorCritic(nn.Module):
     @property
     def shared(self) -> bool:
         return self.value_head is not None
+
+    @property
+    def has_critic(self) -> bool:
+        return self.critic is not None or self.value_head is not None
 
     @property
     def config(self):
@@ -208,7 +212,7 @@ class ActorCritic(nn.Module):
                 logits_to_keep=keep,
             )
         values = None
-        if compute_values:
+        if compute_values and self.has_critic:
             if self.shared:
                 last = hidden[-1]
                 values = self.value_head(last.detach() if self.detach_value_input else last)

@@ -1,0 +1,1 @@
+"""klppo's KL control inside other trainers (`klppo.integrations.trl.add_kl_control`)."""

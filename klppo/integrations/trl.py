@@ -1,0 +1,265 @@
+"""klppo's KL controllers inside TRL's own `GRPOTrainer` and `RLOOTrainer`.
+
+```python
+from trl import GRPOConfig, GRPOTrainer
+from klppo.integrations.trl import add_kl_control
+
+trainer = GRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(beta=0.04, ...), train_dataset=...)
+add_kl_control(trainer, kl_target=0.05, kl_target_unit="token")  # the tracking controller holds 0.05 nats/token
+trainer.train()                                 # or trainer.train(resume_from_checkpoint=True)
+```
+
+`add_kl_control` registers one `TrainerCallback` (`KLControlCallback`) and returns the trainer. beta starts from
+the trainer's own `beta`. After each optimizer step the callback reads the KL that TRL has just computed (the
+values TRL logs as `kl`), feeds it to the controller and sets `trainer.beta` to the controller's new value; it logs
+`kl/coef` (the beta in force during the step), and `kl/value` and `kl/target` on the steps that brought a reading,
+through TRL's own metric buffer, so they are averaged and logged with TRL's metrics. Its state goes into every
+checkpoint (`checkpoint-N/kl_controller.json`) and comes back with `trainer.train(resume_from_checkpoint=...)`.
+
+What the statistic is (TRL 1.16):
+
+- `GRPOTrainer` puts the KL in the loss: per token, `k3 = exp(ref - logp) - (ref - logp) - 1` at the policy being
+  trained, times `pi / pi_old` with `use_bias_correction_kl`. TRL logs its token mean over each micro-batch, with
+  the sum and the count reduced over all processes (`accelerator.reduce`, a global token mean); the statistic is
+  the mean of those micro-batch values over the optimizer step. Its expectation is KL(pi || ref) per token
+  (on-policy), though its gradient is that of the forward KL (see klppo's estimator table). The controller is
+  updated after every optimizer step.
+- `RLOOTrainer` puts `k1 = logp_old - ref` in the reward, summed over each completion, when it generates. TRL logs
+  its global token mean over the generation batch (sum and count reduced over all processes); the controller is
+  updated once per generation batch, after the optimizer step that generated it, and the new beta enters the next
+  generation's rewards (with `steps_per_generation * num_iterations > 1`, the steps in between keep theirs).
+
+Units (`kl_target_unit`, as in `KLPPOConfig`): `"token"` is the statistic above, nats per token. `"sequence"`
+multiplies it by TRL's global mean completion length of the same generation batch (`completions/mean_length`):
+for RLOO this is exactly the mean summed k1 per completion that the reward is charged; for GRPO it is exact when
+the step's micro-batches hold the whole generation batch with equal token counts, and close otherwise. Every
+process reads the same global value, so every process sets the same beta.
+
+Reading TRL's metric buffer (`trainer._metrics["train"]`) is the one place this relies on TRL's internals: it is
+where TRL keeps the KL it logs, and `add_kl_control` checks that it is there.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from dataclasses import fields
+
+from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+from ..kl import build_kl_controller, get_kl_controller, kl_controllers
+
+logger = logging.getLogger(__name__)
+
+CONTROLLER_STATE_NAME = "kl_controller.json"  # the same file name as klppo's own checkpoints
+TRAINER_KINDS = {"GRPOTrainer": ("loss", "k3"), "RLOOTrainer": ("reward", "k1")}  # where TRL puts the KL, and how
+# KLPPOConfig fields that are not the controller's: set by the TRL trainer itself, or about klppo's own trainer
+_NOT_CONTROLLER_FIELDS = {
+    "kl_coef": "beta starts from the trainer's own `beta` (set it in GRPOConfig / RLOOConfig)",
+    "kl_mode": "TRL decides where the KL acts (GRPO: the loss; RLOO: the reward)",
+    "kl_estimator": "TRL decides the estimator (GRPO: k3; RLOO: k1)",
+    "kl_statistic": "the statistic is the KL that TRL computes and logs",
+}
+
+
+def controller_fields() -> tuple[str, ...]:
+    """The `KLPPOConfig` fields `add_kl_control` accepts: the controller's name, target, unit and drift patience,
+    and every field a registered controller reads (gains, bounds, horizon, ...)."""
+    names = {"kl_controller", "kl_target", "kl_target_unit", "kl_drift_patience"}
+    for kind in kl_controllers():
+        names.update(get_kl_controller(kind).config_fields.values())
+    return tuple(sorted(names))
+
+
+def _kind(trainer) -> str:
+    for cls in type(trainer).__mro__:
+        if cls.__name__ in TRAINER_KINDS and cls.__module__.startswith("trl."):
+            return cls.__name__
+    raise TypeError(
+        f"add_kl_control works with TRL's GRPOTrainer and RLOOTrainer (or subclasses of them), got "
+        f"{type(trainer).__name__}. klppo's own KLPPOTrainer takes the same fields in its KLPPOConfig."
+    )
+
+
+def resolve_kl_fields(trainer, kl_fields: dict):
+    """The controller settings as a `KLPPOConfig`-like object, checked by `KLPPOConfig`'s own validation (the
+    same choices, bounds and messages), with `kl_coef` the trainer's `beta`."""
+    from ..ppo.config import KLPPOConfig
+
+    kind = _kind(trainer)
+    allowed = controller_fields()
+    for name in kl_fields:
+        if name in _NOT_CONTROLLER_FIELDS:
+            raise ValueError(f"add_kl_control does not take `{name}`: {_NOT_CONTROLLER_FIELDS[name]}.")
+        if name not in allowed:
+            raise ValueError(f"add_kl_control does not take `{name}`; its fields are: {', '.join(allowed)}.")
+    mode, estimator = TRAINER_KINDS[kind]
+    if kind == "GRPOTrainer" and getattr(trainer.args, "use_bias_correction_kl", False):
+        estimator = "corrected_k3"
+
+    class _KLFields:  # KLPPOConfig's KL fields and their defaults, validated by KLPPOConfig's own method
+        _validate_kl_fields = KLPPOConfig._validate_kl_fields
+        _guard_margin = KLPPOConfig._guard_margin
+
+    settings = _KLFields()
+    for f in fields(KLPPOConfig):
+        if f.name.startswith("kl_") or f.name in ("full_kl_chunk_size", "generation_logits_max_mb"):
+            setattr(settings, f.name, f.default)
+    for name, value in kl_fields.items():
+        setattr(settings, name, value)
+    settings.kl_coef, settings.kl_mode, settings.kl_estimator = float(trainer.beta), mode, estimator
+    settings.kl_statistic = estimator
+    settings.kl_guard_margin = settings.kl_guard_low_margin = math.inf  # klppo's guard acts inside its own updates
+    settings._validate_kl_fields()
+    return settings
+
+
+class KLControlCallback(TrainerCallback):
+    """Sets `trainer.beta` after each optimizer step from a klppo controller fed with TRL's own KL (see
+    `klppo.integrations.trl`); saves and restores the controller with the trainer's checkpoints."""
+
+    def __init__(self, trainer, settings):
+        self.trainer = trainer
+        self.settings = settings
+        self.kind = _kind(trainer)
+        self.controller = build_kl_controller(settings)
+        self.resume_from: str | None = None
+        self._buffer, self._seen = None, 0  # TRL's "kl" list and how many of its values have been read
+        self._mean_length: float | None = None
+
+    # -- reading TRL's KL ---------------------------------------------------------------------
+    def _new_readings(self) -> list[float]:
+        """The `kl` values TRL has appended since the last call. TRL clears its metric dict after each log, and a
+        fresh list then takes the old one's place."""
+        metrics = self.trainer._metrics["train"]
+        buffer = metrics.get("kl", [])
+        start = self._seen if buffer is self._buffer and len(buffer) >= self._seen else 0
+        self._buffer, self._seen = buffer, len(buffer)
+        lengths = metrics.get("completions/mean_length")
+        if lengths:
+            self._mean_length = float(lengths[-1])
+        return [float(v) for v in buffer[start:] if v is not None and math.isfinite(v)]
+
+    def _sequences_read(self, args, state) -> int:
+        """Completions (all processes) behind one reading: an optimizer step's (GRPO), a generation batch (RLOO)."""
+        world = max(1, getattr(args, "world_size", 1))
+        if self.kind == "RLOOTrainer" and getattr(args, "generation_batch_size", None):
+            return int(args.generation_batch_size)
+        return int(args.per_device_train_batch_size * args.gradient_accumulation_steps * world)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        coef = self.controller.value
+        metrics = self.trainer._metrics["train"]
+        readings = self._new_readings()
+        if readings:
+            value = sum(readings) / len(readings)
+            if self.settings.kl_target_unit == "sequence":
+                value = value * self._mean_length if self._mean_length is not None else math.nan
+            self.controller.update(value, n_steps=self._sequences_read(args, state))
+            self.trainer.beta = self.controller.value
+            metrics["kl/value"].append(value)
+            if self.settings.kl_target is not None:
+                metrics["kl/target"].append(float(self.settings.kl_target))
+        metrics["kl/coef"].append(coef)
+        return control
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def on_save(self, args, state, control, **kwargs):
+        if state.is_world_process_zero and args.should_save:
+            folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+            os.makedirs(folder, exist_ok=True)
+            payload = {"kl_controller": self.controller.state_dict(), "trainer": self.kind,
+                       "kl_target_unit": self.settings.kl_target_unit, "mean_length": self._mean_length}  # fmt: skip
+            with open(os.path.join(folder, CONTROLLER_STATE_NAME), "w") as f:
+                json.dump(payload, f, indent=1)
+        return control
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        folder = self.resume_from
+        if folder is None and state.global_step > 0:  # resumed without going through the wrapped `train`
+            folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        if folder is not None:
+            self.load(folder)
+        self.trainer.beta = self.controller.value
+        return control
+
+    def load(self, folder: str) -> None:
+        path = os.path.join(folder, CONTROLLER_STATE_NAME)
+        if not os.path.isfile(path):
+            logger.warning(
+                "Resuming from %s, which holds no %s (written by add_kl_control): the KL controller starts afresh "
+                "from beta=%g.", folder, CONTROLLER_STATE_NAME, self.controller.value,
+            )  # fmt: skip
+            return
+        with open(path) as f:
+            payload = json.load(f)
+        if payload.get("kl_target_unit", self.settings.kl_target_unit) != self.settings.kl_target_unit:
+            raise ValueError(
+                f"The checkpoint's KL controller read the KL per {payload['kl_target_unit']}, this run per "
+                f"{self.settings.kl_target_unit}: its state does not carry over. Resume with kl_target_unit="
+                f"{payload['kl_target_unit']!r}, or start a new run."
+            )
+        self.controller.load_state_dict(payload["kl_controller"])
+        self._mean_length = payload.get("mean_length")
+        logger.info("KL controller restored from %s: beta=%g after %d updates.", path, self.controller.value,
+                    self.controller.n_updates)  # fmt: skip
+
+
+def add_kl_control(trainer, **kl_fields):
+    """Let a klppo controller set the KL coefficient beta of TRL's `GRPOTrainer` or `RLOOTrainer`.
+
+    Args:
+        trainer: a `trl.GRPOTrainer` or `trl.RLOOTrainer` (or a subclass) whose `beta` is > 0.
+        **kl_fields: `KLPPOConfig`'s controller fields, with the same meaning and checks: `kl_controller`
+            (`None`: `"tracking"` with a `kl_target`, else `"fixed"`), `kl_target`, `kl_target_unit` (`"sequence"`,
+            the default, or `"token"`: TRL's own `kl`), `kl_horizon`, `kl_coef_min`, `kl_coef_max`, the gains of
+            each controller (`kl_track_*`, `kl_pid_*`, `kl_controller_rate`, `kl_error_clip`), ...
+            (`klppo.integrations.trl.controller_fields()`). beta starts from `trainer.beta`.
+
+    Returns:
+        The trainer, with a `KLControlCallback` registered (`trainer.kl_control`); its `train` records the
+        checkpoint it resumes from, so that the controller continues from the state saved there.
+
+    The statistic the controller reads, for each trainer, is described in this module's docstring.
+    """
+    kind = _kind(trainer)
+    if not getattr(trainer, "beta", 0.0):
+        raise ValueError(
+            f"{kind} was built with beta={getattr(trainer, 'beta', None)!r}. With beta 0, TRL loads no reference "
+            "model and computes no KL, so there is nothing to control and no coefficient to adapt. Set a positive "
+            f"beta in the {kind[:-7]}Config (e.g. beta=0.04): it is where the controller starts, and the "
+            "reference model is then loaded."
+        )
+    if not hasattr(trainer, "_metrics") or "train" not in trainer._metrics:
+        raise TypeError(
+            f"This {kind} keeps no metric buffer (`_metrics['train']`) to read its KL from: add_kl_control was "
+            "written against TRL 1.16's GRPOTrainer and RLOOTrainer."
+        )
+    if getattr(trainer, "kl_control", None) is not None:
+        raise ValueError("add_kl_control was already applied to this trainer.")
+    settings = resolve_kl_fields(trainer, kl_fields)
+    callback = KLControlCallback(trainer, settings)
+    trainer.add_callback(callback)
+    trainer.kl_control = callback
+    train = trainer.train
+
+    def train_with_kl_control(resume_from_checkpoint=None, *args, **kwargs):
+        folder = resume_from_checkpoint
+        if isinstance(folder, str) and folder.lower() in ("true", "false"):
+            folder = folder.lower() == "true"
+        if folder is True:
+            folder = get_last_checkpoint(trainer.args.output_dir)
+        callback.resume_from = folder or None
+        return train(resume_from_checkpoint, *args, **kwargs)
+
+    train_with_kl_control.__doc__ = train.__doc__
+    trainer.train = train_with_kl_control
+    logger.info(
+        "KL control on %s: controller %s, beta from %g, target %s per %s (TRL's %s in the %s).", kind,
+        settings.kl_controller, trainer.beta, settings.kl_target, settings.kl_target_unit,
+        settings.kl_estimator, settings.kl_mode,
+    )  # fmt: skip
+    return trainer

@@ -1,0 +1,72 @@
+"""TRL's GRPOTrainer on the default sentiment task (SmolLM2-135M-Instruct, offline), with a fixed beta or with
+klppo's tracking controller (`add_kl_control`). One run per call; writes `<out>/summary.json`.
+
+    python results/grpo_kl_control/run.py --mode tracking --seed 0 --out results/grpo_kl_control/runs/tracking-0
+"""
+
+import argparse
+import json
+import math
+import os
+import time
+
+import torch
+from datasets import Dataset
+from trl import GRPOConfig, GRPOTrainer
+
+from klppo.data import load_heldout_texts, offline_prompts
+from klppo.evaluation import heldout_perplexity
+from klppo.integrations.trl import add_kl_control
+from klppo.models import OFFLINE_DEFAULT_MODEL, resolve_model_path
+from klppo.rewards.sentiment import positive_sentiment_reward
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", choices=["fixed", "tracking"], required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--beta", type=float, default=0.04)
+    p.add_argument("--kl_target", type=float, default=0.1, help="nats per token")
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    config = GRPOConfig(
+        output_dir=a.out, beta=a.beta, num_generations=4, per_device_train_batch_size=16, max_completion_length=12,
+        learning_rate=a.lr, lr_scheduler_type="constant", temperature=1.0, max_steps=a.steps, logging_steps=1,
+        save_strategy="no", report_to="none", use_cpu=True, seed=a.seed, disable_tqdm=True,
+    )
+    prompts = Dataset.from_dict({"prompt": offline_prompts("train")})
+    trainer = GRPOTrainer(model=resolve_model_path(OFFLINE_DEFAULT_MODEL), reward_funcs=positive_sentiment_reward,
+                          args=config, train_dataset=prompts)
+    if a.mode == "tracking":
+        add_kl_control(trainer, kl_target=a.kl_target, kl_target_unit="token")
+    texts = load_heldout_texts(max_texts=32)
+    tok = trainer.processing_class
+    ppl_before = heldout_perplexity(trainer.model, tok, texts)
+    start = time.time()
+    trainer.train()
+    seconds = time.time() - start
+    ppl_after = heldout_perplexity(trainer.model, tok, texts)
+    logs = [h for h in trainer.state.log_history if "kl" in h and "reward" in h]
+    kls = [h["kl"] for h in logs]
+    half = kls[len(kls) // 2:]
+    errors = [abs(k / a.kl_target - 1) for k in half]
+    rewards = [h["reward"] for h in logs]
+    summary = dict(
+        mode=a.mode, seed=a.seed, steps=a.steps, beta0=a.beta, kl_target=a.kl_target, lr=a.lr,
+        reward_first5=sum(rewards[:5]) / 5, reward_last5=sum(rewards[-5:]) / 5,
+        kl_second_half_mean=sum(half) / len(half), tracking_error=sum(errors) / len(errors),
+        in_band=sum(e <= 0.2 for e in errors) / len(errors), ppl_before=ppl_before, ppl_after=ppl_after,
+        seconds_per_update=seconds / a.steps, kl=kls, reward=rewards,
+        beta=[h.get("kl/coef", a.beta) for h in logs],
+    )
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, list)}))
+
+
+if __name__ == "__main__":
+    main()

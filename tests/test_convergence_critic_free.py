@@ -1,0 +1,141 @@
+"""Known answers for the critic-free advantage estimators on the one-token bandit (`tests/bandit.py`): 16 prompts
+x 4 responses per update, no critic, measured exactly from the trained policy's logits.
+
+Measured (CPU, torch 2.13, seeds 0-2, the settings of the PPO tests in `test_convergence.py`):
+
+- RLOO, k1 in the reward, 120 updates: KL(pi || pi*) 0.0104-0.0126 from 0.455 at the start (PPO with a critic:
+  0.0066-0.0072); max |pi - pi*| over the vocabulary 0.0013-0.0024;
+- RLOO, k2 in the loss, 240 updates with decay: 0.027-0.034 (PPO: 0.017); max |pi - pi*| 0.0014-0.0018;
+- GRPO, k1 in the reward, 120 updates: 0.014 from pi* (the return is constant at pi*, so the group
+  normalisation leaves it a fixed point);
+- GRPO, k2 in the loss, fixed beta: its group normalisation changes the objective. For a 0/1 reward and groups of
+  G, the expected normalised advantage of a response is a function of its reward and of q = pi(reward 1) alone,
+  so the policy gradient is that of `E_pi[c_q(r)]` with `c_q(1) - c_q(0) = Delta_G(q)`, and the fixed point is
+  the tilt `pi = ref * exp(r * Delta_G(q) / beta) / Z` whose own q is q. For G = 4 and beta = 0.5: q = 0.86
+  (Delta = 1.45), where pi* has q = 0.72. 600 updates (constant lr 1e-3) reached q = 0.865;
+- GRPO, k3 in the loss (TRL's choice) with the tracking controller, from beta 5x below and 5x above beta*: the
+  mean KL over the last 80 of 200 updates at 0.97x and 1.00x the target, 93% and 75% of the second half within
+  +-20%, mean |KL / target - 1| 0.088 and 0.137, peaks 3.5x and 1.26x.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from bandit import bandit_trainer, coefficient_for_target, kl, one_token_state, tilted
+from klppo.models import TINY_MODEL, resolve_model_path
+
+pytestmark = pytest.mark.slow
+BETA = 0.5
+GROUP = 4
+
+
+@pytest.fixture(scope="module")
+def tiny_path():
+    return resolve_model_path(TINY_MODEL)
+
+
+def critic_free_bandit(tiny_path, tmp_path, estimator, **overrides):
+    return bandit_trainer(tiny_path, tmp_path, advantage_estimator=estimator, num_generations=GROUP, **overrides)
+
+
+def test_rloo_reward_mode_k1_lands_on_the_tilted_optimum(tiny_path, tmp_path):
+    trainer = critic_free_bandit(tiny_path, tmp_path, "rloo", kl_mode="reward", kl_estimator="k1")
+    assert trainer.model.critic is None and trainer.model.value_head is None
+    start = one_token_state(trainer)
+    opt = tilted(start["ref"], start["reward"], BETA)
+    assert kl(start["logp"], opt) > 0.4
+    trainer.train()
+    end = one_token_state(trainer)
+    assert kl(end["logp"], opt) < 0.02  # the PPO test's tolerance
+    assert float((end["logp"].exp() - opt.exp()).abs().max()) < 0.005
+
+
+def test_rloo_loss_mode_k2_lands_on_the_same_optimum(tiny_path, tmp_path):
+    """beta names E[r] - beta * KL in loss mode too: the whitened RLOO advantage is divided by its std, and so
+    is the loss-mode coefficient (`kl_loss_scale`)."""
+    trainer = critic_free_bandit(
+        tiny_path, tmp_path, "rloo", kl_mode="loss", kl_estimator="k2", max_steps=240, lr_scheduler_type="linear"
+    )
+    trainer.train()
+    end = one_token_state(trainer)
+    opt = tilted(end["ref"], end["reward"], BETA)
+    assert kl(end["logp"], opt) < 0.06  # the PPO test's tolerance
+    assert float((end["logp"].exp() - opt.exp()).abs().max()) < 0.005
+
+
+def test_grpo_reward_mode_k1_keeps_pi_star_as_its_fixed_point(tiny_path, tmp_path):
+    """With k1 in the reward GRPO divides the whole return `r - beta * KL` by a positive number per group; at pi*
+    that return is the same for every response, so pi* is still the fixed point (measured: 0.014 from it)."""
+    trainer = critic_free_bandit(tiny_path, tmp_path, "grpo", kl_mode="reward", kl_estimator="k1")
+    trainer.train()
+    end = one_token_state(trainer)
+    assert kl(end["logp"], tilted(end["ref"], end["reward"], BETA)) < 0.03
+
+
+def grpo_advantage_gap(q: float, group: int, eps: float = 1e-4) -> float:
+    """`Delta_G(q) = E[A | r = 1] - E[A | r = 0]` for a 0/1 reward whose probability is q, GRPO's advantage
+    `(r - mean) / (unbiased std + eps)` over a group of `group`: the other `group - 1` rewards hold k ones with
+    probability Binomial(group - 1, q)."""
+
+    def std(ones: int) -> float:
+        return math.sqrt(ones * (group - ones) / (group * (group - 1)))
+
+    gap = 0.0
+    for k in range(group):
+        weight = math.comb(group - 1, k) * q**k * (1 - q) ** (group - 1 - k)
+        gap += weight * ((1 - (k + 1) / group) / (std(k + 1) + eps) + (k / group) / (std(k) + eps))
+    return gap
+
+
+def grpo_fixed_point(ref: torch.Tensor, reward: torch.Tensor, beta: float, group: int) -> torch.Tensor:
+    """log pi of GRPO's loss-mode fixed point on a 0/1 reward: `ref * exp(r * Delta_G(q) / beta) / Z` with q its
+    own reward probability (bisection on q: the tilt's q minus q changes sign once on this bandit)."""
+
+    def excess(q: float) -> float:
+        return float((tilted(ref, reward, beta / grpo_advantage_gap(q, group)).exp() * reward).sum()) - q
+
+    lo, hi = 0.3, 0.99
+    assert excess(lo) > 0 > excess(hi)
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if excess(mid) > 0 else (lo, mid)
+    return tilted(ref, reward, beta / grpo_advantage_gap(0.5 * (lo + hi), group))
+
+
+def test_grpo_loss_mode_lands_on_its_group_normalised_fixed_point_not_on_pi_star(tiny_path, tmp_path):
+    trainer = critic_free_bandit(
+        tiny_path, tmp_path, "grpo", kl_mode="loss", kl_estimator="k2", max_steps=600, lr_scheduler_type="constant"
+    )
+    trainer.train()
+    end = one_token_state(trainer)
+    star = tilted(end["ref"], end["reward"], BETA)
+    fixed = grpo_fixed_point(end["ref"], end["reward"], BETA, GROUP)
+    q = lambda logp: float((logp.exp() * end["reward"]).sum())  # noqa: E731
+    assert q(fixed) == pytest.approx(0.86, abs=0.01) and q(star) == pytest.approx(0.72, abs=0.01)
+    assert q(end["logp"]) == pytest.approx(q(fixed), abs=0.03)
+    assert kl(end["logp"], fixed) < 0.5 * kl(end["logp"], star)
+
+
+@pytest.mark.parametrize("start", [0.2, 5.0])
+def test_grpo_k3_loss_holds_a_kl_target_with_the_tracking_controller(tiny_path, tmp_path, start):
+    """Whatever beta means once GRPO has normalised the rewards, the tracking controller holds the KL it is
+    given (the target: KL(pi*_0.5 || ref), read by the exact `full` statistic)."""
+    state = one_token_state(bandit_trainer(tiny_path, tmp_path, max_steps=1))
+    target = kl(tilted(state["ref"], state["reward"], BETA), state["ref"])
+    beta_star = coefficient_for_target(state["ref"], state["reward"], target)
+    trainer = critic_free_bandit(
+        tiny_path, tmp_path, "grpo", kl_mode="loss", kl_estimator="k3", kl_target=target, kl_coef=start * beta_star,
+        max_steps=200, learning_rate=3e-3, per_device_train_batch_size=128, rollout_forward_batch_size=128,
+    )  # fmt: skip
+    assert trainer.args.kl_controller == "tracking"
+    trainer.train()
+    kls = [h["kl/value"] for h in trainer.state.log_history if "kl/value" in h]
+    errors = [abs(k / target - 1) for k in kls[len(kls) // 2 :]]
+    assert sum(kls[-80:]) / 80 == pytest.approx(target, rel=0.15)
+    assert sum(e <= 0.2 for e in errors) / len(errors) >= 0.6
+    assert sum(errors) / len(errors) <= 0.2
+    assert max(kls) <= (4.0 if start < 1 else 2.0) * target

@@ -1,0 +1,146 @@
+"""`klppo.integrations.trl.add_kl_control` on TRL's own GRPOTrainer and RLOOTrainer (tiny Llama, CPU, a few steps):
+beta moves toward the target, `kl/coef` is logged every step, a resumed run continues with the checkpointed
+controller, beta = 0 and fields that are not the controller's are refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from datasets import Dataset
+from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+
+from klppo.integrations.trl import CONTROLLER_STATE_NAME, add_kl_control, controller_fields
+from klppo.models import TINY_MODEL, resolve_model_path
+
+TRAINERS = {"grpo": (GRPOConfig, GRPOTrainer), "rloo": (RLOOConfig, RLOOTrainer)}
+
+
+def even_reward(prompts, completions, completion_ids=None, **kwargs):
+    """The fraction of even token ids: varies between completions of the tiny random model."""
+    return [sum(i % 2 == 0 for i in ids) / max(1, len(ids)) for ids in completion_ids]
+
+
+@pytest.fixture(scope="module")
+def tiny_path():
+    return resolve_model_path(TINY_MODEL)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return Dataset.from_dict({"prompt": ["The day was", "My friend said", "A letter came", "It rained"] * 4})
+
+
+def make_trainer(kind, tiny_path, prompts, output_dir, **overrides):
+    config_cls, trainer_cls = TRAINERS[kind]
+    base = dict(
+        output_dir=str(output_dir), per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
+        max_steps=5, logging_steps=1, report_to="none", beta=0.05, learning_rate=1e-3, use_cpu=True,
+        save_strategy="no", seed=0, disable_tqdm=True,
+    )  # fmt: skip
+    args = config_cls(**{**base, **overrides})
+    return trainer_cls(model=tiny_path, reward_funcs=even_reward, args=args, train_dataset=prompts)
+
+
+def step_logs(trainer) -> list[dict]:
+    return [h for h in trainer.state.log_history if "kl/coef" in h]
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_beta_moves_toward_the_target_and_kl_coef_is_logged_every_step(kind, tiny_path, prompts, tmp_path):
+    """The default controller (tracking), target far below TRL's KL (1e-6 nats per token, with a learning rate
+    that moves the policy): beta ends above where it started. Far above (100 per token): beta falls and never
+    rises. The exponential controller moves beta up after every reading above the target and down after every
+    reading below (RLOO's k1 reading can be negative)."""
+    below = add_kl_control(make_trainer(kind, tiny_path, prompts, tmp_path / "below", learning_rate=1e-2),
+                           kl_target=1e-6, kl_target_unit="token")  # fmt: skip
+    assert below.kl_control.settings.kl_controller == "tracking"
+    below.train()
+    logs = step_logs(below)
+    assert [h["step"] for h in logs] == [1, 2, 3, 4, 5]  # kl/coef on every step
+    assert logs[0]["kl/coef"] == 0.05  # beta starts from the trainer's own
+    assert all(h["kl/value"] == h["kl"] and h["kl/target"] == 1e-6 for h in logs)  # TRL's KL is the reading
+    assert below.beta > 0.05 and below.beta == below.kl_control.controller.value
+
+    above = add_kl_control(make_trainer(kind, tiny_path, prompts, tmp_path / "above"), kl_target=100.0,
+                           kl_target_unit="token")  # fmt: skip
+    above.train()
+    coefs = [h["kl/coef"] for h in step_logs(above)] + [above.beta]
+    assert all(b <= a for a, b in zip(coefs, coefs[1:])) and above.beta < 0.05, coefs
+
+    target = 1e-4
+    steady = add_kl_control(make_trainer(kind, tiny_path, prompts, tmp_path / "exp", learning_rate=1e-2),
+                            kl_controller="exponential", kl_target=target, kl_target_unit="token",
+                            kl_controller_rate=100.0)  # fmt: skip
+    steady.train()
+    logs = step_logs(steady)
+    coefs = [h["kl/coef"] for h in logs] + [steady.beta]
+    for h, before, after in zip(logs, coefs, coefs[1:]):
+        assert (after > before) if h["kl/value"] > target else (after < before), (h["kl/value"], before, after)
+    assert any(h["kl/value"] > target for h in logs) and any(h["kl/value"] < target for h in logs)
+
+
+def test_sequence_unit_is_the_token_mean_times_the_mean_completion_length(tiny_path, prompts, tmp_path):
+    trainer = add_kl_control(make_trainer("rloo", tiny_path, prompts, tmp_path, max_steps=2), kl_target=1e-3,
+                             kl_controller="exponential")  # fmt: skip
+    assert trainer.kl_control.settings.kl_target_unit == "sequence"  # KLPPOConfig's default
+    trainer.train()
+    for h in step_logs(trainer):
+        assert h["kl/value"] == pytest.approx(h["kl"] * h["completions/mean_length"], rel=1e-6, abs=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_resume_continues_with_the_checkpointed_controller(kind, tiny_path, prompts, tmp_path):
+    """4 steps saved every 2; a new trainer (another output folder) resumed from checkpoint-2 logs, at step 3,
+    the coefficient the uninterrupted run logged there, not the trainer's initial beta."""
+    kw = dict(kl_target=1e-6, kl_target_unit="token")
+    full = add_kl_control(make_trainer(kind, tiny_path, prompts, tmp_path / "full", max_steps=4,
+                                       save_strategy="steps", save_steps=2), **kw)  # fmt: skip
+    full.train()
+    coefs = {h["step"]: h["kl/coef"] for h in step_logs(full)}
+    checkpoint = tmp_path / "full" / "checkpoint-2"
+    with open(checkpoint / CONTROLLER_STATE_NAME) as f:
+        saved = json.load(f)["kl_controller"]
+    assert saved["n_updates"] == 2 and saved["value"] == coefs[3] != 0.05
+
+    resumed = add_kl_control(make_trainer(kind, tiny_path, prompts, tmp_path / "resumed", max_steps=4), **kw)
+    assert resumed.beta == 0.05
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    after = [h for h in step_logs(resumed) if h["step"] > 2]  # the history before comes from the checkpoint
+    assert after[0]["step"] == 3 and after[0]["kl/coef"] == coefs[3]
+    assert resumed.kl_control.controller.n_updates == 4
+
+
+def test_beta_zero_is_refused(tiny_path, prompts, tmp_path):
+    trainer = make_trainer("grpo", tiny_path, prompts, tmp_path, beta=0.0)
+    with pytest.raises(ValueError, match=r"beta=0\.0.*no reference model and computes no KL.*positive beta"):
+        add_kl_control(trainer, kl_target=0.05)
+
+
+def test_only_controller_fields_are_taken_and_checked_like_klppoconfig(tiny_path, prompts, tmp_path):
+    trainer = make_trainer("rloo", tiny_path, prompts, tmp_path)
+    assert {"kl_target", "kl_horizon", "kl_coef_min", "kl_track_kp"} <= set(controller_fields())
+    with pytest.raises(ValueError, match="starts from the trainer's own `beta`"):
+        add_kl_control(trainer, kl_coef=0.1)
+    with pytest.raises(ValueError, match="TRL decides where the KL acts"):
+        add_kl_control(trainer, kl_mode="loss")
+    with pytest.raises(ValueError, match="kl_target_unit.*Choose one of: 'token', 'sequence'"):
+        add_kl_control(trainer, kl_target=1.0, kl_target_unit="batch")
+    with pytest.raises(ValueError, match="needs a positive `kl_target`"):
+        add_kl_control(trainer, kl_controller="adaptive")
+    with pytest.raises(TypeError, match="GRPOTrainer and RLOOTrainer"):
+        add_kl_control(object())
+    assert getattr(trainer, "kl_control", None) is None  # nothing was registered by the refused calls
+
+
+def test_the_example_runs_offline_on_the_tiny_model(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "grpo_kl_control.py"
+    spec = importlib.util.spec_from_file_location("grpo_kl_control", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    trainer = example.main(["--model", "klppo:tiny-llama", "--max_steps", "2", "--output_dir", str(tmp_path)])
+    assert [h["step"] for h in step_logs(trainer)] == [1, 2]
+    assert trainer.kl_control.settings.kl_controller == "tracking" and "kl/coef" in capsys.readouterr().out
