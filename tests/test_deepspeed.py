@@ -150,3 +150,11 @@ def test_zero3_lora_with_adapter_disabled_reference(tiny_model_path, tmp_path):
     kls = [h["kl/k3"] for h in state["log_history"] if "kl/k3" in h]  # k3 >= 0: no sampling sign noise
     assert len(kls) == 3 and kls[0] < 1e-7  # the reference is the starting policy: no KL at the first rollout
     assert kls[-1] > 1e-4  # and the adapter has moved the policy away from it
+
+
+def test_rollback_is_refused_under_deepspeed_at_parse_time(monkeypatch, tmp_path):
+    from klppo import KLPPOConfig
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # as `accelerate launch` sets it
+    with pytest.raises(ValueError, match="nonfinite_rollback=True is not available under DeepSpeed.*Leave"):
+        KLPPOConfig(output_dir=str(tmp_path), nonfinite_rollback=True, report_to="none")

@@ -1,8 +1,9 @@
 """Checkpoints: atomic saves with the KL controller's state, and resuming that says what it does.
 
 A klppo checkpoint is Trainer's (optimizer, scheduler, RNG, `trainer_state.json`) plus the policy in Hugging
-Face format, a separate critic in `value_model/` (`CriticModel.from_pretrained`), every trainable weight of the actor-critic (`klppo_trainable.safetensors`) and the controller and
-monitors' state with the run's KL settings (`kl_controller.json`). It is written into a staging folder and
+Face format, a separate critic in `value_model/` (`CriticModel.from_pretrained`), every trainable weight of the
+actor-critic (`klppo_trainable.safetensors`) and the controller and monitors' state with the run's KL settings
+(`kl_controller.json`). It is written into a staging folder and
 renamed into place when complete, so a crash never leaves a partial `checkpoint-N`.
 """
 

@@ -415,14 +415,14 @@ class KLPPOConfig(TrainingArguments):
     def __post_init__(self):
         self._validate_kl_fields()
         self._validate_ppo_fields()
-        self._default_deepspeed_cpu_backend()
+        self._deepspeed_settings()
         super().__post_init__()
         self._warn_biased_gradient()
 
-    def _default_deepspeed_cpu_backend(self) -> None:
-        """DeepSpeed on a machine with no GPU (its CPU accelerator) under `accelerate launch`: accelerate only
-        counts the processes of a named backend there, so without one every rank would believe it is alone.
-        `ddp_backend` defaults to gloo, the backend DeepSpeed's CPU accelerator itself initialises."""
+    def _deepspeed_settings(self) -> None:
+        """Under DeepSpeed: on a machine with no GPU (DeepSpeed's CPU accelerator), accelerate only counts the
+        processes of a named backend, so without one every rank would believe it is alone: `ddp_backend` defaults
+        to gloo, the backend DeepSpeed's CPU accelerator itself initialises. `nonfinite_rollback=True` is refused."""
         import torch
 
         deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" or self.deepspeed

@@ -120,7 +120,6 @@ class TrainingDiverged(RuntimeError):
 
 
 @torch.no_grad()
-@torch.no_grad()
 def policy_outputs_finite(model, sequences, accelerator, rows: int = 1) -> bool:
     """Whether the actor-critic `model` gives finite logits and values on the first `rows` of `sequences` (a
     `Sequences` of this rank), on every rank. An optimizer step can leave finite weights whose logits overflow
