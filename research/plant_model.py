@@ -105,8 +105,9 @@ def simulate(model: dict, target: float, settings: dict, guard, updates: int, se
     """One simulated run: the first updates ramp the KL up linearly whatever beta is (the policy leaving the
     reference), then the fitted model; returns (tracking error, share in band, share of mini-batch steps taken)
     over the second half. ``same_update``: beta is set from the reading before that update's step (one update
-    of delay) instead of after it (klppo's order, two updates of delay). ``low``: the guard's low side
-    (`kl_guard_low_margin`), armed once a reading reaches ``target * (1 - low)``; None: off."""
+    of delay) instead of after it (klppo's order, two updates of delay). ``low``: the margin of the guard's low
+    side below the target (klppo's guard has it at the target itself, 0), armed once a reading reaches
+    ``target * (1 - low)``; None: off."""
     rng = np.random.default_rng(seed)
     ctl = TrackingKLController(kl_coef, target, **settings)
     a, b, c, sigma = model["a"], model["b"], model["c"], model["sigma"]
@@ -145,7 +146,7 @@ SETTINGS = {
     "defaults, guard 0.25": ({}, 0.25),
     "defaults, guard 0.1": ({}, 0.1),
     "defaults, guard 0": ({}, 0.0),
-    "defaults, guard 0 on both sides (kl_guard_low_margin 0)": ({}, 0.0, 0.0),
+    "defaults, guard 0 on both sides (the guard's low side at the target)": ({}, 0.0, 0.0),
     "defaults, guard 0, low side at 0.8x the target": ({}, 0.0, 0.2),
     "lower gains (kp 0.15, ki 0.05, lookahead 1)": ({"kp": 0.15, "ki": 0.05, "lookahead": 1.0}, None),
     "no smoothing, no lookahead": ({"smoothing": 1.0, "lookahead": 0.0}, None),

@@ -11,11 +11,12 @@ The YAML is an ordinary `scripts/train.py` experiment plus one block of its own,
       final_window: 5      # final reward = mean objective/scores of the last N updates
       arms:                # name -> fields that replace the base experiment's (usually KL fields)
         fixed-0.02: {kl_controller: fixed, kl_coef: 0.02}
-        adaptive: {kl_controller: adaptive, kl_coef: 0.05, kl_horizon: 32}
+        adaptive: {kl_controller: adaptive, kl_coef: 0.05, kl_controller_kwargs: {horizon: 32}}
 
 Everything outside `compare:` goes through `scripts/train.py`'s parser (TrlParser over ScriptArguments,
 KLPPOConfig and ModelConfig), so it is validated exactly as a training run would be, and every arm's
-fields are passed to that parser as command-line overrides. The arms therefore share the prompts, the
+fields are passed to that parser as command-line overrides (a mapping, such as `kl_controller_kwargs`, as
+JSON). The arms therefore share the prompts, the
 reward, the number of updates and the seeds; only their own fields differ. Fixed-coefficient arms have no
 target of their own: they are measured against the experiment's `kl_target`, like the controlled arms.
 
@@ -90,13 +91,15 @@ UPDATE_KEYS = (
 
 # --quick: the tiny random model of configs/tiny.yaml, two arms, one seed, two updates.
 QUICK_CONFIG = ROOT / "configs" / "tiny.yaml"
-QUICK_OVERRIDES = {"max_steps": 2, "eval_steps": 1, "heldout_eval_texts": 4, "output_dir": "outputs/compare-quick"}
+# (tiny.yaml's adaptive constants cleared: each arm names its controller's own)
+QUICK_OVERRIDES = {"max_steps": 2, "eval_steps": 1, "heldout_eval_texts": 4, "output_dir": "outputs/compare-quick",
+                   "kl_controller_kwargs": None}
 QUICK_SPEC = {
     "band": 0.2,
     "final_window": 2,
     "arms": {
         "fixed-0.05": {"kl_controller": "fixed", "kl_coef": 0.05},
-        "adaptive": {"kl_controller": "adaptive", "kl_coef": 0.05, "kl_horizon": 64},
+        "adaptive": {"kl_controller": "adaptive", "kl_coef": 0.05, "kl_controller_kwargs": {"horizon": 64}},
     },
 }
 
@@ -128,8 +131,12 @@ def load_experiment(config: Path | None, quick: bool) -> tuple[dict, dict]:
 
 
 def cli_value(value) -> str:
+    """A field's value as the parser reads it from a command line: a mapping or list (`kl_controller_kwargs`)
+    as JSON, which `KLPPOConfig` parses."""
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, (dict, list)):
+        return json.dumps(value)
     return str(value)
 
 
@@ -145,16 +152,12 @@ def train_argv(base_config: Path, fields: dict, seed: int, output_dir: str) -> l
 
 # settings a run resolves from defaults that can change between versions: part of a run's fingerprint, so that a
 # record written under other defaults is trained again rather than kept
-RESOLVED_KEYS = ("kl_controller", "kl_statistic", "kl_guard_margin", "kl_guard_reset_momentum")
+RESOLVED_KEYS = ("kl_controller", "kl_statistic", "kl_guard")
 
 
 def resolved_settings(args) -> dict:
-    """The RESOLVED_KEYS of a parsed config, plus the guard's low side where it is on (left out when off, so that
-    records written before it existed keep their fingerprints)."""
-    resolved = {k: getattr(args, k) for k in RESOLVED_KEYS}
-    if math.isfinite(args.kl_guard_low_margin):
-        resolved["kl_guard_low_margin"] = args.kl_guard_low_margin
-    return resolved
+    """The RESOLVED_KEYS of a parsed config."""
+    return {k: getattr(args, k) for k in RESOLVED_KEYS}
 
 
 def fingerprint(base: dict, fields: dict, seed: int, resolved: dict) -> str:
@@ -199,9 +202,8 @@ def run_worker(job: dict) -> None:
         "kl_target_unit": args.kl_target_unit,
         "kl_controller": args.kl_controller,
         "kl_statistic": args.kl_statistic,
-        "kl_guard_margin": args.kl_guard_margin if math.isfinite(args.kl_guard_margin) else None,  # null: off
-        "kl_guard_low_margin": args.kl_guard_low_margin if math.isfinite(args.kl_guard_low_margin) else None,
-        "kl_guard_reset_momentum": args.kl_guard_reset_momentum,
+        "kl_controller_kwargs": args.kl_controller_kwargs,
+        "kl_guard": args.kl_guard,
         "kl_coef_initial": args.kl_coef,
         "kl_coef_final": trainer.kl_controller.value,
         "controller_state": trainer.kl_controller.state_dict(),

@@ -2,7 +2,9 @@
 
 Single process (CPU or one GPU):
     accelerate launch scripts/train.py --config configs/default.yaml
-    python scripts/train.py --config configs/tiny.yaml --kl_controller pid --kl_target 2.0
+    python scripts/train.py --config configs/tiny.yaml --kl_controller pid --kl_target 2.0 --kl_controller_kwargs '{}'
+    (`kl_controller_kwargs` holds one controller's constants: tiny.yaml's are the adaptive controller's, so a
+    switch of controller replaces them, here with the PID controller's defaults)
 
 Several GPUs on one machine (DDP; or pick a DeepSpeed / FSDP file in configs/accelerate/):
     accelerate launch --config_file configs/accelerate/multi_gpu.yaml scripts/train.py --config configs/qwen_hub.yaml

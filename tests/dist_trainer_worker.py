@@ -58,7 +58,7 @@ def make_trainer(out_dir: str, **overrides) -> KLPPOTrainer:
         kl_coef=0.1,
         kl_target=1e-3,
         kl_target_unit="token",
-        kl_horizon=4,
+        kl_controller_kwargs={"horizon": 4},
         kl_mode="both",
         kl_estimator="k1",
         num_sample_generations=0,

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "compare.py")
@@ -61,6 +62,45 @@ def test_spread():
     s = compare.spread([1.0, 3.0, float("nan")])
     assert s == {"mean": 2.0, "std": pytest.approx(math.sqrt(2.0)), "min": 1.0, "max": 3.0, "n": 2}
     assert compare.spread([float("nan")])["mean"] is None
+
+
+def test_an_arms_mapping_reaches_the_parser_as_json(tmp_path):
+    """An arm's `kl_controller_kwargs` is passed to train.py's parser as JSON, which KLPPOConfig reads back."""
+    from klppo.cli import parse
+
+    compare = load_compare()
+    base, spec = compare.load_experiment(None, quick=True)
+    assert base["kl_controller_kwargs"] is None  # tiny.yaml's adaptive constants are not the fixed arm's
+    config = tmp_path / "base.yaml"
+    config.write_text(yaml.safe_dump(base))
+    fields = {"kl_controller": "adaptive", "kl_controller_kwargs": {"horizon": 32, "error_clip": 0.1}}
+    argv = compare.train_argv(config, fields, 0, str(tmp_path / "out"))
+    assert argv[argv.index("--kl_controller_kwargs") + 1] == '{"horizon": 32, "error_clip": 0.1}'
+    _, args, _ = parse(argv)
+    assert args.kl_controller_kwargs == {"horizon": 32, "error_clip": 0.1}
+    assert compare.resolved_settings(args) == {"kl_controller": "adaptive", "kl_statistic": "full", "kl_guard": False}
+    for arm, fields in spec["arms"].items():  # every quick arm parses over the quick base
+        parse(compare.train_argv(config, fields, 0, str(tmp_path / arm)))
+
+
+@pytest.mark.parametrize("name", ["compare_default.yaml", "compare_long_words.yaml"])
+def test_every_arm_of_the_shipped_comparisons_parses(tmp_path, name):
+    """Each arm of a shipped comparison is valid for train.py's parser over its base experiment (what `compare.py`
+    checks before it runs anything), without loading models."""
+    from pathlib import Path
+
+    from klppo.cli import parse
+
+    compare = load_compare()
+    base, spec = compare.load_experiment(Path(ROOT) / "configs" / name, quick=False)
+    config = tmp_path / "base.yaml"
+    config.write_text(yaml.safe_dump(base))
+    resolved = {}
+    for arm, fields in spec["arms"].items():
+        _, args, _ = parse(compare.train_argv(config, fields, 0, str(tmp_path / arm)))
+        resolved[arm] = (args.kl_controller, args.kl_guard)
+    assert resolved["tracking"] == ("tracking", True) and resolved["tracking-no-guard"] == ("tracking", False)
+    assert resolved["adaptive"] == ("adaptive", False)
 
 
 def run_quick(out) -> subprocess.CompletedProcess:

@@ -30,6 +30,7 @@ from bandit import (
     two_token_kl_to_optimum,
 )
 from klppo.models import TINY_MODEL, resolve_model_path
+from klppo.ppo.guard import KLGuard
 
 pytestmark = pytest.mark.slow
 BETA = 0.5
@@ -194,9 +195,9 @@ def test_tracking_controller_settles_on_the_equilibrium_coefficient(tiny_path, t
 @pytest.mark.parametrize("low", [None, math.inf], ids=["both-sides", "upper-side"])
 @pytest.mark.parametrize("start", [0.2, 5.0])
 def test_the_guard_caps_the_kl_and_keeps_the_equilibrium_coefficient(tiny_path, tmp_path, start, low):
-    """The tracking controller with its default guard (`kl_guard_margin` 0: an update that has pushed the KL past
-    the target stops there and clears the optimizer's momentum; `kl_guard_low_margin` 0: once a reading has
-    reached the target, an update that pulls the KL below it stops too), and with the upper side alone, on the
+    """The tracking controller with its default guard (`kl_guard`: an update that has pushed the KL past the target
+    stops there and clears the optimizer's momentum; once a reading has reached the target, an update that pulls
+    the KL below it stops too), and with the upper side alone, on the
     bandit with four optimizer steps per update: beta still settles on the beta* whose optimum has exactly the
     target KL, and the KL overshoots far less than without a guard.
 
@@ -204,7 +205,7 @@ def test_the_guard_caps_the_kl_and_keeps_the_equilibrium_coefficient(tiny_path, 
     the mean beta over the last 80 updates was 0.960 beta*, the mean KL 1.01x the target, the peak 1.55x, the upper
     side firing in 124 updates and the low side in 33; from 5 beta*: 0.991 beta*, 1.00x, peak 1.02x (77 and 78).
     The upper side alone: from beta*/5, 0.971 beta* and a peak of 1.55x (an earlier controller, without the
-    start-up rule that keeps the proportional cut, peaked at 2.69x with no guard, `kl_guard_margin=inf`); from
+    start-up rule that keeps the proportional cut, peaked at 2.69x with no guard); from
     5 beta*, 1.001 beta* and 1.03x.
     """
     state = one_token_state(bandit_trainer(tiny_path, tmp_path, max_steps=1))
@@ -212,10 +213,11 @@ def test_the_guard_caps_the_kl_and_keeps_the_equilibrium_coefficient(tiny_path, 
     beta_star = coefficient_for_target(state["ref"], state["reward"], target)
     trainer = bandit_trainer(
         tiny_path, tmp_path, kl_target=target, kl_coef=start * beta_star, max_steps=200, learning_rate=1e-3,
-        per_device_train_batch_size=32, num_mini_batches=4, rollout_forward_batch_size=128, kl_guard_low_margin=low,
+        per_device_train_batch_size=32, num_mini_batches=4, rollout_forward_batch_size=128,
     )
-    assert trainer.args.kl_controller == "tracking" and trainer.args.kl_guard_margin == 0.0  # the defaults
-    assert trainer.args.kl_guard_low_margin == (0.0 if low is None else math.inf)
+    assert trainer.args.kl_controller == "tracking" and trainer.args.kl_guard  # the defaults
+    if low is not None:
+        trainer.kl_guard = KLGuard(target, low_margin=low)  # the upper side alone
     trainer.train()
     logs = [h for h in trainer.state.log_history if "kl/coef" in h]
     betas, kls = [h["kl/coef"] for h in logs], [h["kl/value"] for h in logs]

@@ -40,7 +40,7 @@ def test_names():
 
 
 def test_register_and_unregister_a_controller_through_the_public_api():
-    @register_kl_controller("halving", fields={"target": "kl_target", "factor": "my_factor"})
+    @register_kl_controller("halving")
     class Halving(KLController):
         """beta *= factor whenever kl exceeds target."""
 
@@ -53,7 +53,9 @@ def test_register_and_unregister_a_controller_through_the_public_api():
 
     try:
         assert "halving" in kl_controllers() and get_kl_controller("halving") is Halving
-        c = build_kl_controller(SimpleNamespace(kl_controller="halving", kl_coef=0.1, kl_target=1.0, my_factor=0.25))
+        assert Halving.constants == {"factor": 0.5}  # the constructor's keyword parameters, less the target
+        c = build_kl_controller(SimpleNamespace(kl_controller="halving", kl_coef=0.1, kl_target=1.0,
+                                                kl_controller_kwargs={"factor": 0.25}))  # fmt: skip
         assert c.update(2.0, 8) == pytest.approx(0.4) and c.name == "halving"
         with pytest.raises(ValueError, match="already registered"):
             register_kl_controller("halving")(Halving)
@@ -298,22 +300,83 @@ def test_initial_coefficient_is_clamped_into_bounds():
 
 
 def test_build_kl_controller():
-    base = dict(kl_coef=0.05, kl_target=6.0, kl_horizon=10000)
+    base = dict(kl_coef=0.05, kl_target=6.0)
     c = build_kl_controller(SimpleNamespace(kl_controller="fixed", **base))
     assert isinstance(c, FixedKLController) and c.value == 0.05
-    c = build_kl_controller(SimpleNamespace(kl_controller="adaptive", kl_error_clip=0.3, kl_coef_min=None, **base))
+    c = build_kl_controller(SimpleNamespace(kl_controller="fixed", kl_controller_kwargs={}, **base))
+    assert isinstance(c, FixedKLController) and c.value == 0.05
+    c = build_kl_controller(SimpleNamespace(kl_controller="adaptive", kl_controller_kwargs={"error_clip": 0.3}, **base))
     assert isinstance(c, AdaptiveKLController) and c.error_clip == 0.3 and c.coef_min == 0.0 and c.horizon == 10000
-    c = build_kl_controller(SimpleNamespace(kl_controller="exponential", kl_controller_rate=0.2,
-                                            kl_coef_min=1e-3, kl_coef_max=5.0, **base))
+    assert c.target == 6.0  # the target comes from kl_target, not from the mapping
+    c = build_kl_controller(SimpleNamespace(kl_controller="adaptive", kl_controller_kwargs=None, **base))
+    assert c.horizon == 10000 and c.error_clip == 0.2  # None: the constructor's defaults
+    c = build_kl_controller(SimpleNamespace(kl_controller="exponential", **base,
+                                            kl_controller_kwargs=dict(rate=0.2, coef_min=1e-3, coef_max=5.0)))
     assert isinstance(c, ExponentialKLController) and (c.rate, c.coef_min, c.coef_max) == (0.2, 1e-3, 5.0)
-    c = build_kl_controller(SimpleNamespace(kl_controller="pid", kl_pid_kp=0.5, kl_pid_ki=None, kl_pid_kd=0.01, **base))
+    c = build_kl_controller(SimpleNamespace(kl_controller="pid", kl_controller_kwargs=dict(kp=0.5, kd=0.01), **base))
     assert isinstance(c, PIDKLController) and (c.kp, c.ki, c.kd) == (0.5, 0.3, 0.01)
-    c = build_kl_controller(SimpleNamespace(kl_controller="tracking", kl_track_ki=0.2, kl_track_window=None, **base))
+    c = build_kl_controller(SimpleNamespace(kl_controller="tracking", kl_controller_kwargs={"ki": 0.2}, **base))
     assert isinstance(c, TrackingKLController) and (c.ki, c.kp, c.window) == (0.2, 0.3, 10)
     with pytest.raises(ValueError, match="fixed, adaptive, exponential, pid, tracking"):
         build_kl_controller(SimpleNamespace(kl_controller="lagrangian", **base))
     with pytest.raises(ValueError, match="kl_target"):
         build_kl_controller(SimpleNamespace(kl_controller="pid", kl_coef=0.05, kl_target=None))
+
+
+def test_the_constants_are_the_constructors_keyword_parameters():
+    assert get_kl_controller("fixed").constants == {}
+    assert get_kl_controller("adaptive").constants == dict(horizon=10000, error_clip=0.2, coef_min=0.0,
+                                                           coef_max=math.inf)  # fmt: skip
+    assert get_kl_controller("exponential").constants == dict(rate=0.1, coef_min=1e-4, coef_max=10.0)
+    assert {"kp", "ki", "kd", "coef_min", "coef_max", "integral_limit", "error_clip"} == set(
+        get_kl_controller("pid").constants)
+    assert {"kp", "ki", "lookahead", "smoothing", "window", "arm_fraction", "coef_min", "coef_max"} <= set(
+        get_kl_controller("tracking").constants)
+    for kind in kl_controllers():
+        assert "target" not in get_kl_controller(kind).constants  # kl_target supplies it
+
+
+def test_an_unknown_constant_is_refused_with_the_valid_ones():
+    base = dict(kl_coef=0.05, kl_target=6.0)
+    # a key of another controller (the PID's gain on the adaptive one), or an old config field's name
+    with pytest.raises(ValueError, match=r"'adaptive' has no constant 'kp'.*horizon \(default 10000\).*error_clip"):
+        build_kl_controller(SimpleNamespace(kl_controller="adaptive", kl_controller_kwargs={"kp": 0.1}, **base))
+    with pytest.raises(ValueError, match="'tracking' has no constant 'kl_track_kp'.*kp .*ki .*lookahead"):
+        build_kl_controller(SimpleNamespace(kl_controller="tracking", kl_controller_kwargs={"kl_track_kp": 1}, **base))
+    with pytest.raises(ValueError, match="'fixed' has no constant 'horizon'.*none"):
+        build_kl_controller(SimpleNamespace(kl_controller="fixed", kl_controller_kwargs={"horizon": 64}, **base))
+    with pytest.raises(ValueError, match="has no constant 'target'"):  # the target is kl_target's
+        build_kl_controller(SimpleNamespace(kl_controller="pid", kl_controller_kwargs={"target": 1.0}, **base))
+    with pytest.raises(ValueError, match="kl_controller_kwargs must be a mapping"):
+        build_kl_controller(SimpleNamespace(kl_controller="pid", kl_controller_kwargs=[("kp", 1.0)], **base))
+    # a constant's own check still applies to a value given through the mapping
+    with pytest.raises(ValueError, match="window"):
+        build_kl_controller(SimpleNamespace(kl_controller="tracking", kl_controller_kwargs={"window": 2}, **base))
+
+
+def test_klppoconfig_takes_the_constants_as_a_mapping_or_a_json_string(tmp_path):
+    import dataclasses
+
+    from klppo import KLPPOConfig
+
+    def config(**kw):
+        return KLPPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, **kw)
+
+    args = config(kl_controller="adaptive", kl_target=6.0, kl_controller_kwargs={"horizon": 64})
+    assert build_kl_controller(args).horizon == 64
+    # from a command line: a JSON string, parsed once (a resolved config resolves to itself)
+    args = config(kl_controller="pid", kl_target=1.0, kl_controller_kwargs='{"kp": 0.5, "integral_limit": 3.0}')
+    assert args.kl_controller_kwargs == {"kp": 0.5, "integral_limit": 3.0}
+    c = build_kl_controller(args)
+    assert isinstance(c, PIDKLController) and (c.kp, c.integral_limit) == (0.5, 3.0)
+    assert dataclasses.replace(args).kl_controller_kwargs == {"kp": 0.5, "integral_limit": 3.0}
+    assert config(kl_target=1.0, kl_controller_kwargs='{"window": 20}').kl_controller_kwargs == {"window": 20}
+    with pytest.raises(ValueError, match="kl_controller_kwargs.*JSON"):
+        config(kl_controller="pid", kl_target=1.0, kl_controller_kwargs="{kp: 0.5")
+    with pytest.raises(ValueError, match="has no constant 'horizon'.*integral_limit"):
+        config(kl_controller="pid", kl_target=1.0, kl_controller_kwargs='{"horizon": 64}')
+    with pytest.raises(ValueError, match="has no constant 'horizon'"):
+        config(kl_controller="tracking", kl_target=1.0, kl_controller_kwargs={"horizon": 64})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -43,20 +43,20 @@ def test_controller_table_comes_from_the_registry():
 
     block = readme_table_block(TABLES.read_text(encoding="utf-8"), CONTROLLER_TABLE_START, CONTROLLER_TABLE_END)
     assert block.strip() == controller_table_markdown().strip(), FIX
-    assert "| `tracking` |" in block and "`kl_track_kp`" in block
+    assert "| `tracking` |" in block and "`kp=0.3`" in block and "`kl_controller_kwargs` (defaults)" in block
 
-    @register_kl_controller("throwaway", fields={"target": "kl_target"})
+    @register_kl_controller("throwaway")
     class Throwaway(KLController):
         """Never moves."""
 
-        def __init__(self, kl_coef, target):
+        def __init__(self, kl_coef, target, step=2, floor=0.5):
             super().__init__(kl_coef)
 
         def _step(self, kl, n_steps):
             return self._value
 
     try:
-        assert "| `throwaway` | Never moves. | `kl_target` | yes |" in controller_table_markdown()
+        assert "| `throwaway` | Never moves. | `step=2`, `floor=0.5` | yes |" in controller_table_markdown()
     finally:
         unregister_kl_controller("throwaway")
     assert "throwaway" not in controller_table_markdown()

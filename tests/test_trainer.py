@@ -186,7 +186,8 @@ def test_reward_and_none_modes(tiny_path, prompts, tmp_path, mode):
 
 
 def test_adaptive_coefficient_follows_target_fixed_stays(tiny_path, prompts, tmp_path):
-    common = dict(kl_controller="adaptive", kl_coef=0.1, kl_horizon=8, max_steps=3, kl_target_unit="token")
+    common = dict(kl_controller="adaptive", kl_coef=0.1, kl_controller_kwargs={"horizon": 8}, max_steps=3,
+                  kl_target_unit="token")
 
     def steps(trainer):
         return [(h["kl/value"], h["kl/coef"], h["kl/coef_next"]) for h in trainer.state.log_history if "kl/coef" in h]
@@ -485,10 +486,11 @@ def test_evaluation_does_not_change_the_training_run(tiny_path, prompts, tmp_pat
     assert logs[0] == logs[1]
 
 
-def test_pid_anti_windup_fields_reach_the_controller(tmp_path):
+def test_pid_anti_windup_constants_reach_the_controller(tmp_path):
     from klppo.kl import build_kl_controller
 
-    args = make_args(tmp_path, kl_controller="pid", kl_target=1.0, kl_pid_integral_limit=3.0, kl_pid_error_clip=0.5)
+    args = make_args(tmp_path, kl_controller="pid", kl_target=1.0,
+                     kl_controller_kwargs={"integral_limit": 3.0, "error_clip": 0.5})  # fmt: skip
     state = build_kl_controller(args).state_dict()["hparams"]
     assert state["integral_limit"] == 3.0 and state["error_clip"] == 0.5
 
@@ -650,19 +652,20 @@ def test_every_config_field_is_documented_once_in_the_class_docstring():
     from klppo.ppo.config import KLPPO_CONFIG_DOC
 
     own = [f for f in dataclasses.fields(KLPPOConfig) if f.name in KLPPOConfig.__annotations__]
-    assert len(own) > 50
+    assert len(own) > 40
     for f in own:
         assert f.metadata["help"] and f.metadata["help"] in " ".join(KLPPO_CONFIG_DOC.split()), f.name
 
 
 def test_kl_guard_ends_an_update_once_the_kl_passes_its_bound(tiny_path, prompts, tmp_path, caplog):
-    """With `kl_guard_margin`, a mini-batch whose KL at the current policy passes target * (1 + margin), and
-    which the update has pushed up, takes no step and ends the update. Full fine-tuning: the first mini-batch
-    of update 1 is at the reference (KL 0), so it steps; update 2's rollout already reads above the bound of
-    1.5e-6 nats, yet its first mini-batch steps too (the update has not raised it yet: a guard that fired there
-    would freeze the policy for good); after a step the KL passes the bound within each update."""
-    kw = dict(max_steps=2, num_ppo_epochs=2, num_mini_batches=2, kl_target=1e-6, kl_controller="fixed")
-    guarded = make_trainer(tiny_path, prompts, make_args(tmp_path, kl_guard_margin=0.5, **kw))
+    """With `kl_guard=True`, a mini-batch whose KL at the current policy passes `kl_target`, and which the update
+    has pushed up, takes no step and ends the update. Full fine-tuning: the first mini-batch of update 1 is at the
+    reference (KL 0), so it steps; update 2's rollout already reads above the target of 1.5e-6 nats, yet its first
+    mini-batch steps too (the update has not raised it yet: a guard that fired there would freeze the policy for
+    good); after a step the KL passes the target within each update."""
+    kw = dict(max_steps=2, num_ppo_epochs=2, num_mini_batches=2, kl_target=1.5e-6, kl_controller="fixed")
+    guarded = make_trainer(tiny_path, prompts, make_args(tmp_path, kl_guard=True, **kw))
+    assert (guarded.kl_guard.margin, guarded.kl_guard.low_margin) == (0.0, 0.0)  # at the target itself
     with caplog.at_level("INFO"):
         guarded.train()
     fired = [h["kl/guard_fired"] for h in guarded.state.log_history if "kl/guard_fired" in h]
@@ -673,24 +676,29 @@ def test_kl_guard_ends_an_update_once_the_kl_passes_its_bound(tiny_path, prompts
     free = make_trainer(tiny_path, prompts, make_args(tmp_path, **kw))  # a fixed controller: the guard is off
     free.train()
     assert free.lr_scheduler.last_epoch == 8 and not any("kl/guard_fired" in h for h in free.state.log_history)
-    with pytest.raises(ValueError, match="kl_guard_margin"):
-        make_args(tmp_path, kl_guard_margin=0.5)  # no kl_target
+    with pytest.raises(ValueError, match="kl_guard"):
+        make_args(tmp_path, kl_guard=True)  # no kl_target
 
 
 def test_the_guards_low_side_ends_an_update_that_pulls_the_kl_below_its_bound(tiny_path, prompts, tmp_path, caplog):
-    """With `kl_guard_low_margin`, once a rollout's reading has reached target * (1 - margin), a mini-batch whose
-    KL at the current policy has been pushed down and below that bound takes no step and ends the update. A fixed
-    beta of 50 on a `k2` loss term under full fine-tuning: update 1 starts at the reference (the term's gradient
-    is 0 there, so the reward moves the policy away), update 2's term pulls it back. A first run without the guard
-    measures update 2's reading r2 and checks that the pull takes the KL below 0.9 r2; with the target at 0.9 r2,
-    the guard arms on update 2's reading and fires within it, after at least one step."""
+    """The guard's low side: once a rollout's reading has reached `kl_target`, a mini-batch whose KL at the current
+    policy has been pushed down and below the target takes no step and ends the update. A fixed beta of 50 on a
+    `k2` loss term under full fine-tuning: update 1 starts at the reference (the term's gradient is 0 there, so the
+    reward moves the policy away), update 2's term pulls it back. A first run without the guard measures update 2's
+    reading r2 and checks that the pull takes the KL below 0.9 r2; with the target at 0.9 r2, the guard arms on
+    update 2's reading and fires within it, after at least one step. The upper side is turned off here (a
+    `KLGuard` with an infinite upper margin in place of the trainer's), so that the low side acts alone."""
+    from klppo.ppo.guard import KLGuard
+
     kw = dict(max_steps=3, num_ppo_epochs=2, num_mini_batches=2, kl_controller="fixed", kl_coef=50.0,
               learning_rate=1e-2, kl_mode="loss", kl_estimator="k2")
     probe = make_trainer(tiny_path, prompts, make_args(tmp_path, **kw))
     probe.train()
     readings = [h["kl/value"] for h in probe.state.log_history if "kl/value" in h]
     assert readings[0] == pytest.approx(0.0, abs=1e-6) and readings[2] < 0.9 * readings[1]  # the setting pulls back
-    guarded = make_trainer(tiny_path, prompts, make_args(tmp_path, kl_target=0.9 * readings[1], kl_guard_low_margin=0.0, **kw))
+    guarded = make_trainer(tiny_path, prompts, make_args(tmp_path, kl_target=0.9 * readings[1], kl_guard=True, **kw))
+    assert guarded.kl_guard.lower_on and guarded.kl_guard.low_margin == 0.0  # kl_guard=True: both sides, at the target
+    guarded.kl_guard = KLGuard(guarded.args.kl_target, margin=math.inf, low_margin=0.0)
     with caplog.at_level("INFO"):
         guarded.train()
     fired = [h["kl/guard_low_fired"] for h in guarded.state.log_history if "kl/guard_low_fired" in h]
@@ -699,88 +707,90 @@ def test_the_guards_low_side_ends_an_update_that_pulls_the_kl_below_its_bound(ti
     messages = [r.getMessage() for r in caplog.records if "fell below" in r.getMessage()]
     assert messages and int(messages[0].split("after ")[1].split(" ")[0]) >= 1
     assert guarded.lr_scheduler.last_epoch < probe.lr_scheduler.last_epoch == 12
-    with pytest.raises(ValueError, match="kl_guard_low_margin"):
-        make_args(tmp_path, kl_guard_low_margin=0.0)  # no kl_target
-    for bad in (-0.1, "low"):
-        with pytest.raises(ValueError, match="kl_guard_low_margin"):
-            make_args(tmp_path, kl_target=1.0, kl_guard_low_margin=bad)
 
 
-def test_the_guard_holds_the_target_by_default_with_the_tracking_controller_only(tmp_path):
-    """Unset, `kl_guard_margin` and `kl_guard_low_margin` resolve to 0 with the tracking controller (the default
-    whenever kl_target is set) and to inf (off) with every other controller and without a target; `inf` turns it off; resolving a resolved
-    config again changes nothing; a negative, NaN or non-numeric margin is an error that names the fix."""
+def test_the_guard_holds_the_target_by_default_with_the_tracking_controller_only(tiny_path, prompts, tmp_path):
+    """Unset, `kl_guard` resolves to True with the tracking controller (the default whenever kl_target is set) and
+    to False with every other controller and without a target; False turns it off and True turns it on with any
+    controller; resolving a resolved config again changes nothing; True without a target is an error that names
+    `kl_guard`. On, the trainer's guard holds the target itself on both sides and clears the momentum."""
     import dataclasses
 
-    assert make_args(tmp_path, kl_target=4.0).kl_guard_margin == 0.0
-    assert make_args(tmp_path, kl_target=4.0).kl_guard_low_margin == 0.0  # both sides of the target
-    assert make_args(tmp_path, kl_target=4.0, kl_controller="pid").kl_guard_low_margin == math.inf
-    assert make_args(tmp_path).kl_guard_low_margin == math.inf
-    assert dataclasses.replace(make_args(tmp_path, kl_target=4.0, kl_guard_low_margin="inf")).kl_guard_low_margin == math.inf
-    assert make_args(tmp_path, kl_target=4.0, kl_controller="tracking", kl_guard_margin=0.25).kl_guard_margin == 0.25
-    for off in (float("inf"), "inf"):
-        args = make_args(tmp_path, kl_target=4.0, kl_guard_margin=off)
-        assert args.kl_guard_margin == math.inf
-        assert dataclasses.replace(args).kl_guard_margin == math.inf  # stays off when resolved again
+    assert make_args(tmp_path, kl_target=4.0).kl_guard is True
+    assert make_args(tmp_path, kl_target=4.0, kl_controller="tracking").kl_guard is True
     for controller in ("adaptive", "pid", "exponential", "fixed"):
-        assert make_args(tmp_path, kl_target=4.0, kl_controller=controller).kl_guard_margin == math.inf
-    assert make_args(tmp_path).kl_guard_margin == math.inf
-    for bad in (-0.1, -1.0, float("nan")):
-        with pytest.raises(ValueError, match="margin >= 0.*inf to turn this side of the guard off"):
-            make_args(tmp_path, kl_target=4.0, kl_guard_margin=bad)
-    with pytest.raises(ValueError, match="kl_guard_margin.*number"):
-        make_args(tmp_path, kl_target=4.0, kl_guard_margin="tight")
+        assert make_args(tmp_path, kl_target=4.0, kl_controller=controller).kl_guard is False
+    assert make_args(tmp_path).kl_guard is False
+    assert make_args(tmp_path, kl_target=4.0, kl_controller="pid", kl_guard=True).kl_guard is True
+    off = make_args(tmp_path, kl_target=4.0, kl_guard=False)
+    assert off.kl_controller == "tracking" and off.kl_guard is False
+    assert dataclasses.replace(off).kl_guard is False  # stays off when resolved again
+    assert dataclasses.replace(make_args(tmp_path, kl_target=4.0)).kl_guard is True
+    assert make_args(tmp_path, kl_guard=False).kl_guard is False  # off needs no target
+    with pytest.raises(ValueError, match="kl_guard.*kl_target"):
+        make_args(tmp_path, kl_guard=True)
+    with pytest.raises(ValueError, match="kl_guard.*kl_target"):
+        make_args(tmp_path, kl_controller="fixed", kl_guard=True)
+    guard = make_trainer(tiny_path, prompts, make_args(tmp_path, kl_target=4.0)).kl_guard
+    assert guard.upper_on and guard.lower_on and (guard.target, guard.margin, guard.low_margin) == (4.0, 0.0, 0.0)
+    assert guard.reset_momentum is True
+    for args in (off, make_args(tmp_path, kl_target=4.0, kl_controller="pid")):
+        guard = make_trainer(tiny_path, prompts, args).kl_guard
+        assert not guard.upper_on and not guard.lower_on
 
 
-def as_written_before_the_guard(checkpoint: str) -> str:
-    """`checkpoint` with its saved settings stripped of the guard's, as a checkpoint from before the guard was
-    saved has them."""
+def as_written_before_kl_controller_kwargs(checkpoint: str) -> str:
+    """`checkpoint` with its saved settings as a checkpoint from before `kl_controller_kwargs` and `kl_guard` has
+    them: the old fields in their place."""
     path = os.path.join(checkpoint, "kl_controller.json")
     with open(path) as f:
         state = json.load(f)
-    state["settings"] = {k: v for k, v in state["settings"].items() if not k.startswith("kl_guard")}
+    settings = {k: v for k, v in state["settings"].items() if k not in ("kl_guard", "kl_controller_kwargs")}
+    settings.update(kl_horizon=10000, kl_guard_margin=0.0, kl_guard_low_margin=0.0, kl_guard_reset_momentum=True)
+    state["settings"] = settings
     with open(path, "w") as f:
         json.dump(state, f)
     return checkpoint
 
 
-def test_the_default_guard_fires_in_training_and_an_old_checkpoint_says_it_is_now_on(tiny_path, prompts, tmp_path, caplog):
+def test_the_default_guard_fires_in_training_and_a_changed_guard_setting_is_named_on_resume(tiny_path, prompts, tmp_path, caplog):
     """The tracking controller's default guard acts in `train()` (4 steps per update, a target the first step
-    passes), and a checkpoint written before the guard's settings were saved resumes with a warning naming
-    them."""
+    passes). Resumed with the same settings, nothing is reported; with `kl_guard` or `kl_controller_kwargs`
+    changed, a warning names each (both are combined with the checkpoint's state, not refused); a checkpoint
+    written before these two settings existed resumes without a word about them."""
     kw = dict(kl_target=1e-6, num_mini_batches=2, num_ppo_epochs=2, per_device_train_batch_size=4,
               gradient_accumulation_steps=1, max_steps=2, save_strategy="steps", save_steps=2)  # fmt: skip
     args = make_args(tmp_path, **kw)
-    assert args.kl_controller == "tracking" and args.kl_guard_margin == 0.0 and args.kl_guard_low_margin == 0.0
+    assert args.kl_controller == "tracking" and args.kl_guard is True and args.kl_controller_kwargs is None
     trainer = make_trainer(tiny_path, prompts, args)
     trainer.train()
     assert [h["kl/guard_fired"] for h in trainer.state.log_history if "kl/guard_fired" in h] == [1.0, 1.0]
-    old = as_written_before_the_guard(os.path.join(args.output_dir, "checkpoint-2"))
-    resumed = make_trainer(tiny_path, prompts, make_args(tmp_path, output_dir=str(tmp_path / "again"), **kw))
-    with caplog.at_level("WARNING"):
-        resumed.train(resume_from_checkpoint=old)  # at its last update: loads and checks, trains nothing
-    messages = " ".join(r.getMessage() for r in caplog.records)
-    assert "kl_guard_margin changed from inf to 0.0" in messages
-    assert "kl_guard_low_margin changed from inf to 0.0" in messages
-    assert "kl_guard_reset_momentum changed from False to True" in messages
-    caplog.clear()  # with the guard off now (another controller), an old checkpoint has nothing to report
-    kw = dict(kl_target=1e-6, kl_controller="adaptive", save_strategy="steps", save_steps=1)
-    adaptive = make_trainer(tiny_path, prompts, make_args(tmp_path, output_dir=str(tmp_path / "adaptive"), **kw))
-    adaptive.train()
-    old = as_written_before_the_guard(str(tmp_path / "adaptive" / "checkpoint-1"))
-    again = make_trainer(tiny_path, prompts, make_args(tmp_path, output_dir=str(tmp_path / "adaptive2"), **kw))
-    with caplog.at_level("WARNING"):
-        again.train(resume_from_checkpoint=old)
-    assert again.state.global_step == 1
-    assert not any("kl_guard" in r.getMessage() for r in caplog.records)
+    checkpoint = os.path.join(args.output_dir, "checkpoint-2")
+
+    def resume(name, **changes):  # at its last update: loads and checks, trains nothing
+        caplog.clear()
+        resumed = make_trainer(tiny_path, prompts, make_args(tmp_path, output_dir=str(tmp_path / name), **{**kw, **changes}))
+        with caplog.at_level("WARNING"):
+            resumed.train(resume_from_checkpoint=checkpoint)
+        assert resumed.state.global_step == 2
+        return " ".join(r.getMessage() for r in caplog.records)
+
+    messages = resume("same")
+    assert "kl_guard" not in messages and "kl_controller_kwargs" not in messages
+    messages = resume("changed", kl_guard=False, kl_controller_kwargs={"kp": 0.5})
+    assert "kl_guard changed from True to False" in messages
+    assert "kl_controller_kwargs changed from None to {'kp': 0.5}" in messages
+    as_written_before_kl_controller_kwargs(checkpoint)
+    messages = resume("old")
+    assert "kl_guard" not in messages and "kl_controller_kwargs" not in messages and "kl_horizon" not in messages
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_kl_guard_does_not_freeze_a_policy_whose_rollout_already_reads_above_the_bound(tiny_path, prompts, tmp_path, seed):
-    """A rollout whose KL is already far above the guard's bound: the update still steps (the first mini-batch,
-    at the rollout's own policy, has not been pushed up), so a higher beta can bring the policy back. A guard
-    that fired there would take no step in this update or any later one."""
-    args = make_args(tmp_path, kl_guard_margin=0.5, kl_target=1e-3, kl_controller="fixed", num_ppo_epochs=2,
+    """A rollout whose KL is already far above the guard's bound (the target): the update still steps (the first
+    mini-batch, at the rollout's own policy, has not been pushed up), so a higher beta can bring the policy back.
+    A guard that fired there would take no step in this update or any later one."""
+    args = make_args(tmp_path, kl_guard=True, kl_target=1.5e-3, kl_controller="fixed", num_ppo_epochs=2,
                      num_mini_batches=2, per_device_train_batch_size=4, gradient_accumulation_steps=1)  # fmt: skip
     trainer = make_trainer(tiny_path, prompts, args)
     with torch.no_grad():
@@ -797,10 +807,12 @@ def test_kl_guard_does_not_freeze_a_policy_whose_rollout_already_reads_above_the
     assert result.applied_steps >= 1
 
 
-def guarded_update(tiny_path, prompts, args, kl_reading="rollout"):
+def guarded_update(tiny_path, prompts, args, kl_reading="rollout", reset_momentum=True):
     """One rollout of 8 prompts (seed 0) and its PPO epochs under `args`; returns (trainer, penalty, result).
-    `kl_reading` is passed to `optimise`: a number, None, or "rollout" for the rollout's own reading."""
+    `kl_reading` is passed to `optimise`: a number, None, or "rollout" for the rollout's own reading;
+    `reset_momentum` is set on the trainer's guard."""
     trainer = make_trainer(tiny_path, prompts, args)
+    trainer.kl_guard.reset_momentum = reset_momentum
     trainer.setup_optimisation(1)
     torch.manual_seed(0)
     rollout = trainer.rollout(trainer.prompt_batch(prompts["prompt"][:8]))
@@ -815,34 +827,34 @@ def guarded_update(tiny_path, prompts, args, kl_reading="rollout"):
 def test_kl_guard_reads_the_rollout_reading_plus_the_change_the_update_made(tiny_path, prompts, tmp_path, unit):
     """The guard's KL is the rollout's reading (the controller's statistic, passed by `ppo_update`) plus the
     change the update made on the mini-batch's tokens, in `kl_target_unit`. Full fine-tuning from the reference:
-    - target 1e-6: after one step the mini-batch's own KL passes the bound, so the guard fires given no reading
-      or the rollout's own (about 0); given a reading far below the bound, the same change stays below it and
+    - target 1.5e-6: after one step the mini-batch's own KL passes the target, so the guard fires given no reading
+      or the rollout's own (about 0); given a reading far below the target, the same change stays below it and
       every step is taken;
-    - target 1 (bound 1.5): the mini-batch's own KL after a step stays below the bound, so the guard holds
-      still given no reading; given a reading above the bound, the update's rise fires it after one step."""
+    - target 1.5: the mini-batch's own KL after a step stays below the target, so the guard holds still given no
+      reading; given a reading above the target, the update's rise fires it after one step."""
     applied = {}
-    for target, reading in ((1e-6, "none"), (1e-6, "low"), (1e-6, "rollout"), (1.0, "none"), (1.0, "high")):
-        args = make_args(tmp_path, kl_guard_margin=0.5, kl_target=target, kl_target_unit=unit, kl_controller="fixed",
+    for target, reading in ((1.5e-6, "none"), (1.5e-6, "low"), (1.5e-6, "rollout"), (1.5, "none"), (1.5, "high")):
+        args = make_args(tmp_path, kl_guard=True, kl_target=target, kl_target_unit=unit, kl_controller="fixed",
                          num_ppo_epochs=2, num_mini_batches=2, per_device_train_batch_size=4,
                          gradient_accumulation_steps=1)  # fmt: skip
         kl_reading = {"none": None, "low": -1e3, "high": 2.0, "rollout": "rollout"}[reading]
         _, penalty, result = guarded_update(tiny_path, prompts, args, kl_reading)
         assert abs(penalty.metrics["kl/value"]) < 1e-6  # the rollout is the reference's own
         applied[target, reading] = (result.applied_steps, result.metrics["kl/guard_fired"], result.metrics["kl/during_update"])
-    assert applied[1e-6, "none"][:2] == (1, 1.0) and applied[1e-6, "rollout"][:2] == (1, 1.0)
-    assert applied[1e-6, "low"][:2] == (4, 0.0)
-    assert applied[1.0, "none"][:2] == (4, 0.0) and applied[1.0, "none"][2] < 1.5  # the level stayed below
-    assert applied[1.0, "high"][:2] == (1, 1.0)
+    assert applied[1.5e-6, "none"][:2] == (1, 1.0) and applied[1.5e-6, "rollout"][:2] == (1, 1.0)
+    assert applied[1.5e-6, "low"][:2] == (4, 0.0)
+    assert applied[1.5, "none"][:2] == (4, 0.0) and applied[1.5, "none"][2] < 1.5  # the level stayed below
+    assert applied[1.5, "high"][:2] == (1, 1.0)
 
 
 @pytest.mark.parametrize("reset", [True, False])
 def test_kl_guard_clears_the_optimizers_momentum_when_it_fires(tiny_path, prompts, tmp_path, reset):
     """When the guard fires, Adam's first moments are zeroed (the push that made it fire does not carry into the
-    next update's steps) and the second moments kept; with `kl_guard_reset_momentum=False` both are kept."""
-    args = make_args(tmp_path, kl_guard_margin=0.5, kl_target=1e-6, kl_controller="fixed", num_ppo_epochs=2,
-                     num_mini_batches=2, per_device_train_batch_size=4, gradient_accumulation_steps=1,
-                     kl_guard_reset_momentum=reset)  # fmt: skip
-    trainer, _, result = guarded_update(tiny_path, prompts, args, kl_reading=0.0)
+    next update's steps) and the second moments kept; with the guard's `reset_momentum` set to False both are
+    kept."""
+    args = make_args(tmp_path, kl_guard=True, kl_target=1.5e-6, kl_controller="fixed", num_ppo_epochs=2,
+                     num_mini_batches=2, per_device_train_batch_size=4, gradient_accumulation_steps=1)  # fmt: skip
+    trainer, _, result = guarded_update(tiny_path, prompts, args, kl_reading=0.0, reset_momentum=reset)
     assert (result.applied_steps, result.metrics["kl/guard_fired"]) == (1, 1.0)
     states = [s for s in trainer.optimizer.optimizer.state.values() if "exp_avg" in s]
     assert states
@@ -855,10 +867,19 @@ def test_kl_guard_clears_the_optimizers_momentum_when_it_fires(tiny_path, prompt
 def test_a_resumed_run_continues_the_tracking_controller_exactly(tiny_path, prompts, tmp_path):
     """Resumed from checkpoint-1 or checkpoint-2, a run ends with the same full controller state (EMA, integral,
     trend history, hold / armed flags, beta), the same armed state of the guard's low side and the same per-update
-    log as the run that was never interrupted."""
-    kw = dict(kl_target=0.02, kl_coef=0.1, kl_target_unit="token", save_strategy="steps", save_steps=1, max_steps=3,
-              kl_guard_low_margin=0.9)
-    whole = make_trainer(tiny_path, prompts, make_args(tmp_path, output_dir=str(tmp_path / "whole"), **kw))
+    log as the run that was never interrupted. Each trainer's guard has its low bound at a tenth of the target
+    (a `KLGuard` with `low_margin=0.9` in place of the default one), which update 2's reading reaches."""
+    from klppo.ppo.guard import KLGuard
+
+    kw = dict(kl_target=0.02, kl_coef=0.1, kl_target_unit="token", save_strategy="steps", save_steps=1, max_steps=3)
+
+    def trainer_in(name, **changes):
+        trainer = make_trainer(tiny_path, prompts, make_args(tmp_path, output_dir=str(tmp_path / name), **{**kw, **changes}))
+        assert trainer.args.kl_guard is True
+        trainer.kl_guard = KLGuard(trainer.args.kl_target, low_margin=0.9)
+        return trainer
+
+    whole = trainer_in("whole")
     whole.train()
     assert whole.args.kl_controller == "tracking"
     saved = [json.load(open(tmp_path / "whole" / f"checkpoint-{n}" / "kl_controller.json"))["kl_guard_low_armed"]
@@ -867,7 +888,7 @@ def test_a_resumed_run_continues_the_tracking_controller_exactly(tiny_path, prom
     keys = ("kl/value", "kl/coef", "kl/coef_next", "objective/scores", "loss/policy", "kl/guard_low_fired")
     first = [[h[k] for k in keys] for h in whole.state.log_history if "kl/value" in h]
     for n in (1, 2):
-        resumed = make_trainer(tiny_path, prompts, make_args(tmp_path, output_dir=str(tmp_path / f"resumed{n}"), **kw))
+        resumed = trainer_in(f"resumed{n}")
         resumed.train(resume_from_checkpoint=str(tmp_path / "whole" / f"checkpoint-{n}"))
         assert resumed.kl_controller.state_dict() == whole.kl_controller.state_dict()
         assert resumed.kl_guard.low_armed is whole.kl_guard.low_armed is True
@@ -875,7 +896,7 @@ def test_a_resumed_run_continues_the_tracking_controller_exactly(tiny_path, prom
         again = [[h[k] for k in keys] for h in resumed.state.log_history if "kl/value" in h]
         assert len(first) == 3 and again == first
     # the flag comes from the checkpoint, not from a later reading: resumed at its last update, no update runs
-    ended = make_trainer(tiny_path, prompts, make_args(tmp_path, output_dir=str(tmp_path / "ended"), **{**kw, "max_steps": 2}))
+    ended = trainer_in("ended", max_steps=2)
     ended.train(resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-2"))
     assert ended.state.global_step == 2 and ended.kl_guard.low_armed is True
 

@@ -71,7 +71,8 @@ def test_beta_moves_toward_the_target_and_kl_coef_is_logged_every_step(kind, tin
     target = 1e-4
     steady = add_kl_control(make_trainer(kind, tiny_path, prompts, tmp_path / "exp", learning_rate=1e-2),
                             kl_controller="exponential", kl_target=target, kl_target_unit="token",
-                            kl_controller_rate=100.0)  # fmt: skip
+                            kl_controller_kwargs={"rate": 100.0})  # fmt: skip
+    assert steady.kl_control.controller.rate == 100.0
     steady.train()
     logs = step_logs(steady)
     coefs = [h["kl/coef"] for h in logs] + [steady.beta]
@@ -119,7 +120,14 @@ def test_beta_zero_is_refused(tiny_path, prompts, tmp_path):
 
 def test_only_controller_fields_are_taken_and_checked_like_klppoconfig(tiny_path, prompts, tmp_path):
     trainer = make_trainer("rloo", tiny_path, prompts, tmp_path)
-    assert {"kl_target", "kl_horizon", "kl_coef_min", "kl_track_kp"} <= set(controller_fields())
+    assert controller_fields() == ("kl_controller", "kl_controller_kwargs", "kl_drift_patience", "kl_target",
+                                   "kl_target_unit")  # fmt: skip
+    with pytest.raises(ValueError, match="does not take `kl_horizon`; its fields are: .*kl_controller_kwargs"):
+        add_kl_control(trainer, kl_target=1.0, kl_horizon=64)  # a constant goes in kl_controller_kwargs
+    with pytest.raises(ValueError, match="does not take `kl_guard`"):  # klppo's guard acts inside its own updates
+        add_kl_control(trainer, kl_target=1.0, kl_guard=True)
+    with pytest.raises(ValueError, match="'adaptive' has no constant 'kp'.*horizon"):
+        add_kl_control(trainer, kl_controller="adaptive", kl_target=1.0, kl_controller_kwargs={"kp": 0.1})
     with pytest.raises(ValueError, match="starts from the trainer's own `beta`"):
         add_kl_control(trainer, kl_coef=0.1)
     with pytest.raises(ValueError, match="TRL decides where the KL acts"):

@@ -50,7 +50,7 @@ from dataclasses import fields
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from ..kl import build_kl_controller, get_kl_controller, kl_controllers
+from ..kl import build_kl_controller
 
 logger = logging.getLogger(__name__)
 
@@ -66,12 +66,9 @@ _NOT_CONTROLLER_FIELDS = {
 
 
 def controller_fields() -> tuple[str, ...]:
-    """The `KLPPOConfig` fields `add_kl_control` accepts: the controller's name, target, unit and drift patience,
-    and every field a registered controller reads (gains, bounds, horizon, ...)."""
-    names = {"kl_controller", "kl_target", "kl_target_unit", "kl_drift_patience"}
-    for kind in kl_controllers():
-        names.update(get_kl_controller(kind).config_fields.values())
-    return tuple(sorted(names))
+    """The `KLPPOConfig` fields `add_kl_control` accepts: the controller's name, its constants
+    (`kl_controller_kwargs`), the target, its unit and the drift patience."""
+    return ("kl_controller", "kl_controller_kwargs", "kl_drift_patience", "kl_target", "kl_target_unit")
 
 
 def _kind(trainer) -> str:
@@ -102,7 +99,6 @@ def resolve_kl_fields(trainer, kl_fields: dict):
 
     class _KLFields:  # KLPPOConfig's KL fields and their defaults, validated by KLPPOConfig's own method
         _validate_kl_fields = KLPPOConfig._validate_kl_fields
-        _guard_margin = KLPPOConfig._guard_margin
 
     settings = _KLFields()
     for f in fields(KLPPOConfig):
@@ -112,7 +108,7 @@ def resolve_kl_fields(trainer, kl_fields: dict):
         setattr(settings, name, value)
     settings.kl_coef, settings.kl_mode, settings.kl_estimator = float(trainer.beta), mode, estimator
     settings.kl_statistic = estimator
-    settings.kl_guard_margin = settings.kl_guard_low_margin = math.inf  # klppo's guard acts inside its own updates
+    settings.kl_guard = False  # klppo's guard acts inside its own updates
     settings._validate_kl_fields()
     return settings
 
@@ -215,9 +211,8 @@ def add_kl_control(trainer, **kl_fields):
         trainer: a `trl.GRPOTrainer` or `trl.RLOOTrainer` (or a subclass) whose `beta` is > 0.
         **kl_fields: `KLPPOConfig`'s controller fields, with the same meaning and checks: `kl_controller`
             (`None`: `"tracking"` with a `kl_target`, else `"fixed"`), `kl_target`, `kl_target_unit` (`"sequence"`,
-            the default, or `"token"`: TRL's own `kl`), `kl_horizon`, `kl_coef_min`, `kl_coef_max`, the gains of
-            each controller (`kl_track_*`, `kl_pid_*`, `kl_controller_rate`, `kl_error_clip`), ...
-            (`klppo.integrations.trl.controller_fields()`). beta starts from `trainer.beta`.
+            the default, or `"token"`: TRL's own `kl`), `kl_controller_kwargs` (the controller's constants) and
+            `kl_drift_patience` (`klppo.integrations.trl.controller_fields()`). beta starts from `trainer.beta`.
 
     Returns:
         The trainer, with a `KLControlCallback` registered (`trainer.kl_control`); its `train` records the

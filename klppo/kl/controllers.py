@@ -15,10 +15,10 @@ Every controller has the same surface:
 - ``.name``: the registry name (``"fixed"``, ``"adaptive"``, ``"exponential"``, ``"pid"``,
   ``"tracking"``, or one registered with :func:`register_kl_controller`).
 
-Controllers live in a registry: a class decorated with ``@register_kl_controller(name, fields=...)``
-is buildable by name from a config. ``fields`` maps constructor parameters to the config fields
-that supply them (a field that is None keeps the constructor's default), so the config's spelling
-is declared by each controller, once.
+Controllers live in a registry: a class decorated with ``@register_kl_controller(name)`` is buildable
+by name from a config. Its constants (gains, bounds, windows) are its constructor's keyword
+parameters; a config sets them through one mapping, ``kl_controller_kwargs``, checked against the
+constructor, so each controller declares its own settings, once.
 
 The unit of the statistic (nats per token or per sequence) is the caller's choice; the target must
 be given in the same unit.
@@ -26,6 +26,7 @@ be given in the same unit.
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any, Optional
 
@@ -46,16 +47,17 @@ __all__ = [
 _KL_CONTROLLERS: dict[str, type] = {}
 
 
-def register_kl_controller(name: str, fields: Optional[dict] = None, needs_target: bool = True):
+def register_kl_controller(name: str, needs_target: bool = True):
     """Class decorator: register a :class:`KLController` subclass under ``name``.
 
     Args:
         name: the value of ``kl_controller`` that selects it.
-        fields: ``{constructor parameter: config field}``: what :func:`build_kl_controller` passes
-            besides the initial coefficient (``kl_coef``, always the first argument). A field that is
-            missing or None on the config keeps the constructor's default.
-        needs_target: whether the controller needs ``kl_target`` (every adaptive one does); the
-            config rejects such a controller without a target, and with ``kl_mode='none'``.
+        needs_target: whether the controller needs ``kl_target`` (every adaptive one does); the config
+            rejects such a controller without a target, and with ``kl_mode='none'``. The target reaches the
+            constructor as its ``target`` argument.
+
+    The controller's constants are its constructor's keyword parameters after ``kl_coef`` (and ``target``):
+    ``cls.constants`` maps each to its default, and ``kl_controller_kwargs`` may set exactly those.
     """
 
     def decorate(cls):
@@ -63,9 +65,10 @@ def register_kl_controller(name: str, fields: Optional[dict] = None, needs_targe
             raise TypeError(f"register_kl_controller decorates KLController subclasses, got {cls!r}")
         if name in _KL_CONTROLLERS:
             raise ValueError(f"A KL controller named {name!r} is already registered; unregister it first")
+        params = list(inspect.signature(cls.__init__).parameters.values())[2:]  # after self, kl_coef
         cls.name = name
-        cls.config_fields = dict(fields or {})
         cls.needs_target = bool(needs_target)
+        cls.constants = {p.name: p.default for p in params if p.name != "target" and p.default is not p.empty}
         _KL_CONTROLLERS[name] = cls
         return cls
 
@@ -244,11 +247,7 @@ class FixedKLController(KLController):
         return self._value
 
 
-@register_kl_controller(
-    "adaptive",
-    fields=dict(target="kl_target", horizon="kl_horizon", error_clip="kl_error_clip", coef_min="kl_coef_min",
-                coef_max="kl_coef_max"),
-)
+@register_kl_controller("adaptive")
 class AdaptiveKLController(KLController):
     """Proportional control of beta (Ziegler et al. 2019, Sec. 2.2; trlx, old TRL, verl, OpenRLHF).
 
@@ -269,14 +268,14 @@ class AdaptiveKLController(KLController):
         self,
         kl_coef: float,
         target: float,
-        horizon: float,
+        horizon: float = 10000,
         error_clip: float = 0.2,
         coef_min: float = 0.0,
         coef_max: float = math.inf,
     ):
         kl_coef = _check_positive(kl_coef, "kl_coef", "an adaptive controller needs an initial coefficient > 0 (e.g. 0.05)")
         self.target = _check_positive(target, "target", "set kl_target to the KL you want, e.g. 6 (nats/sequence) or 0.1 (nats/token)")
-        self.horizon = _check_positive(horizon, "horizon", "set kl_horizon, e.g. 10000 sequences")
+        self.horizon = _check_positive(horizon, "horizon", "set kl_controller_kwargs horizon, e.g. 10000 sequences")
         self.error_clip = _check_positive(error_clip, "error_clip", "Ziegler et al. use 0.2")
         self.coef_min, self.coef_max = _check_bounds(coef_min, coef_max)
         super().__init__(min(max(kl_coef, self.coef_min), self.coef_max))
@@ -309,10 +308,7 @@ class _LogSpaceController(KLController):
         return min(max(math.exp(log_beta), self.coef_min), self.coef_max)
 
 
-@register_kl_controller(
-    "exponential",
-    fields=dict(target="kl_target", rate="kl_controller_rate", coef_min="kl_coef_min", coef_max="kl_coef_max"),
-)
+@register_kl_controller("exponential")
 class ExponentialKLController(_LogSpaceController):
     """``beta <- clamp(beta * exp(rate * (kl - target)), coef_min, coef_max)``.
 
@@ -334,7 +330,7 @@ class ExponentialKLController(_LogSpaceController):
     ):
         kl_coef = _check_positive(kl_coef, "kl_coef", "an adaptive controller needs an initial coefficient > 0 (e.g. 0.05)")
         self.target = _check_positive(target, "target", "set kl_target to the KL you want, e.g. 0.05 (nats/token)")
-        self.rate = _check_positive(rate, "rate", "kl_controller_rate is a gain per nat of error, e.g. 0.1")
+        self.rate = _check_positive(rate, "rate", "rate is a gain per nat of error, e.g. 0.1")
         self.coef_min, self.coef_max = _check_bounds(coef_min, coef_max)
         super().__init__(min(max(kl_coef, self.coef_min), self.coef_max))
 
@@ -347,11 +343,7 @@ class ExponentialKLController(_LogSpaceController):
         return dict(target=self.target, rate=self.rate, coef_min=self.coef_min, coef_max=self.coef_max)
 
 
-@register_kl_controller(
-    "pid",
-    fields=dict(target="kl_target", kp="kl_pid_kp", ki="kl_pid_ki", kd="kl_pid_kd", coef_min="kl_coef_min",
-                coef_max="kl_coef_max", integral_limit="kl_pid_integral_limit", error_clip="kl_pid_error_clip"),
-)
+@register_kl_controller("pid")
 class PIDKLController(_LogSpaceController):
     """PID control of log(beta) on the relative error, with anti-windup and bounds.
 
@@ -441,12 +433,7 @@ class PIDKLController(_LogSpaceController):
         self.prev_error = None if prev is None else float(prev)
 
 
-@register_kl_controller(
-    "tracking",
-    fields=dict(target="kl_target", kp="kl_track_kp", ki="kl_track_ki", lookahead="kl_track_lookahead",
-                smoothing="kl_track_smoothing", window="kl_track_window", coef_min="kl_coef_min",
-                coef_max="kl_coef_max"),
-)
+@register_kl_controller("tracking")
 class TrackingKLController(_LogSpaceController):
     """PI control of log(beta) on a smoothed, predicted KL, with a start-up hold: holds a target where
     integral control on the raw reading winds up. klppo's default whenever ``kl_target`` is set.
@@ -506,9 +493,8 @@ class TrackingKLController(_LogSpaceController):
     Beta acts on the KL two readings after the one that set it, and each update moves the KL by an amount
     beta does not decide, so no setting of these gains holds the KL much tighter than a fixed beta near the
     equilibrium would. ``KLPPOTrainer`` therefore pairs this controller, by default, with a guard inside the
-    update on both sides of the target (``kl_guard_margin=0``, ``kl_guard_low_margin=0``): an update that has
-    pushed the KL past the target takes no more steps, and once the KL has reached the target, neither does one
-    that has pulled it back below.
+    update on both sides of the target (``kl_guard``): an update that has pushed the KL past the target takes no
+    more steps, and once the KL has reached the target, neither does one that has pulled it back below.
     """
 
     def __init__(
@@ -634,36 +620,50 @@ class TrackingKLController(_LogSpaceController):
 
 def controller_table_markdown() -> str:
     """The controller table of `docs/kl.md` (markdown), generated from the registry: each controller's name, the
-    first paragraph of its docstring, the config fields that feed it and whether it needs ``kl_target``."""
+    first paragraph of its docstring, its constants (the keys of ``kl_controller_kwargs``) with their defaults,
+    and whether it needs ``kl_target``."""
     lines = [
         "Generated from the controller registry by `python -m klppo.kl.divergence --write-readme docs/kl.md`.",
         "",
-        "| `kl_controller` | what it does | config fields | needs `kl_target` |",
+        "| `kl_controller` | what it does | `kl_controller_kwargs` (defaults) | needs `kl_target` |",
         "| --- | --- | --- | --- |",
     ]
     for name, cls in _KL_CONTROLLERS.items():
         first = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split()).replace("``", "`")
-        fields = ", ".join(f"`{f}`" for f in cls.config_fields.values()) or "none"
-        cells = [f"`{name}`", first.replace("|", "\\|"), fields, "yes" if cls.needs_target else "no"]
+        constants = ", ".join(f"`{k}={v!r}`" for k, v in cls.constants.items()) or "none"
+        cells = [f"`{name}`", first.replace("|", "\\|"), constants, "yes" if cls.needs_target else "no"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def build_kl_controller(args) -> KLController:
-    """Build the controller named by ``args.kl_controller`` from a config-like object.
+def controller_kwargs_error(cls: type, kwargs) -> Optional[str]:
+    """Why ``kwargs`` cannot set ``cls``'s constants (not a mapping, or a key it does not declare), or None."""
+    if not isinstance(kwargs, dict):
+        return f"kl_controller_kwargs must be a mapping of constant names to values, got {kwargs!r}"
+    unknown = sorted(set(kwargs) - set(cls.constants))
+    if unknown:
+        valid = ", ".join(f"{k} (default {v!r})" for k, v in cls.constants.items()) or "none"
+        return (f"kl_controller={cls.name!r} has no constant {', '.join(map(repr, unknown))}; its constants are: "
+                f"{valid}. Remove the others from kl_controller_kwargs (on a command line that switches controller, "
+                f"--kl_controller_kwargs '{{}}' clears those of a YAML file)")
+    return None
 
-    The class comes from the registry; its constructor gets ``args.kl_coef`` and, for every entry
-    ``param: field`` the class declared, ``getattr(args, field)`` unless that is missing or None.
-    """
+
+def build_kl_controller(args) -> KLController:
+    """Build the controller named by ``args.kl_controller`` from a config-like object: the class comes from the
+    registry; its constructor gets ``args.kl_coef``, ``args.kl_target`` when it needs a target, and
+    ``args.kl_controller_kwargs`` (checked against the constants it declares)."""
     kind = getattr(args, "kl_controller", "fixed")
     cls = get_kl_controller(kind.lower() if isinstance(kind, str) else kind)
-    kwargs = {}
-    for param, attr in cls.config_fields.items():
-        value = getattr(args, attr, None)
-        if value is not None:
-            kwargs[param] = value
-    if cls.needs_target and "target" in cls.config_fields and "target" not in kwargs:
-        raise ValueError(
-            f"kl_controller={cls.name!r} needs kl_target (the KL to hold, in the unit of kl_target_unit)"
-        )
+    kwargs = getattr(args, "kl_controller_kwargs", None) or {}
+    problem = controller_kwargs_error(cls, kwargs)
+    if problem:
+        raise ValueError(problem)
+    kwargs = dict(kwargs)
+    if cls.needs_target:
+        if getattr(args, "kl_target", None) is None:
+            raise ValueError(
+                f"kl_controller={cls.name!r} needs kl_target (the KL to hold, in the unit of kl_target_unit)"
+            )
+        kwargs["target"] = args.kl_target
     return cls(getattr(args, "kl_coef"), **kwargs)

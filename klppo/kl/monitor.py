@@ -74,15 +74,16 @@ class KLDriftMonitor:
         if self.side == "above":
             edge = f"above {self.high:g} x kl_target"
             advice = (
-                "the KL penalty is too weak to hold it: raise kl_coef (or kl_coef_max, which may be capping "
-                "an adaptive controller), shorten kl_horizon so the controller reacts faster, or lower the "
+                "the KL penalty is too weak to hold it: raise kl_coef (or the controller's coef_max in "
+                "kl_controller_kwargs, which may be capping it), use the default tracking controller, or lower the "
                 "learning rate"
             )
         else:
             edge = f"below {self.low:g} x kl_target"
             advice = (
-                "the KL penalty is too strong and the policy barely moves: lower kl_coef (or kl_coef_min, "
-                "which may be holding an adaptive controller up) or shorten kl_horizon"
+                "the KL penalty is too strong and the policy barely moves: lower kl_coef (or the controller's "
+                "coef_min in kl_controller_kwargs, which may be holding it up), or use the default tracking "
+                "controller"
             )
         return (
             f"KL drift: {self.name} = {value:.4g} has been {edge} ({self.target:g}) for {self.streak} "

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import re
 import shutil
@@ -29,8 +28,7 @@ VALUE_MODEL_DIR = "value_model"  # a separate critic, saved beside the policy
 STAGING_DIR = ".checkpoint-staging"
 # settings compared on resume: refused if changed / combined with the saved state / ignored for it
 RESUME_REFUSED = ("kl_controller", "kl_target_unit", "kl_mode", "advantage_estimator")
-RESUME_COMBINED = ("kl_target", "kl_estimator", "kl_statistic", "kl_horizon", "kl_loss_scale", "kl_guard_margin",
-                   "kl_guard_low_margin", "kl_guard_reset_momentum")
+RESUME_COMBINED = ("kl_target", "kl_estimator", "kl_statistic", "kl_controller_kwargs", "kl_loss_scale", "kl_guard")
 RESUME_IGNORED = ("kl_coef", "learning_rate")
 # what a complete klppo checkpoint holds (checked before resuming from "the latest")
 CHECKPOINT_FILES = (TRAINABLE_STATE_NAME, CONTROLLER_STATE_NAME, "trainer_state.json")
@@ -170,12 +168,6 @@ class CheckpointMixin:
             return
         if "kl_statistic" not in saved and "kl_estimator" in saved:  # written before kl_statistic: it read the estimator
             saved = {**saved, "kl_statistic": saved["kl_estimator"]}
-        if "kl_guard_margin" not in saved:  # written before the guard was saved: off unless set, and no momentum reset
-            guard_now = math.isfinite(self.args.kl_guard_margin)  # with the guard off, the reset is moot
-            reset = False if guard_now else self.args.kl_guard_reset_momentum
-            saved = {**saved, "kl_guard_margin": math.inf, "kl_guard_reset_momentum": reset}
-        if "kl_guard_low_margin" not in saved:  # written before the guard had a low side: it had none
-            saved = {**saved, "kl_guard_low_margin": math.inf}
         changed = {
             k: (v, getattr(self.args, k)) for k, v in saved.items() if hasattr(self.args, k) and v != getattr(self.args, k)
         }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import json
 import math
 import os
 import re
@@ -90,24 +91,12 @@ KLPPO_CONFIG_DOC = r"""
             Unit of the controller statistic: `"sequence"` (mean over sequences of the per-sequence sum, the
             trlx / old TRL convention) or `"token"` (token-weighted mean, verl's convention). Both are reduced
             across all processes as (sum, count).
-        kl_horizon (`int`, *optional*, defaults to `10000`):
-            Horizon of the adaptive controller, in sequences.
-        kl_error_clip (`float`, *optional*, defaults to `0.2`):
-            Clip of the relative error of the adaptive controller.
-        kl_controller_rate (`float`, *optional*, defaults to `0.1`):
-            Rate `k_p` of the exponential controller.
-        kl_pid_kp, kl_pid_ki, kl_pid_kd (`float` or `None`, *optional*):
-            Gains of the PID controller on log beta; `None` keeps the controller's defaults.
-        kl_pid_integral_limit, kl_pid_error_clip (`float` or `None`, *optional*):
-            Anti-windup bound of the PID integral and clip of its relative error; `None` keeps the defaults.
-        kl_track_kp, kl_track_ki, kl_track_lookahead, kl_track_smoothing, kl_track_window (`float`/`int` or `None`, *optional*):
-            Settings of the `"tracking"` controller (`klppo.kl.TrackingKLController`): gains on log beta (0.3,
-            0.1), updates of lookahead on a rising KL (2), EMA weight of the reading (0.3), and the number of
-            recent updates whose trend decides whether the KL is on course to reach the target within as many
-            updates (10; until the KL first nears the target, the integral does not fall while it is).
-            `None` keeps the default.
-        kl_coef_min (`float`, *optional*, defaults to `1e-4`), kl_coef_max (`float`, *optional*, defaults to `10.0`):
-            Bounds on beta for the adaptive, exponential and PID controllers.
+        kl_controller_kwargs (`dict` or `None`, *optional*, defaults to `None`):
+            The controller's own constants (gains, bounds, windows), as a mapping; each controller declares its
+            constants and their defaults in its constructor (the table in `docs/kl.md`), and a key it does not
+            declare is refused. E.g. `{"horizon": 10000}` for `adaptive`, `{"kp": 0.1, "ki": 0.3}` for `pid`,
+            `{"coef_min": 1e-3}` for any controller with bounds. From a command line, a JSON string. `None`: the
+            controller's defaults, the settings the evidence in `docs/kl.md` backs.
         kl_log_ratio_clamp (`float` or `None`, *optional*, defaults to `40.0`):
             `|log pi - log pi_ref|` is clamped to this before any `exp`, which keeps float32 finite.
         kl_value_clamp (`float` or `None`, *optional*, defaults to `None`):
@@ -132,40 +121,18 @@ KLPPO_CONFIG_DOC = r"""
             Warn when the controller statistic stays above 2x or below 0.5x the target for this many
             consecutive updates (once per excursion; below only after it has first reached 0.5x the target,
             not while it climbs from 0 at the start).
-        kl_guard_margin (`float` or `None`, *optional*, defaults to `None`: 0 with `tracking`, else `inf`):
-            A hard guard on top of the controller: within an update, once the KL to the reference at the current
-            policy passes `kl_target * (1 + kl_guard_margin)` and the update has pushed it up, the mini-batch takes
-            no optimizer step and the rest of the update's epochs and mini-batches are skipped. That KL is the
-            rollout's reading of the controller statistic plus the change the update has made on the mini-batch's
-            tokens (k1 weighted by pi / pi_old, in `kl_target_unit`, reduced over all processes): the change is
-            measured on the same tokens before and after, so it is far less noisy than a few sequences' own KL.
-            (With a `kl_statistic` whose expectation is not KL(pi || ref), such as `k2` or `abs`, the reading and
-            the k1 change measure different things.) The update's first step always goes ahead, and a rollout
-            that already reads above the bound keeps stepping while its KL does not rise, so that a higher beta
-            can bring the policy back. Logged as `kl/guard_fired`; `kl/during_update` is the mini-batches' own KL
-            at the current policy. Unset, it resolves to 0 (the guard holds the target itself) with the `tracking`
-            controller, klppo's default whenever `kl_target` is set, and to `inf` (off) with every other
-            controller, so that they behave as published. It acts only where an update takes more than one step
-            (`num_mini_batches * num_ppo_epochs > 1`). Under DeepSpeed, accelerate applies the optimizer step
-            inside `backward`, so the guard cannot hold back the step it checks there.
-        kl_guard_low_margin (`float` or `None`, *optional*, defaults to `None`: 0 with `tracking`, else `inf`):
-            The guard's other side: once a rollout's reading of the controller statistic has reached
-            `kl_target * (1 - kl_guard_low_margin)`, an update that has pushed the KL down and below that bound takes
-            no more steps (0: the target itself). A coefficient above its equilibrium otherwise pulls the policy back
-            toward the reference for a whole update, and the controller, which acts one rollout later, lets the KL
-            fall well below the target first. The KL is estimated as for `kl_guard_margin`; the update's first step
-            always goes ahead, and a rollout that already reads below the bound keeps stepping while its KL does not
-            fall. Logged as `kl/guard_low_fired`. Unset, it resolves like `kl_guard_margin`: 0 with the `tracking`
-            controller (the target holds the KL from both sides) and `inf` (off) with every other controller. Needs
-            `kl_target` and a number >= 0, or `inf` (off).
-        kl_guard_reset_momentum (`bool`, *optional*, defaults to `True`):
-            When the guard fires, also zero the optimizer's first moments (Adam's `exp_avg`, SGD's
-            `momentum_buffer`). The update's first step always goes ahead, and with momentum it would continue the
-            push that made the guard fire (Adam's first moment, beta1 = 0.9, remembers about ten steps). Cleared,
-            the momentum restarts from the new gradients, which carry the KL penalty: with Adam the next steps are
-            about 10%, 19%, 27%, 34%, ... of a full step (second moments and step counts are kept), a brake that
-            fades over about ten steps. Optimizers whose state has neither tensor (8-bit or paged optimizers, for
-            instance) are left as they are, with a warning.
+        kl_guard (`bool` or `None`, *optional*, defaults to `None`: on with `tracking`, else off):
+            An early stop on the KL to the reference inside one update, as CleanRL's `target_kl` is on the KL to the
+            old policy: once the KL at the current policy passes `kl_target` and the update has pushed it up, the
+            mini-batch takes no optimizer step, the rest of the update is skipped, and the optimizer's first moments
+            (Adam's `exp_avg`, SGD's `momentum_buffer`) are cleared so that the push does not carry into the next
+            update. Its low side does the same below the target, once a rollout's reading has reached it. That KL
+            is the rollout's reading of the controller statistic plus the change the update has made on the
+            mini-batch's tokens (k1 weighted by pi / pi_old, in `kl_target_unit`, reduced over all processes).
+            The update's first step always goes ahead. It acts only where an update takes more than one step
+            (`num_mini_batches * num_ppo_epochs > 1`). Logged as `kl/guard_fired` and `kl/guard_low_fired`. Unset,
+            it is on with the `tracking` controller (klppo's default whenever `kl_target` is set) and off with
+            every other controller, so that they behave as published. Needs `kl_target`.
         full_kl_chunk_size (`int`, *optional*, defaults to `1024`):
             Positions per chunk for `kl_estimator="full"`.
         generation_logits_max_mb (`float`, *optional*, defaults to `1024`):
@@ -329,29 +296,13 @@ class KLPPOConfig(TrainingArguments):
     kl_controller: str | None = field(default=None, metadata=_doc("kl_controller"))
     kl_target: float | None = field(default=None, metadata=_doc("kl_target"))
     kl_target_unit: str = field(default="sequence", metadata=_doc("kl_target_unit"))
-    kl_horizon: int = field(default=10000, metadata=_doc("kl_horizon"))
-    kl_error_clip: float = field(default=0.2, metadata=_doc("kl_error_clip"))
-    kl_controller_rate: float = field(default=0.1, metadata=_doc("kl_controller_rate"))
-    kl_pid_kp: float | None = field(default=None, metadata=_doc("kl_pid_kp"))
-    kl_pid_ki: float | None = field(default=None, metadata=_doc("kl_pid_ki"))
-    kl_pid_kd: float | None = field(default=None, metadata=_doc("kl_pid_kd"))
-    kl_pid_integral_limit: float | None = field(default=None, metadata=_doc("kl_pid_integral_limit"))
-    kl_pid_error_clip: float | None = field(default=None, metadata=_doc("kl_pid_error_clip"))
-    kl_track_kp: float | None = field(default=None, metadata=_doc("kl_track_kp"))
-    kl_track_ki: float | None = field(default=None, metadata=_doc("kl_track_ki"))
-    kl_track_lookahead: float | None = field(default=None, metadata=_doc("kl_track_lookahead"))
-    kl_track_smoothing: float | None = field(default=None, metadata=_doc("kl_track_smoothing"))
-    kl_track_window: int | None = field(default=None, metadata=_doc("kl_track_window"))
-    kl_coef_min: float = field(default=1e-4, metadata=_doc("kl_coef_min"))
-    kl_coef_max: float = field(default=10.0, metadata=_doc("kl_coef_max"))
+    kl_controller_kwargs: dict | str | None = field(default=None, metadata=_doc("kl_controller_kwargs"))
     kl_log_ratio_clamp: float | None = field(default=40.0, metadata=_doc("kl_log_ratio_clamp"))
     kl_value_clamp: float | None = field(default=None, metadata=_doc("kl_value_clamp"))
     kl_loss_agg_mode: str = field(default="token-mean", metadata=_doc("kl_loss_agg_mode"))
     kl_loss_scale: str = field(default="advantage_std", metadata=_doc("kl_loss_scale"))
     kl_drift_patience: int = field(default=5, metadata=_doc("kl_drift_patience"))
-    kl_guard_margin: float | None = field(default=None, metadata=_doc("kl_guard_margin"))
-    kl_guard_low_margin: float | None = field(default=None, metadata=_doc("kl_guard_low_margin"))
-    kl_guard_reset_momentum: bool = field(default=True, metadata=_doc("kl_guard_reset_momentum"))
+    kl_guard: bool | None = field(default=None, metadata=_doc("kl_guard"))
     full_kl_chunk_size: int = field(default=1024, metadata=_doc("full_kl_chunk_size"))
     generation_logits_max_mb: float = field(default=1024.0, metadata=_doc("generation_logits_max_mb"))
 
@@ -394,23 +345,6 @@ class KLPPOConfig(TrainingArguments):
     logging_steps: float = field(default=1, metadata=_doc("logging_steps"))
     remove_unused_columns: bool = field(default=False, metadata=_doc("remove_unused_columns"))
     ddp_find_unused_parameters: bool | None = field(default=False, metadata=_doc("ddp_find_unused_parameters"))
-
-    def _guard_margin(self, name: str, examples: str) -> float:
-        """Resolve one side of the KL guard: unset, 0 with the tracking controller and a target, else inf (off);
-        otherwise a number >= 0 or inf, with a `kl_target`."""
-        value = getattr(self, name)
-        if value is None:
-            value = 0.0 if self.kl_controller == "tracking" and self.kl_target is not None else math.inf
-        try:
-            value = float(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"`{name}` must be a number >= 0 or inf (off), got {value!r}.") from None
-        if value != math.inf and (self.kl_target is None or not value >= 0):
-            raise ValueError(
-                f"`{name}`={value} needs a `kl_target` and a margin >= 0 ({examples}); set it to inf to turn this "
-                "side of the guard off."
-            )
-        return value
 
     def __post_init__(self):
         self._validate_kl_fields()
@@ -475,14 +409,15 @@ class KLPPOConfig(TrainingArguments):
                     f"`kl_controller='{self.kl_controller}'` scales the coefficient multiplicatively, so "
                     f"`kl_coef` must be > 0 (got {self.kl_coef})."
                 )
-            if self.kl_coef_min < 0 or self.kl_coef_min > self.kl_coef_max:
+        if isinstance(self.kl_controller_kwargs, str):  # from a command line
+            try:
+                self.kl_controller_kwargs = json.loads(self.kl_controller_kwargs)
+            except json.JSONDecodeError as err:
                 raise ValueError(
-                    f"Need 0 <= kl_coef_min <= kl_coef_max, got kl_coef_min={self.kl_coef_min}, "
-                    f"kl_coef_max={self.kl_coef_max}."
-                )
-            if self.kl_controller == "adaptive" and not self.kl_horizon > 0:
-                raise ValueError(f"`kl_horizon` must be > 0 (sequences), got {self.kl_horizon}.")
-        # the controller's own fields (gains, bounds, windows) are checked by building it once
+                    f"`kl_controller_kwargs` must be a mapping (JSON on a command line), got "
+                    f"{self.kl_controller_kwargs!r}: {err}."
+                ) from None
+        # the controller's constants (gains, bounds, windows) are checked by building it once
         from ..kl import build_kl_controller
 
         try:
@@ -495,14 +430,15 @@ class KLPPOConfig(TrainingArguments):
             )
         if self.kl_value_clamp is not None and not self.kl_value_clamp > 0:
             raise ValueError(f"`kl_value_clamp` must be > 0 or None (off), got {self.kl_value_clamp}.")
-        # resolved to a number either way (inf: off), so that resolving a resolved config again changes nothing
-        self.kl_guard_margin = self._guard_margin(
-            "kl_guard_margin", "e.g. 0: stop an update once the KL passes kl_target; 0.5: at 1.5 x kl_target",
-        )
-        self.kl_guard_low_margin = self._guard_margin(
-            "kl_guard_low_margin", "0: stop an update that pushes the KL down below kl_target; 0.2: below "
-            "0.8 x kl_target",
-        )
+        if self.kl_guard is None:
+            self.kl_guard = self.kl_controller == "tracking" and self.kl_target is not None
+        elif not isinstance(self.kl_guard, bool):
+            raise ValueError(f"`kl_guard` must be true, false or unset (on with the tracking controller), got {self.kl_guard!r}.")
+        elif self.kl_guard and self.kl_target is None:
+            raise ValueError(
+                "`kl_guard=True` stops an update once the KL to the reference passes `kl_target`, so it needs a "
+                "`kl_target`; set one, or leave kl_guard unset."
+            )
         if self.kl_drift_patience < 1:
             raise ValueError(f"`kl_drift_patience` must be >= 1, got {self.kl_drift_patience}.")
         if self.full_kl_chunk_size < 1:

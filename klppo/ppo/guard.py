@@ -2,10 +2,10 @@
 
 CleanRL's `target_kl` stops an update's epochs once the approximate KL to the OLD policy passes a bound. The
 guard does the same against the REFERENCE, the divergence the controller targets: once the KL at the current
-policy passes `kl_target * (1 + kl_guard_margin)` and this update has pushed it up, the mini-batch takes no
-optimizer step and the update ends. Its low side (`kl_guard_low_margin`) mirrors it below the target, and acts
-only after a rollout's reading has once reached the low bound (before that, a low KL is the approach from the
-reference, not an overshoot).
+policy passes `kl_target` and this update has pushed it up, the mini-batch takes no optimizer step, the update
+ends and the optimizer's momentum is cleared. Its low side mirrors it below the target, and acts only after a
+rollout's reading has once reached the target (before that, a low KL is the approach from the reference, not
+an overshoot).
 """
 
 from __future__ import annotations
@@ -27,12 +27,14 @@ class KLGuard:
         target: `kl_target` (None: the guard is off).
         margin: the upper bound is `target * (1 + margin)`; `inf` turns that side off.
         low_margin: the lower bound is `target * (1 - low_margin)`; `inf` turns that side off.
+        reset_momentum: clear the optimizer's first moments when the guard fires.
     """
 
-    def __init__(self, target: float | None, margin: float = math.inf, low_margin: float = math.inf):
+    def __init__(self, target: float | None, margin: float = 0.0, low_margin: float = 0.0, reset_momentum: bool = True):
         self.target = target
         self.margin = margin if target else math.inf
         self.low_margin = low_margin if target else math.inf
+        self.reset_momentum = reset_momentum
         self.low_armed = False
 
     @property

@@ -154,7 +154,7 @@ class KLPPOTrainer(ScoringMixin, TrainingLoopMixin, CheckpointMixin, Trainer):
         self.kl_estimator = get_kl_estimator_spec(args.kl_estimator)
         self.kl_statistic_spec = get_kl_estimator_spec(args.kl_statistic)
         self.kl_controller = build_kl_controller(args)
-        self.kl_guard = KLGuard(args.kl_target, args.kl_guard_margin, args.kl_guard_low_margin)
+        self.kl_guard = KLGuard(args.kl_target if args.kl_guard else None)
         self.drift_monitor = KLDriftMonitor(args.kl_target, patience=args.kl_drift_patience) if args.kl_target else None
         self.health_monitor = PPOHealthMonitor(patience=args.health_patience)
         self.nonfinite_guard = NonfiniteGuard(args.max_nonfinite_updates)
@@ -473,9 +473,9 @@ class KLPPOTrainer(ScoringMixin, TrainingLoopMixin, CheckpointMixin, Trainer):
             verdict = "applied" if grad_norm is None or math.isfinite(grad_norm) else "nonfinite"
         elif self.is_deepspeed_enabled:
             model.step()  # finds the poisoned gradients non-finite: drops them and skips the step
-        if verdict in (UPPER, LOWER) and args.kl_guard_reset_momentum and not reset_momentum(self.optimizer):
-            logger.warning("kl_guard_reset_momentum: the optimizer keeps no exp_avg or momentum_buffer tensor, so its "
-                           "momentum was not cleared when the KL guard fired.")  # fmt: skip
+        if verdict in (UPPER, LOWER) and self.kl_guard.reset_momentum and not reset_momentum(self.optimizer):
+            logger.warning("kl_guard: the optimizer keeps no exp_avg or momentum_buffer tensor, so its momentum was not "
+                           "cleared when the KL guard fired.")  # fmt: skip
         self.optimizer.zero_grad(set_to_none=True)
         return verdict
 

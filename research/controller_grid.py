@@ -1,0 +1,163 @@
+"""The KL controller across plant speeds: the one-token bandit of `tests/bandit.py`, whose equilibrium beta* is known
+in closed form, trained with a KL target from beta*/5 and from 5 beta* at every combination of learning rate,
+optimizer steps per update and batch size.
+
+    PYTHONPATH=tests python research/controller_grid.py --seeds 1 2 3 --out results/controller_grid/grid.jsonl
+    PYTHONPATH=tests python research/controller_grid.py --table results/controller_grid/grid.jsonl
+
+Each run is one line of JSON: the cell, the seed, and per update the exact KL of the sampling policy (the `full`
+statistic of a one-token response) and beta. The table gives, per cell, the second-half tracking error
+(mean |KL - target| / target), the peak KL over the target, and the second half's geometric-mean beta over beta*,
+as mean and standard error over seeds. `--kwargs` sets `kl_controller_kwargs` (JSON), `--config` any other
+`KLPPOConfig` field (JSON), for ablations; `--plugin` imports a module that registers a controller of its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import itertools
+import json
+import math
+import multiprocessing
+import tempfile
+from pathlib import Path
+
+STARTS = (0.2, 5.0)
+LEARNING_RATES = (3e-4, 1e-3, 3e-3)
+STEPS_PER_UPDATE = (1, 4)
+BATCHES = (32, 64, 128)
+BETA_STAR = 0.5
+BOUNDS = {"tracking_error": 0.3, "peak": 3.0, "beta_ratio": 1.3}
+
+
+def updates_for(lr: float) -> int:
+    """120 updates at lr 1e-3 and above; proportionally more below (400 at 3e-4), so that a fixed beta* reaches
+    the target within the run at every speed."""
+    return round(120 * max(1.0, 1e-3 / lr))
+
+
+def run_cell(job: dict) -> dict:
+    import torch
+
+    torch.set_num_threads(1)
+    from bandit import bandit_trainer, kl, one_token_state, tilted
+    from klppo.models import TINY_MODEL, resolve_model_path
+
+    if job.get("plugin"):  # a module that registers a controller of its own
+        importlib.import_module(job["plugin"])
+    tiny = resolve_model_path(TINY_MODEL)
+    with tempfile.TemporaryDirectory() as tmp:
+        state = one_token_state(bandit_trainer(tiny, Path(tmp), max_steps=1))
+        target = kl(tilted(state["ref"], state["reward"], BETA_STAR), state["ref"])
+        steps, batch = job["steps"], job["batch"]
+        fixed = job.get("fixed", False)
+        overrides = dict(
+            kl_coef=job["start"] * BETA_STAR, max_steps=updates_for(job["lr"]), learning_rate=job["lr"],
+            per_device_train_batch_size=batch // steps, num_mini_batches=steps, rollout_forward_batch_size=batch,
+            seed=job["seed"], kl_statistic="full",
+        )
+        if fixed:
+            overrides.update(kl_coef=BETA_STAR)
+        else:
+            overrides.update(kl_target=target)
+            if job.get("kwargs"):
+                overrides.update(kl_controller_kwargs=job["kwargs"])
+        overrides.update(job.get("config") or {})
+        trainer = bandit_trainer(tiny, Path(tmp), **overrides)
+        trainer.train()
+    logs = [h for h in trainer.state.log_history if "kl/coef" in h]
+    return {**job, "target": target, "beta_star": BETA_STAR, "kl": [h["kl/value"] for h in logs],
+            "beta": [h["kl/coef"] for h in logs], "guard": [h.get("kl/guard_fired", 0.0) for h in logs]}
+
+
+def summarise(run: dict) -> dict:
+    kls, betas, target = run["kl"], run["beta"], run["target"]
+    half = len(kls) // 2
+    second = kls[half:]
+    logs = [math.log(b) for b in betas[half:]]
+    return {
+        "tracking_error": sum(abs(k - target) for k in second) / len(second) / target,
+        "in_band": sum(abs(k - target) <= 0.2 * target for k in second) / len(second),
+        "peak": max(kls) / target,
+        "beta_ratio": math.exp(sum(logs) / len(logs)) / run["beta_star"],
+    }
+
+
+def cells(starts=STARTS):
+    return [dict(start=s, lr=lr, steps=k, batch=b)
+            for s, lr, k, b in itertools.product(starts, LEARNING_RATES, STEPS_PER_UPDATE, BATCHES)]
+
+
+def _mean_se(values):
+    n = len(values)
+    mean = sum(values) / n
+    se = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n) if n > 1 else float("nan")
+    return mean, se
+
+
+def passes(s: dict) -> bool:
+    return (s["tracking_error"] <= BOUNDS["tracking_error"] and s["peak"] <= BOUNDS["peak"]
+            and 1 / BOUNDS["beta_ratio"] <= s["beta_ratio"] <= BOUNDS["beta_ratio"])
+
+
+def table(runs: list[dict]) -> str:
+    """Markdown: one row per cell, mean +- standard error over seeds; a cell passes when every seed does."""
+    groups: dict[tuple, list[dict]] = {}
+    for run in runs:
+        key = (run["start"], run["lr"], run["steps"], run["batch"])
+        groups.setdefault(key, []).append(summarise(run))
+    lines = ["| start | lr | steps/update | batch | seeds | tracking error | in band | peak KL / target "
+             "| geo-mean beta / beta* | every seed within bounds |", "|" + " --- |" * 10]
+    n_pass = 0
+    for key in sorted(groups):
+        rows = groups[key]
+        ok = all(passes(r) for r in rows)
+        n_pass += ok
+        cols = []
+        for name in ("tracking_error", "in_band", "peak", "beta_ratio"):
+            mean, se = _mean_se([r[name] for r in rows])
+            cols.append(f"{mean:.2f} ± {se:.2f}" if math.isfinite(se) else f"{mean:.2f}")
+        start = "beta*/5" if key[0] < 1 else "5 beta*"
+        lines.append(f"| {start} | {key[1]:g} | {key[2]} | {key[3]} | {len(rows)} | " + " | ".join(cols)
+                     + f" | {'yes' if ok else '**no**'} |")
+    worst = {name: max(summarise(r)[name] for r in runs) for name in ("tracking_error", "peak")}
+    ratios = [summarise(r)["beta_ratio"] for r in runs]
+    lines.append("")
+    lines.append(f"{n_pass} of {len(groups)} cells within bounds on every seed (tracking error <= "
+                 f"{BOUNDS['tracking_error']}, peak <= {BOUNDS['peak']}x, beta within x/{BOUNDS['beta_ratio']} of "
+                 f"beta*). Worst run: tracking error {worst['tracking_error']:.2f}, peak {worst['peak']:.2f}x, beta "
+                 f"{min(ratios):.2f}-{max(ratios):.2f} beta*.")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--kwargs", type=json.loads, default=None, help="kl_controller_kwargs, as JSON")
+    parser.add_argument("--config", type=json.loads, default=None, help="other KLPPOConfig fields, as JSON")
+    parser.add_argument("--fixed", action="store_true", help="fixed beta* instead of a target (the reference)")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--plugin", help="import this module first (one that registers a controller)")
+    parser.add_argument("--only", type=json.loads, default=None, help="run only the cells matching this JSON")
+    parser.add_argument("--table", type=Path, help="print the table of a finished grid file and exit")
+    args = parser.parse_args()
+    if args.table:
+        print(table([json.loads(line) for line in args.table.read_text().splitlines() if line.strip()]), end="")
+        return
+    jobs = [dict(cell, seed=seed, kwargs=args.kwargs, config=args.config, fixed=args.fixed, plugin=args.plugin)
+            for cell in (cells((1.0,)) if args.fixed else cells()) for seed in args.seeds
+            if all(cell[k] == v for k, v in (args.only or {}).items())]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    runs = []
+    with multiprocessing.get_context("spawn").Pool(args.workers) as pool, args.out.open("w") as f:
+        for run in pool.imap_unordered(run_cell, jobs):
+            f.write(json.dumps(run) + "\n")
+            f.flush()
+            runs.append(run)
+    print(table(runs), end="")
+
+
+if __name__ == "__main__":
+    main()
