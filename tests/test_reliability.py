@@ -60,7 +60,7 @@ def test_killed_at_random_moments_then_resumed_from_the_latest(tmp_path):
     proc.wait(timeout=600)
     full_run = time.time() - start
     assert proc.returncode == 0
-    for i, fraction in enumerate((0.55, 0.7, 0.8, 0.9)):  # late in the run: saving happens after each update
+    for i, fraction in enumerate((0.6, 0.75, 0.9)):  # late in the run: saving happens after each update
         target = tmp_path / f"killed{i}"
         proc = subprocess.Popen(
             train_cmd(target), cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL

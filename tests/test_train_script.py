@@ -17,7 +17,7 @@ TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 
 
 def run_script(*args, cwd) -> subprocess.CompletedProcess:
-    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     return subprocess.run(
         [sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=600, env=env, cwd=str(cwd)
     )
@@ -78,11 +78,23 @@ def write_config(tmp_path, **changes) -> str:
         (dict(dataset_name="missing_prompts.jsonl"), "missing_prompts.jsonl"),
     ],
 )
-def test_bad_input_gives_one_clean_message(tmp_path, changes, expected):
-    proc = run_script("--config", write_config(tmp_path, **changes), "--output_dir", str(tmp_path / "out"), cwd=tmp_path)
+def test_bad_input_gives_one_clean_message(tmp_path, capsys, changes, expected):
+    """In process, through the script's entry point (`klppo.cli.cli`): an exception would fail the test."""
+    from klppo.cli import cli
+
+    code = cli(["--config", write_config(tmp_path, **changes), "--output_dir", str(tmp_path / "out")])
+    stderr = capsys.readouterr().err
+    assert code == 2
+    assert expected in stderr
+    assert stderr.count("error:") == 1 and (stderr.startswith("error:") or "\nerror:" in stderr)
+
+
+def test_the_script_exits_2_with_one_paragraph_on_a_user_error(tmp_path):
+    """The same through `scripts/train.py` as a process: its exit status and stderr."""
+    proc = run_script("--config", write_config(tmp_path, kl_estimator="k5"), "--output_dir", str(tmp_path / "out"),
+                      cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 2
-    assert expected in proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert "k1" in proc.stderr and "Traceback" not in proc.stderr
     assert proc.stderr.strip().startswith("error:") or "\nerror:" in proc.stderr
 
 
@@ -138,23 +150,26 @@ def test_tiny_config_under_torchrun_two_processes(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["yaml", "lr", "folder"])
-def test_more_user_errors_are_one_paragraph(tmp_path, case):
+def test_more_user_errors_are_one_paragraph(tmp_path, capsys, case):
     """Invalid YAML (with line and column), a negative learning rate, a missing local model folder: exit 2,
-    one `error:` paragraph, no traceback."""
+    one `error:` paragraph, no traceback (in process: an exception would fail the test)."""
+    from klppo.cli import cli
+
     args = ["--config", TINY, "--output_dir", str(tmp_path / "out")]
     if case == "yaml":
         bad = tmp_path / "bad.yaml"
         bad.write_text("model_name_or_path: klppo:tiny-llama\nkl_coef: [0.1\n")
         args = ["--config", str(bad)]
     elif case == "lr":
-        args += ["--learning_rate", "-1e-4"]
+        args += ["--learning_rate=-1e-4"]
     else:
         args += ["--model_name_or_path", str(tmp_path / "no" / "such" / "model")]
-    proc = run_script(*args, cwd=tmp_path)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr and proc.stderr.count("error:") == 1
+    code = cli(args)
+    stderr = capsys.readouterr().err
+    assert code == 2, stderr[-2000:]
+    assert stderr.count("error:") == 1
     expected = {"yaml": "line", "lr": "learning_rate", "folder": "does not exist"}[case]
-    assert expected in proc.stderr
+    assert expected in stderr
 
 
 def test_a_diverging_full_fine_tune_saves_no_diverged_model_and_ends_in_one_paragraph(tmp_path, capsys):
