@@ -42,6 +42,7 @@ def run_cell(job: dict) -> dict:
 
     torch.set_num_threads(1)
     from bandit import bandit_trainer, kl, one_token_state, tilted
+
     from klppo.models import TINY_MODEL, resolve_model_path
 
     if job.get("plugin"):  # a module that registers a controller of its own
@@ -51,15 +52,12 @@ def run_cell(job: dict) -> dict:
         state = one_token_state(bandit_trainer(tiny, Path(tmp), max_steps=1))
         target = kl(tilted(state["ref"], state["reward"], BETA_STAR), state["ref"])
         steps, batch = job["steps"], job["batch"]
-        fixed = job.get("fixed", False)
         overrides = dict(
             kl_coef=job["start"] * BETA_STAR, max_steps=updates_for(job["lr"]), learning_rate=job["lr"],
             per_device_train_batch_size=batch // steps, num_mini_batches=steps, rollout_forward_batch_size=batch,
             seed=job["seed"], kl_statistic="full",
         )
-        if fixed:
-            overrides.update(kl_coef=BETA_STAR)
-        else:
+        if not job.get("fixed"):  # fixed jobs start at beta* (`cells((1.0,))`) and keep it
             overrides.update(kl_target=target)
             if job.get("kwargs"):
                 overrides.update(kl_controller_kwargs=job["kwargs"])
@@ -118,7 +116,7 @@ def table(runs: list[dict]) -> str:
         for name in ("tracking_error", "in_band", "peak", "beta_ratio"):
             mean, se = _mean_se([r[name] for r in rows])
             cols.append(f"{mean:.2f} ± {se:.2f}" if math.isfinite(se) else f"{mean:.2f}")
-        start = "beta*/5" if key[0] < 1 else "5 beta*"
+        start = {0.2: "beta*/5", 5.0: "5 beta*", 1.0: "beta* (fixed)"}.get(key[0], f"{key[0]:g} beta*")
         lines.append(f"| {start} | {key[1]:g} | {key[2]} | {key[3]} | {len(rows)} | " + " | ".join(cols)
                      + f" | {'yes' if ok else '**no**'} |")
     worst = {name: max(summarise(r)[name] for r in runs) for name in ("tracking_error", "peak")}

@@ -636,7 +636,7 @@ def controller_table_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
-def controller_kwargs_error(cls: type, kwargs) -> Optional[str]:
+def _controller_kwargs_error(cls: type, kwargs) -> Optional[str]:
     """Why ``kwargs`` cannot set ``cls``'s constants (not a mapping, or a key it does not declare), or None."""
     if not isinstance(kwargs, dict):
         return f"kl_controller_kwargs must be a mapping of constant names to values, got {kwargs!r}"
@@ -656,7 +656,7 @@ def build_kl_controller(args) -> KLController:
     kind = getattr(args, "kl_controller", "fixed")
     cls = get_kl_controller(kind.lower() if isinstance(kind, str) else kind)
     kwargs = getattr(args, "kl_controller_kwargs", None) or {}
-    problem = controller_kwargs_error(cls, kwargs)
+    problem = _controller_kwargs_error(cls, kwargs)
     if problem:
         raise ValueError(problem)
     kwargs = dict(kwargs)

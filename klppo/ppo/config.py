@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import logging
 import json
+import logging
 import math
 import os
 import re
@@ -128,8 +128,9 @@ KLPPO_CONFIG_DOC = r"""
             (Adam's `exp_avg`, SGD's `momentum_buffer`) are cleared so that the push does not carry into the next
             update. Its low side does the same below the target, once a rollout's reading has reached it. That KL
             is the rollout's reading of the controller statistic plus the change the update has made on the
-            mini-batch's tokens (k1 weighted by pi / pi_old, in `kl_target_unit`, reduced over all processes).
-            The update's first step always goes ahead. It acts only where an update takes more than one step
+            mini-batch's tokens (k1 weighted by pi / pi_old, in `kl_target_unit`, reduced over all processes;
+            with a `kl_statistic` whose expectation is not KL(pi || ref), such as `k2`, the two measure different
+            things). The update's first step always goes ahead. It acts only where an update takes more than one step
             (`num_mini_batches * num_ppo_epochs > 1`). Logged as `kl/guard_fired` and `kl/guard_low_fired`. Unset,
             it is on with the `tracking` controller (klppo's default whenever `kl_target` is set) and off with
             every other controller, so that they behave as published. Needs `kl_target`.
@@ -433,7 +434,9 @@ class KLPPOConfig(TrainingArguments):
         if self.kl_guard is None:
             self.kl_guard = self.kl_controller == "tracking" and self.kl_target is not None
         elif not isinstance(self.kl_guard, bool):
-            raise ValueError(f"`kl_guard` must be true, false or unset (on with the tracking controller), got {self.kl_guard!r}.")
+            raise ValueError(
+                f"`kl_guard` must be true, false or unset (on with the tracking controller), got {self.kl_guard!r}."
+            )
         elif self.kl_guard and self.kl_target is None:
             raise ValueError(
                 "`kl_guard=True` stops an update once the KL to the reference passes `kl_target`, so it needs a "
