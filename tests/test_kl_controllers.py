@@ -9,6 +9,7 @@ import pytest
 
 from klppo.kl import (
     AdaptiveKLController,
+    EquilibriumKLController,
     ExponentialKLController,
     FixedKLController,
     KLController,
@@ -21,7 +22,7 @@ from klppo.kl import (
     unregister_kl_controller,
 )
 
-KL_CONTROLLERS = ("fixed", "adaptive", "exponential", "pid", "tracking")
+KL_CONTROLLERS = ("fixed", "adaptive", "exponential", "pid", "tracking", "equilibrium")
 
 
 def _all_kinds():
@@ -31,6 +32,7 @@ def _all_kinds():
         ExponentialKLController(0.1, target=0.05),
         PIDKLController(0.1, target=0.05),
         TrackingKLController(0.1, target=0.05),
+        EquilibriumKLController(0.1, target=0.05),  # reads only observed sequences: readings alone leave beta
     ]
 
 
@@ -226,6 +228,7 @@ def _drive(ctrl, readings):
     lambda: ExponentialKLController(0.1, target=0.3, rate=0.5),
     lambda: PIDKLController(0.1, target=0.3, kd=0.1),
     lambda: TrackingKLController(0.1, target=0.3, window=5),
+    lambda: EquilibriumKLController(0.1, target=0.3),
 ], ids=KL_CONTROLLERS)
 def test_state_dict_json_round_trip_continues_identically(make):
     rng = random.Random(1)
@@ -370,7 +373,7 @@ def test_klppoconfig_takes_the_constants_as_a_mapping_or_a_json_string(tmp_path)
     c = build_kl_controller(args)
     assert isinstance(c, PIDKLController) and (c.kp, c.integral_limit) == (0.5, 3.0)
     assert dataclasses.replace(args).kl_controller_kwargs == {"kp": 0.5, "integral_limit": 3.0}
-    assert config(kl_target=1.0, kl_controller_kwargs='{"window": 20}').kl_controller_kwargs == {"window": 20}
+    assert config(kl_target=1.0, kl_controller_kwargs='{"max_step": 0.5}').kl_controller_kwargs == {"max_step": 0.5}
     with pytest.raises(ValueError, match="kl_controller_kwargs.*JSON"):
         config(kl_controller="pid", kl_target=1.0, kl_controller_kwargs="{kp: 0.5")
     with pytest.raises(ValueError, match="has no constant 'horizon'.*integral_limit"):

@@ -709,8 +709,8 @@ def test_the_guards_low_side_ends_an_update_that_pulls_the_kl_below_its_bound(ti
     assert guarded.lr_scheduler.last_epoch < probe.lr_scheduler.last_epoch == 12
 
 
-def test_the_guard_holds_the_target_by_default_with_the_tracking_controller_only(tiny_path, prompts, tmp_path):
-    """Unset, `kl_guard` resolves to True with the tracking controller (the default whenever kl_target is set) and
+def test_the_guard_holds_the_target_by_default_with_the_equilibrium_and_tracking_controllers(tiny_path, prompts, tmp_path):
+    """Unset, `kl_guard` resolves to True with the equilibrium and tracking controllers (the defaults with a kl_target) and
     to False with every other controller and without a target; False turns it off and True turns it on with any
     controller; resolving a resolved config again changes nothing; True without a target is an error that names
     `kl_guard`. On, the trainer's guard holds the target itself on both sides and clears the momentum."""
@@ -718,12 +718,13 @@ def test_the_guard_holds_the_target_by_default_with_the_tracking_controller_only
 
     assert make_args(tmp_path, kl_target=4.0).kl_guard is True
     assert make_args(tmp_path, kl_target=4.0, kl_controller="tracking").kl_guard is True
+    assert make_args(tmp_path, kl_target=4.0, kl_controller="equilibrium").kl_guard is True
     for controller in ("adaptive", "pid", "exponential", "fixed"):
         assert make_args(tmp_path, kl_target=4.0, kl_controller=controller).kl_guard is False
     assert make_args(tmp_path).kl_guard is False
     assert make_args(tmp_path, kl_target=4.0, kl_controller="pid", kl_guard=True).kl_guard is True
     off = make_args(tmp_path, kl_target=4.0, kl_guard=False)
-    assert off.kl_controller == "tracking" and off.kl_guard is False
+    assert off.kl_controller == "equilibrium" and off.kl_guard is False
     assert dataclasses.replace(off).kl_guard is False  # stays off when resolved again
     assert dataclasses.replace(make_args(tmp_path, kl_target=4.0)).kl_guard is True
     assert make_args(tmp_path, kl_guard=False).kl_guard is False  # off needs no target
@@ -754,14 +755,14 @@ def as_written_before_kl_controller_kwargs(checkpoint: str) -> str:
 
 
 def test_the_default_guard_fires_in_training_and_a_changed_guard_setting_is_named_on_resume(tiny_path, prompts, tmp_path, caplog):
-    """The tracking controller's default guard acts in `train()` (4 steps per update, a target the first step
+    """The default controller's guard acts in `train()` (4 steps per update, a target the first step
     passes). Resumed with the same settings, nothing is reported; with `kl_guard` or `kl_controller_kwargs`
     changed, a warning names each (both are combined with the checkpoint's state, not refused); a checkpoint
     written before these two settings existed resumes without a word about them."""
     kw = dict(kl_target=1e-6, num_mini_batches=2, num_ppo_epochs=2, per_device_train_batch_size=4,
               gradient_accumulation_steps=1, max_steps=2, save_strategy="steps", save_steps=2)  # fmt: skip
     args = make_args(tmp_path, **kw)
-    assert args.kl_controller == "tracking" and args.kl_guard is True and args.kl_controller_kwargs is None
+    assert args.kl_controller == "equilibrium" and args.kl_guard is True and args.kl_controller_kwargs is None
     trainer = make_trainer(tiny_path, prompts, args)
     trainer.train()
     assert [h["kl/guard_fired"] for h in trainer.state.log_history if "kl/guard_fired" in h] == [1.0, 1.0]
@@ -777,9 +778,9 @@ def test_the_default_guard_fires_in_training_and_a_changed_guard_setting_is_name
 
     messages = resume("same")
     assert "kl_guard" not in messages and "kl_controller_kwargs" not in messages
-    messages = resume("changed", kl_guard=False, kl_controller_kwargs={"kp": 0.5})
+    messages = resume("changed", kl_guard=False, kl_controller_kwargs={"max_step": 0.5})
     assert "kl_guard changed from True to False" in messages
-    assert "kl_controller_kwargs changed from None to {'kp': 0.5}" in messages
+    assert "kl_controller_kwargs changed from None to {'max_step': 0.5}" in messages
     as_written_before_kl_controller_kwargs(checkpoint)
     messages = resume("old")
     assert "kl_guard" not in messages and "kl_controller_kwargs" not in messages and "kl_horizon" not in messages
@@ -881,7 +882,7 @@ def test_a_resumed_run_continues_the_tracking_controller_exactly(tiny_path, prom
 
     whole = trainer_in("whole")
     whole.train()
-    assert whole.args.kl_controller == "tracking"
+    assert whole.args.kl_controller == "equilibrium"
     saved = [json.load(open(tmp_path / "whole" / f"checkpoint-{n}" / "kl_controller.json"))["kl_guard_low_armed"]
              for n in (1, 2)]
     assert saved == [False, True]  # update 1 reads 0 (the policy is the reference); update 2's reading arms it

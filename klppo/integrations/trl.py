@@ -109,6 +109,7 @@ def resolve_kl_fields(trainer, kl_fields: dict):
     settings.kl_coef, settings.kl_mode, settings.kl_estimator = float(trainer.beta), mode, estimator
     settings.kl_statistic = estimator
     settings.kl_guard = False  # klppo's guard acts inside its own updates
+    settings._controller_reads_sequences = False  # the callback sees TRL's logged KL, not the sequences
     settings._validate_kl_fields()
     return settings
 

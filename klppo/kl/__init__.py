@@ -11,6 +11,7 @@
 
 from .controllers import (
     AdaptiveKLController,
+    EquilibriumKLController,
     ExponentialKLController,
     FixedKLController,
     KLController,
@@ -62,6 +63,7 @@ __all__ = [
     "ExponentialKLController",
     "PIDKLController",
     "TrackingKLController",
+    "EquilibriumKLController",
     "build_kl_controller",
     "register_kl_controller",
     "unregister_kl_controller",
@@ -83,11 +85,12 @@ __all__ = [
     "check_same_on_all_ranks",
     "KLDriftMonitor",
     "divergence_followed",
+    "follows_sequence_tilt",
     "DivergenceInfo",
     "estimator_table_markdown",
 ]
 
-_LAZY = {"divergence_followed", "DivergenceInfo", "estimator_table_markdown"}
+_LAZY = {"divergence_followed", "follows_sequence_tilt", "DivergenceInfo", "estimator_table_markdown"}
 
 
 def __getattr__(name):

@@ -13,7 +13,9 @@ Every controller has the same surface:
   another kind of controller fails. Hyperparameters are stored for the record but not restored: the
   constructor (the config of the resumed run) decides them.
 - ``.name``: the registry name (``"fixed"``, ``"adaptive"``, ``"exponential"``, ``"pid"``,
-  ``"tracking"``, or one registered with :func:`register_kl_controller`).
+  ``"tracking"``, ``"equilibrium"``, or one registered with :func:`register_kl_controller`).
+- ``.observe_sequences(scores, log_ratios, lengths, unit)``: only controllers that read the batch itself
+  (``"equilibrium"``) have it; the trainer calls it before each ``update`` with every rank's sequences.
 
 Controllers live in a registry: a class decorated with ``@register_kl_controller(name)`` is buildable
 by name from a config. Its constants (gains, bounds, windows) are its constructor's keyword
@@ -41,6 +43,8 @@ __all__ = [
     "ExponentialKLController",
     "PIDKLController",
     "TrackingKLController",
+    "EquilibriumKLController",
+    "optimum_kl",
     "build_kl_controller",
 ]
 
@@ -433,6 +437,39 @@ class PIDKLController(_LogSpaceController):
         self.prev_error = None if prev is None else float(prev)
 
 
+def optimum_kl(inv_beta: float, scores, log_ratios) -> float:
+    """Estimate, from sequences sampled by a policy pi, the KL to the reference of the KL-regularised optimum
+    ``pi_beta = ref * exp(r / beta) / Z`` at ``1 / beta = inv_beta``.
+
+    ``scores`` are the sequences' rewards r, ``log_ratios`` their ``log pi(y) - log ref(y)`` (summed over tokens).
+    Self-normalised importance sampling with weights ``w = exp(r / beta - log_ratio) ∝ pi_beta / pi``::
+
+        KL(pi_beta || ref) = E_pi_beta[r] / beta - log Z,   Z = E_pi[exp(r / beta) * ref / pi]
+
+    Exact when the sample is the distribution itself (every sequence in proportion to its probability). It rises
+    with ``inv_beta``. When ``pi`` is the optimum ``pi_beta`` the weights are all equal and the estimate is the
+    batch's mean log-ratio, the k1 estimate of pi's own KL.
+    """
+    import torch
+
+    r = torch.as_tensor(scores, dtype=torch.float64)
+    log_w = inv_beta * r - torch.as_tensor(log_ratios, dtype=torch.float64)
+    w = torch.softmax(log_w, dim=0)
+    return float(inv_beta * (w * r).sum() - (torch.logsumexp(log_w, dim=0) - math.log(r.numel())))
+
+
+def equilibrium_log_coef(scores, log_ratios, target: float, lo: float, hi: float) -> float:
+    """``log beta`` in ``[lo, hi]`` whose optimum has ``optimum_kl == target`` (bisection: the estimate falls as
+    beta grows); the bound on the side the batch cannot reach when the target lies outside its range."""
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if optimum_kl(math.exp(-mid), scores, log_ratios) > target:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
+
+
 @register_kl_controller("tracking")
 class TrackingKLController(_LogSpaceController):
     """PI control of log(beta) on a smoothed, predicted KL, with a start-up hold: holds a target where
@@ -616,6 +653,81 @@ class TrackingKLController(_LogSpaceController):
         self.armed = bool(state.get("armed", False))
         self.holding = bool(state.get("holding", True))
         self.predicted = None if state.get("predicted") is None else float(state["predicted"])
+
+
+@register_kl_controller("equilibrium")
+class EquilibriumKLController(_LogSpaceController):
+    """Moves log beta toward the batch's estimate of beta*, the coefficient whose KL-regularised optimum has the
+    target KL, by the share of the batch that backs the estimate (its effective sample size).
+
+    Per update, from the batch's scores ``r`` and log-ratios ``d = log pi(y) - log ref(y)`` (one per sequence,
+    gathered over all ranks; see :func:`optimum_kl`)::
+
+        b = log beta such that optimum_kl(1 / beta, r, d) = target     (bisection within the bounds)
+        g = ESS / n of the weights exp(r / exp(b) - d)                 (in (0, 1])
+        log beta <- log beta + clip(g * (b - log beta), -max_step, max_step)
+
+    Why: the optimum of ``E[r] - beta * KL`` is ``pi_beta = ref * exp(r / beta) / Z`` whatever the learning
+    rate, batch or number of optimizer steps, so its KL, estimated from the batch by importance sampling, tells
+    beta* without waiting for the policy to get there: the coefficient does not depend on how fast the policy
+    moves, and a KL still on its way to the target does not wind it up. The estimate is exact when the policy is
+    at the optimum of the current beta (the weights are then all equal). Far from it, a few sequences carry the
+    weights and the estimate leans toward the policy it was drawn from; the gain ``g`` then takes a small step,
+    and a full one when every sequence backs the estimate. ``max_step`` bounds one update's change (a factor
+    ``e`` by default).
+
+    It needs what the configured KL optimises to be the reverse KL of the whole sequence (``kl_mode='reward'``
+    with ``k1``, klppo's default). The optimum is per prompt: with one response per prompt, the prompts'
+    sequences are weighted together, an approximation measured in `docs/results.md`. The statistic is only
+    used for logging. A target in nats per token is turned into one per sequence by the batch's mean length.
+    """
+
+    def __init__(self, kl_coef: float, target: float, max_step: float = 1.0, coef_min: float = 1e-4,
+                 coef_max: float = 10.0):
+        kl_coef = _check_positive(kl_coef, "kl_coef", "an adaptive controller needs an initial coefficient > 0 (e.g. 0.05)")
+        self.target = _check_positive(target, "target", "set kl_target to the KL you want, e.g. 4 (nats/sequence)")
+        self.max_step = _check_positive(max_step, "max_step", "it bounds the change of log beta per update, e.g. 1")
+        self.coef_min, self.coef_max = _check_bounds(coef_min, coef_max)
+        super().__init__(min(max(kl_coef, self.coef_min), self.coef_max))
+        self.estimate: Optional[float] = None
+        self.ess: Optional[float] = None
+        self._batch = None
+
+    def observe_sequences(self, scores, log_ratios, lengths, unit: str = "sequence") -> None:
+        """The batch the next :meth:`update` reads: each sequence's score, ``log pi(y) - log ref(y)`` and length
+        (the trainer calls it with every rank's sequences)."""
+        self._batch = (scores, log_ratios, lengths, unit)
+
+    def _step(self, kl: float, n_steps: int) -> float:
+        import torch
+
+        self.last_error = math.log(max(kl, self.target / math.e) / self.target)
+        if self._batch is None:  # no sequences observed: nothing to estimate from
+            return self._value
+        scores, log_ratios, lengths, unit = self._batch
+        self._batch = None
+        r = torch.as_tensor(scores, dtype=torch.float64)
+        d = torch.as_tensor(log_ratios, dtype=torch.float64)
+        if r.numel() == 0 or not (torch.isfinite(r).all() and torch.isfinite(d).all()):
+            return self._value
+        target = self.target * float(torch.as_tensor(lengths, dtype=torch.float64).mean()) if unit == "token" else self.target
+        lo, hi = self._log_bounds()
+        self.estimate = equilibrium_log_coef(r, d, target, lo, hi)
+        w = torch.softmax(math.exp(-self.estimate) * r - d, dim=0)
+        self.ess = float(1.0 / (w * w).sum()) / r.numel()
+        now = max(_log(self._value), lo)
+        step = min(max(self.ess * (self.estimate - now), -self.max_step), self.max_step)
+        return self._from_log(now + step)
+
+    def _hparams(self) -> dict:
+        return dict(target=self.target, max_step=self.max_step, coef_min=self.coef_min, coef_max=self.coef_max)
+
+    def _dynamic_state(self) -> dict:
+        return {"estimate": self.estimate, "ess": self.ess}
+
+    def _load_dynamic_state(self, state: dict) -> None:
+        self.estimate = None if state.get("estimate") is None else float(state["estimate"])
+        self.ess = None if state.get("ess") is None else float(state["ess"])
 
 
 def controller_table_markdown() -> str:

@@ -16,6 +16,7 @@ from ..kl import (
     KL_STATISTIC_UNITS,
     LOSS_AGG_MODES,
     divergence_followed,
+    follows_sequence_tilt,
     get_kl_controller,
     kl_controllers,
     kl_estimators,
@@ -79,11 +80,13 @@ KLPPO_CONFIG_DOC = r"""
         kl_coef (`float`, *optional*, defaults to `0.05`):
             Initial KL coefficient beta.
         kl_controller (`str` or `None`, *optional*, defaults to `None`):
-            How beta changes between updates: `"fixed"`, `"tracking"` (PI control of log beta on a smoothed,
-            predicted KL with a start-up hold; holds a target best, see `TrackingKLController`), `"adaptive"`
-            (Ziegler et al. 2019, Sec. 2.2), `"exponential"` (`beta <- beta * exp(rate * (kl - target))`),
-            `"pid"` (PID on log beta), or a name registered with `klppo.kl.register_kl_controller`. `None`:
-            `"tracking"` when `kl_target` is set, else `"fixed"`.
+            How beta changes between updates: `"fixed"`, `"equilibrium"` (beta moves toward the batch's estimate
+            of the coefficient whose KL-regularised optimum has the target KL; needs `k1` in the reward, see
+            `EquilibriumKLController`), `"tracking"` (PI control of log beta on a smoothed, predicted KL with a
+            start-up hold, for any KL configuration), `"adaptive"` (Ziegler et al. 2019, Sec. 2.2),
+            `"exponential"` (`beta <- beta * exp(rate * (kl - target))`), `"pid"` (PID on log beta), or a name
+            registered with `klppo.kl.register_kl_controller`. `None`: with a `kl_target`, `"equilibrium"` for
+            `k1` in the reward (the default KL) and `"tracking"` for any other KL; without one, `"fixed"`.
         kl_target (`float` or `None`, *optional*, defaults to `None`):
             Target of the controller statistic, in the unit given by `kl_target_unit`. Required by every
             controller but `"fixed"`. Typical: 6 nats per sequence (trlx) or 0.1 per token (verl).
@@ -121,7 +124,7 @@ KLPPO_CONFIG_DOC = r"""
             Warn when the controller statistic stays above 2x or below 0.5x the target for this many
             consecutive updates (once per excursion; below only after it has first reached 0.5x the target,
             not while it climbs from 0 at the start).
-        kl_guard (`bool` or `None`, *optional*, defaults to `None`: on with `tracking`, else off):
+        kl_guard (`bool` or `None`, *optional*, defaults to `None`: on with `equilibrium` and `tracking`, else off):
             An early stop on the KL to the reference inside one update, as CleanRL's `target_kl` is on the KL to the
             old policy: once the KL at the current policy passes `kl_target` and the update has pushed it up, the
             mini-batch takes no optimizer step, the rest of the update is skipped, and the optimizer's first moments
@@ -132,8 +135,8 @@ KLPPO_CONFIG_DOC = r"""
             with a `kl_statistic` whose expectation is not KL(pi || ref), such as `k2`, the two measure different
             things). The update's first step always goes ahead. It acts only where an update takes more than one step
             (`num_mini_batches * num_ppo_epochs > 1`). Logged as `kl/guard_fired` and `kl/guard_low_fired`. Unset,
-            it is on with the `tracking` controller (klppo's default whenever `kl_target` is set) and off with
-            every other controller, so that they behave as published. Needs `kl_target`.
+            it is on with the `equilibrium` and `tracking` controllers (klppo's defaults whenever `kl_target` is
+            set) and off with every other controller, so that they behave as published. Needs `kl_target`.
         full_kl_chunk_size (`int`, *optional*, defaults to `1024`):
             Positions per chunk for `kl_estimator="full"`.
         generation_logits_max_mb (`float`, *optional*, defaults to `1024`):
@@ -380,10 +383,21 @@ class KLPPOConfig(TrainingArguments):
             self.kl_statistic = "full" if self.kl_target is not None else self.kl_estimator
         if self.kl_statistic not in kl_estimators():
             raise _choice_error("kl_statistic", self.kl_statistic, kl_estimators())
+        reads_sequences = getattr(self, "_controller_reads_sequences", True)  # False where TRL's trainers run it
+        tilt = reads_sequences and follows_sequence_tilt(self.kl_mode, self.kl_estimator)
         if self.kl_controller is None:
-            self.kl_controller = "tracking" if self.kl_target is not None else "fixed"
+            self.kl_controller = "fixed" if self.kl_target is None else "equilibrium" if tilt else "tracking"
         if self.kl_controller not in kl_controllers():
             raise _choice_error("kl_controller", self.kl_controller, kl_controllers())
+        if hasattr(get_kl_controller(self.kl_controller), "observe_sequences") and not tilt:
+            why = (f"{self.kl_estimator} in kl_mode={self.kl_mode!r} does not optimise the sequence-level KL(pi || ref) "
+                   "whose optimum it solves for (only k1 in the reward does)" if reads_sequences else
+                   "TRL's trainers do not hand it their sequences")
+            raise ValueError(
+                f"`kl_controller='{self.kl_controller}'` sets beta from the batch's estimate of the coefficient whose "
+                f"optimum ref * exp(r / beta) / Z has the target KL, but {why}. Use kl_controller='tracking' (or "
+                "'pid'), which read only the KL statistic, or kl_mode='reward' with kl_estimator='k1'."
+            )
         if self.kl_target_unit not in KL_STATISTIC_UNITS:
             raise _choice_error("kl_target_unit", self.kl_target_unit, KL_STATISTIC_UNITS)
         if self.kl_loss_agg_mode not in LOSS_AGG_MODES:
@@ -432,10 +446,11 @@ class KLPPOConfig(TrainingArguments):
         if self.kl_value_clamp is not None and not self.kl_value_clamp > 0:
             raise ValueError(f"`kl_value_clamp` must be > 0 or None (off), got {self.kl_value_clamp}.")
         if self.kl_guard is None:
-            self.kl_guard = self.kl_controller == "tracking" and self.kl_target is not None
+            self.kl_guard = self.kl_controller in ("equilibrium", "tracking") and self.kl_target is not None
         elif not isinstance(self.kl_guard, bool):
             raise ValueError(
-                f"`kl_guard` must be true, false or unset (on with the tracking controller), got {self.kl_guard!r}."
+                f"`kl_guard` must be true, false or unset (on with the equilibrium and tracking controllers), got "
+                f"{self.kl_guard!r}."
             )
         elif self.kl_guard and self.kl_target is None:
             raise ValueError(

@@ -337,11 +337,22 @@ class KLPPOTrainer(ScoringMixin, TrainingLoopMixin, CheckpointMixin, Trainer):
         value = kl_statistic(statistic, mask, unit=args.kl_target_unit, accelerator=acc).item()
         finite = math.isfinite(value) and nonfinite.item() == 0
         if finite:
+            if hasattr(self.kl_controller, "observe_sequences"):
+                self._observe_sequences(rollout, rewards)
             self._update_controller(value, mask.shape[0] * acc.num_processes)
         metrics.update({"kl/value": value, "kl/coef": coef, "kl/coef_next": self.kl_controller.value})
         if args.kl_target:
             metrics.update({"kl/target": args.kl_target, "kl/error": (value - args.kl_target) / args.kl_target})
         return KLPenalty(kl, per_token, coef, finite, metrics)
+
+    def _observe_sequences(self, rollout: Rollout, rewards: Rewards) -> None:
+        """Give a controller that reads the batch itself every sequence's score, summed log-ratio to the reference
+        (k1 over its tokens) and length, gathered over all ranks in rank order (the same on every rank)."""
+        mask = rollout.response_mask
+        log_ratio = ((rollout.logp - rollout.ref_logp).double() * mask).sum(dim=1)
+        table = torch.stack([rewards.scores.double(), log_ratio, mask.sum(dim=1).double()], dim=1)
+        table = self.accelerator.gather(table).cpu()
+        self.kl_controller.observe_sequences(table[:, 0], table[:, 1], table[:, 2], unit=self.args.kl_target_unit)
 
     def _statistic_per_token(self, rollout: Rollout, kl: torch.Tensor) -> torch.Tensor:
         """`kl_statistic` per token: the configured estimator's values when they are the same estimator, else

@@ -1,0 +1,94 @@
+"""The default job (`configs/default.yaml`) at several LoRA learning rates and seeds: does the KL hold its target?
+
+    python research/default_task_lr.py --lrs 1e-4 2.5e-4 5e-4 --seeds 1 2 3 --out results/default_task_lr
+    python research/default_task_lr.py --table results/default_task_lr
+
+Each run is `scripts/train.py --config configs/default.yaml` with `--learning_rate`, `--seed` and any further
+flags given after `--`, one after another, one thread each; its `trainer_state.json` and `summary.json` are kept
+under `--out/lr<lr>_seed<seed>/`. The table gives, per learning rate, the second-half tracking error (mean
+|KL - target| / target), the share of second-half updates within +-20% of the target, the peak KL over the
+target and the second half's geometric-mean beta, as mean and standard error over seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(lr: str, seed: int, out: Path, extra: list[str]) -> None:
+    dest = out / f"lr{lr}_seed{seed}"
+    if (dest / "summary.json").exists():
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, str(ROOT / "scripts/train.py"), "--config", str(ROOT / "configs/default.yaml"),
+               "--learning_rate", lr, "--seed", str(seed), "--output_dir", tmp, "--report_to", "none",
+               "--save_strategy", "no", *extra]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        with open(out / f"lr{lr}_seed{seed}.log", "w") as log:
+            subprocess.run(cmd, check=True, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        dest.mkdir(parents=True, exist_ok=True)
+        for name in ("trainer_state.json", "summary.json"):
+            shutil.copy(Path(tmp) / name, dest / name)
+
+
+def summarise(folder: Path) -> dict:
+    history = json.loads((folder / "trainer_state.json").read_text())["log_history"]
+    logs = [h for h in history if "kl/value" in h]
+    target = logs[0]["kl/target"]
+    kls = [h["kl/value"] for h in logs]
+    second = kls[len(kls) // 2:]
+    betas = [h["kl/coef"] for h in logs][len(kls) // 2:]
+    verdict = json.loads((folder / "summary.json").read_text())["verdict"]
+    return {"tracking_error": sum(abs(k - target) for k in second) / len(second) / target,
+            "in_band": sum(abs(k - target) <= 0.2 * target for k in second) / len(second),
+            "peak": max(kls) / target, "beta": math.exp(sum(map(math.log, betas)) / len(betas)),
+            "passed": str(verdict).startswith("PASS")}
+
+
+def table(out: Path) -> str:
+    groups: dict[str, list[dict]] = {}
+    for folder in sorted(p for p in out.iterdir() if (p / "summary.json").exists()):
+        lr = folder.name.split("_seed")[0][2:]
+        groups.setdefault(lr, []).append(summarise(folder))
+    lines = ["| LoRA lr | seeds | tracking error | in band | peak KL / target | geo-mean beta | verdict PASS |",
+             "|" + " --- |" * 7]
+    for lr in sorted(groups, key=float):
+        rows = groups[lr]
+        cols = []
+        for name in ("tracking_error", "in_band", "peak", "beta"):
+            vals = [r[name] for r in rows]
+            mean = sum(vals) / len(vals)
+            se = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1) / len(vals)) if len(vals) > 1 else 0
+            cols.append(f"{mean:.3g} ± {se:.2g}")
+        lines.append(f"| {lr} | {len(rows)} | " + " | ".join(cols) + f" | {sum(r['passed'] for r in rows)}/{len(rows)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lrs", nargs="+", default=["1e-4", "2.5e-4", "5e-4"])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--table", action="store_true", help="print the table of finished runs in --out and exit")
+    args, extra = parser.parse_known_args()
+    extra = [a for a in extra if a != "--"]
+    if not args.table:
+        args.out.mkdir(parents=True, exist_ok=True)
+        for lr in args.lrs:
+            for seed in args.seeds:
+                run(lr, seed, args.out, extra)
+    print(table(args.out), end="")
+
+
+if __name__ == "__main__":
+    main()

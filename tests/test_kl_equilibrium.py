@@ -1,0 +1,133 @@
+import math
+
+import pytest
+import torch
+
+from klppo.kl.controllers import EquilibriumKLController, equilibrium_log_coef, optimum_kl
+
+
+def _tilt(ref, r, beta):
+    return torch.log_softmax(ref + r / beta, dim=0)
+
+
+def _kl(logp, logq):
+    return float((logp.exp() * (logp - logq)).sum())
+
+
+def _exact_sample(logp, n):
+    """Outcome indices in proportion to exp(logp) (probabilities are multiples of 1/n)."""
+    counts = (logp.exp() * n).round().long()
+    assert int(counts.sum()) == n
+    return torch.repeat_interleave(torch.arange(len(logp)), counts)
+
+
+@pytest.mark.parametrize("beta", [0.2, 0.5, 2.0])
+def test_optimum_kl_is_exact_on_a_sample_that_is_the_distribution(beta):
+    # pi and ref on 4 outcomes with probabilities in 1/16ths: a 16-sequence "sample" in proportion is pi itself
+    pi = torch.tensor([8, 4, 3, 1], dtype=torch.float64).div(16).log()
+    ref = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64).log()
+    r = torch.tensor([1.0, -0.5, 0.25, 2.0], dtype=torch.float64)
+    idx = _exact_sample(pi, 16)
+    got = optimum_kl(1 / beta, r[idx], (pi - ref)[idx])
+    assert got == pytest.approx(_kl(_tilt(ref, r, beta), ref), rel=1e-12, abs=1e-12)
+
+
+def test_at_the_optimum_the_estimate_is_the_mean_log_ratio():
+    ref = torch.tensor([0.25, 0.25, 0.25, 0.25], dtype=torch.float64).log()
+    r = torch.tensor([0.0, 1.0, 0.5, -1.0], dtype=torch.float64)
+    beta = 0.7
+    opt = _tilt(ref, r, beta)
+    idx = torch.randint(0, 4, (50,), generator=torch.Generator().manual_seed(0))  # any draw: weights are equal
+    l = (opt - ref)[idx]
+    assert optimum_kl(1 / beta, r[idx], l) == pytest.approx(float(l.mean()), abs=1e-12)
+
+
+def test_the_estimate_rises_as_beta_falls():
+    g = torch.Generator().manual_seed(1)
+    r, l = torch.randn(64, generator=g, dtype=torch.float64), 0.3 * torch.randn(64, generator=g, dtype=torch.float64)
+    values = [optimum_kl(inv, r, l) for inv in (0.0, 0.5, 1.0, 2.0, 4.0, 8.0)]
+    assert all(a < b for a, b in zip(values, values[1:]))
+
+
+def test_solved_coefficient_is_the_one_whose_optimum_has_the_target_kl():
+    pi = torch.tensor([8, 4, 3, 1], dtype=torch.float64).div(16).log()
+    ref = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64).log()
+    r = torch.tensor([1.0, -0.5, 0.25, 2.0], dtype=torch.float64)
+    idx = _exact_sample(pi, 16)
+    log_beta = equilibrium_log_coef(r[idx], (pi - ref)[idx], 0.3, math.log(1e-4), math.log(1e4))
+    assert _kl(_tilt(ref, r, math.exp(log_beta)), ref) == pytest.approx(0.3, rel=1e-9)
+
+
+# ---------------------------------------------------------------------------------------------
+# the controller
+
+
+def _batch(seed=0, n=64):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 2, (n,), generator=g).double(), 0.2 * torch.randn(n, generator=g, dtype=torch.float64),
+            torch.full((n,), 12.0, dtype=torch.float64))
+
+
+def test_one_step_moves_log_beta_by_the_effective_sample_size_share_of_the_way():
+    r, d, lengths = _batch()
+    c = EquilibriumKLController(0.1, target=0.3)
+    c.observe_sequences(r, d, lengths)
+    new = c.update(0.05, 64)
+    b = equilibrium_log_coef(r, d, 0.3, math.log(1e-4), math.log(10.0))
+    w = torch.softmax(math.exp(-b) * r - d, dim=0)
+    ess = float(1 / (w * w).sum()) / 64
+    assert c.estimate == pytest.approx(b) and c.ess == pytest.approx(ess) and 0 < ess <= 1
+    assert math.log(new) == pytest.approx(math.log(0.1) + ess * (b - math.log(0.1)))
+
+
+def test_a_per_token_target_becomes_a_per_sequence_one_by_the_mean_length():
+    r, d, lengths = _batch()
+    a, b = EquilibriumKLController(0.1, target=0.025), EquilibriumKLController(0.1, target=0.3)
+    a.observe_sequences(r, d, lengths, unit="token")
+    b.observe_sequences(r, d, lengths)
+    assert a.update(0.01, 64) == pytest.approx(b.update(0.01, 64))
+
+
+def test_max_step_bounds_one_update_and_nothing_moves_without_sequences():
+    r, d, lengths = _batch()
+    c = EquilibriumKLController(5.0, target=0.3, max_step=0.1)
+    assert c.update(0.01, 64) == 5.0  # no sequences observed: beta stays
+    c.observe_sequences(r, d, lengths)
+    assert c.update(0.01, 64) == pytest.approx(5.0 * math.exp(-0.1))
+    c.observe_sequences(r[:0], d[:0], lengths[:0])  # an empty batch
+    assert c.update(0.01, 64) == pytest.approx(5.0 * math.exp(-0.1))
+    c.observe_sequences(torch.full_like(r, math.nan), d, lengths)  # non-finite scores
+    assert c.update(0.01, 64) == pytest.approx(5.0 * math.exp(-0.1))
+
+
+def test_state_round_trip_continues_identically():
+    import json
+
+    a, b = EquilibriumKLController(0.1, target=0.3), EquilibriumKLController(0.1, target=0.3)
+    for seed in range(3):
+        a.observe_sequences(*_batch(seed))
+        a.update(0.1, 64)
+    b.load_state_dict(json.loads(json.dumps(a.state_dict(), allow_nan=False)))
+    for seed in range(3, 6):
+        for c in (a, b):
+            c.observe_sequences(*_batch(seed))
+            c.update(0.1, 64)
+    assert a.state_dict() == b.state_dict()
+
+
+@pytest.mark.parametrize("kwargs, param", [({"max_step": 0.0}, "max_step"), ({"coef_min": 2.0, "coef_max": 1.0}, "coef_min")])
+def test_constructor_rejects_bad_values(kwargs, param):
+    with pytest.raises(ValueError, match=param):
+        EquilibriumKLController(0.1, target=0.3, **kwargs)
+
+
+def test_the_default_with_a_target_is_equilibrium_for_k1_in_the_reward_and_tracking_otherwise(tmp_path):
+    from klppo import KLPPOConfig
+
+    base = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", kl_target=4.0)
+    c = KLPPOConfig(**base)
+    assert (c.kl_controller, c.kl_guard) == ("equilibrium", True)
+    c = KLPPOConfig(**base, kl_mode="loss", kl_estimator="k2")
+    assert (c.kl_controller, c.kl_guard) == ("tracking", True)
+    with pytest.raises(ValueError, match="k3 in kl_mode='reward'.*kl_controller='tracking'"):
+        KLPPOConfig(**base, kl_estimator="k3", kl_controller="equilibrium")
