@@ -4,6 +4,7 @@ optimizer steps per update and batch size.
 
     PYTHONPATH=tests python research/controller_grid.py --seeds 1 2 3 --out results/controller_grid/grid.jsonl
     PYTHONPATH=tests python research/controller_grid.py --table results/controller_grid/grid.jsonl
+    PYTHONPATH=tests python research/controller_grid.py --overview shipped=a.jsonl no-guard=b.jsonl
 
 Each run is one line of JSON: the cell, the seed, and per update the exact KL of the sampling policy (the `full`
 statistic of a one-token response) and beta. The table gives, per cell, the second-half tracking error
@@ -129,6 +130,28 @@ def table(runs: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def overview(named: dict[str, list[dict]]) -> str:
+    """Markdown: one row per variant (an ablation), over all its runs: cells within bounds on every seed, mean
+    tracking error and share in band over the runs, the worst peak and the range of the geometric-mean beta."""
+    lines = ["| variant | cells within bounds | mean tracking error | mean in band | worst peak KL / target "
+             "| geo-mean beta / beta* |", "|" + " --- |" * 6]
+    for name, runs in named.items():
+        groups: dict[tuple, list[dict]] = {}
+        for run in runs:
+            groups.setdefault((run["start"], run["lr"], run["steps"], run["batch"]), []).append(summarise(run))
+        rows = [r for g in groups.values() for r in g]
+        ok = sum(all(passes(r) for r in g) for g in groups.values())
+        ratios = [r["beta_ratio"] for r in rows]
+        lines.append(f"| {name} | {ok} of {len(groups)} | {sum(r['tracking_error'] for r in rows) / len(rows):.3f} | "
+                     f"{sum(r['in_band'] for r in rows) / len(rows):.2f} | {max(r['peak'] for r in rows):.2f} | "
+                     f"{min(ratios):.2f}-{max(ratios):.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
@@ -139,10 +162,20 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--plugin", help="import this module first (one that registers a controller)")
     parser.add_argument("--only", type=json.loads, default=None, help="run only the cells matching this JSON")
-    parser.add_argument("--table", type=Path, help="print the table of a finished grid file and exit")
+    parser.add_argument("--table", type=Path, nargs="+", help="print the table of finished grid files and exit")
+    parser.add_argument("--overview", nargs="+", metavar="NAME=FILE[,FILE]",
+                        help="print one row per named variant (ablations) and exit")
     args = parser.parse_args()
     if args.table:
-        print(table([json.loads(line) for line in args.table.read_text().splitlines() if line.strip()]), end="")
+        print(table([run for path in args.table for run in _read(path)]), end="")
+        return
+    if args.overview:
+        named = {}
+        for item in args.overview:
+            name, files = item.split("=", 1)
+            named[name] = [run for f in files.split(",") for run in _read(Path(f))
+                           if all(run[k] == v for k, v in (args.only or {}).items())]
+        print(overview(named), end="")
         return
     jobs = [dict(cell, seed=seed, kwargs=args.kwargs, config=args.config, fixed=args.fixed, plugin=args.plugin)
             for cell in (cells((1.0,)) if args.fixed else cells()) for seed in args.seeds

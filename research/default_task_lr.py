@@ -52,7 +52,8 @@ def summarise(folder: Path) -> dict:
     return {"tracking_error": sum(abs(k - target) for k in second) / len(second) / target,
             "in_band": sum(abs(k - target) <= 0.2 * target for k in second) / len(second),
             "peak": max(kls) / target, "beta": math.exp(sum(map(math.log, betas)) / len(betas)),
-            "passed": str(verdict).startswith("PASS")}
+            "passed": bool(verdict["learned"] and verdict["kl_held"] and verdict["perplexity_kept"]),
+            "reward_rise": verdict["reward_rise"]}
 
 
 def table(out: Path) -> str:
@@ -60,12 +61,12 @@ def table(out: Path) -> str:
     for folder in sorted(p for p in out.iterdir() if (p / "summary.json").exists()):
         lr = folder.name.split("_seed")[0][2:]
         groups.setdefault(lr, []).append(summarise(folder))
-    lines = ["| LoRA lr | seeds | tracking error | in band | peak KL / target | geo-mean beta | verdict PASS |",
-             "|" + " --- |" * 7]
+    lines = ["| LoRA lr | seeds | tracking error | in band | peak KL / target | geo-mean beta | reward rise "
+             "| verdict PASS |", "|" + " --- |" * 8]
     for lr in sorted(groups, key=float):
         rows = groups[lr]
         cols = []
-        for name in ("tracking_error", "in_band", "peak", "beta"):
+        for name in ("tracking_error", "in_band", "peak", "beta", "reward_rise"):
             vals = [r[name] for r in rows]
             mean = sum(vals) / len(vals)
             se = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1) / len(vals)) if len(vals) > 1 else 0

@@ -99,6 +99,7 @@ def test_every_arm_of_the_shipped_comparisons_parses(tmp_path, name):
     for arm, fields in spec["arms"].items():
         _, args, _ = parse(compare.train_argv(config, fields, 0, str(tmp_path / arm)))
         resolved[arm] = (args.kl_controller, args.kl_guard)
+    assert resolved["equilibrium"] == ("equilibrium", True)
     assert resolved["tracking"] == ("tracking", True) and resolved["tracking-no-guard"] == ("tracking", False)
     assert resolved["adaptive"] == ("adaptive", False)
 

@@ -473,7 +473,8 @@ def equilibrium_log_coef(scores, log_ratios, target: float, lo: float, hi: float
 @register_kl_controller("tracking")
 class TrackingKLController(_LogSpaceController):
     """PI control of log(beta) on a smoothed, predicted KL, with a start-up hold: holds a target where
-    integral control on the raw reading winds up. klppo's default whenever ``kl_target`` is set.
+    integral control on the raw reading winds up. klppo's default with a ``kl_target`` for any KL but ``k1`` in the
+    reward (where ``equilibrium`` is).
 
     Per update, with reading ``kl``::
 
@@ -658,7 +659,8 @@ class TrackingKLController(_LogSpaceController):
 @register_kl_controller("equilibrium")
 class EquilibriumKLController(_LogSpaceController):
     """Moves log beta toward the batch's estimate of beta*, the coefficient whose KL-regularised optimum has the
-    target KL, by the share of the batch that backs the estimate (its effective sample size).
+    target KL, by the share of the batch that backs the estimate (its effective sample size). klppo's default with
+    a ``kl_target`` for ``k1`` in the reward; needs that KL.
 
     Per update, from the batch's scores ``r`` and log-ratios ``d = log pi(y) - log ref(y)`` (one per sequence,
     gathered over all ranks; see :func:`optimum_kl`)::
