@@ -108,7 +108,9 @@ def run_update(rollout_path: str, out_dir: str, grad_accum: int) -> dict:
 
 
 def run_train(out_dir: str) -> None:
-    trainer = make_trainer(out_dir, kl_mode="reward", kl_target=0.5, kl_target_unit="sequence")
+    # the equilibrium controller reads every rank's sequences (gathered in rank order): both ranks must agree
+    trainer = make_trainer(out_dir, kl_mode="reward", kl_target=0.5, kl_target_unit="sequence",
+                           kl_controller="equilibrium", kl_controller_kwargs={})
     trainer.train()
     coefs = [h["kl/coef"] for h in trainer.state.log_history if "kl/coef" in h] + [trainer.kl_controller.value]
     values = [h["kl/value"] for h in trainer.state.log_history if "kl/value" in h]

@@ -721,6 +721,13 @@ class EquilibriumKLController(_LogSpaceController):
         step = min(max(self.ess * (self.estimate - now), -self.max_step), self.max_step)
         return self._from_log(now + step)
 
+    def metrics(self) -> dict:
+        """What the trainer logs after each update: the batch's estimate of beta* (`kl/coef_estimate`) and the
+        share of the batch backing it (`kl/ess`)."""
+        if self.estimate is None:
+            return {}
+        return {"kl/coef_estimate": math.exp(self.estimate), "kl/ess": self.ess}
+
     def _hparams(self) -> dict:
         return dict(target=self.target, max_step=self.max_step, coef_min=self.coef_min, coef_max=self.coef_max)
 

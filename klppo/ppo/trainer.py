@@ -341,6 +341,8 @@ class KLPPOTrainer(ScoringMixin, TrainingLoopMixin, CheckpointMixin, Trainer):
                 self._observe_sequences(rollout, rewards)
             self._update_controller(value, mask.shape[0] * acc.num_processes)
         metrics.update({"kl/value": value, "kl/coef": coef, "kl/coef_next": self.kl_controller.value})
+        if finite and hasattr(self.kl_controller, "metrics"):
+            metrics.update(self.kl_controller.metrics())
         if args.kl_target:
             metrics.update({"kl/target": args.kl_target, "kl/error": (value - args.kl_target) / args.kl_target})
         return KLPenalty(kl, per_token, coef, finite, metrics)
