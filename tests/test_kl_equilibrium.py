@@ -131,3 +131,12 @@ def test_the_default_with_a_target_is_equilibrium_for_k1_in_the_reward_and_track
     assert (c.kl_controller, c.kl_guard) == ("tracking", True)
     with pytest.raises(ValueError, match="k3 in kl_mode='reward'.*kl_controller='tracking'"):
         KLPPOConfig(**base, kl_estimator="k3", kl_controller="equilibrium")
+
+
+def test_only_k1_in_the_reward_has_the_sequence_level_tilt_as_its_fixed_point():
+    from klppo.kl import follows_sequence_tilt
+
+    assert follows_sequence_tilt("reward", "k1")
+    for mode, estimator in (("reward", "k3"), ("reward", "k2"), ("both", "k1"), ("loss", "k2"), ("none", "k1"),
+                            ("reward", "no_such_estimator")):
+        assert not follows_sequence_tilt(mode, estimator), (mode, estimator)

@@ -136,6 +136,8 @@ def test_only_controller_fields_are_taken_and_checked_like_klppoconfig(tiny_path
         add_kl_control(trainer, kl_target=1.0, kl_target_unit="batch")
     with pytest.raises(ValueError, match="needs a positive `kl_target`"):
         add_kl_control(trainer, kl_controller="adaptive")
+    with pytest.raises(ValueError, match="'equilibrium'.*TRL's trainers do not hand it their sequences.*'tracking'"):
+        add_kl_control(trainer, kl_controller="equilibrium", kl_target=1.0)
     with pytest.raises(TypeError, match="GRPOTrainer and RLOOTrainer"):
         add_kl_control(object())
     assert getattr(trainer, "kl_control", None) is None  # nothing was registered by the refused calls
