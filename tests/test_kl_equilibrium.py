@@ -98,6 +98,8 @@ def test_max_step_bounds_one_update_and_nothing_moves_without_sequences():
     assert c.update(0.01, 64) == pytest.approx(5.0 * math.exp(-0.1))
     c.observe_sequences(torch.full_like(r, math.nan), d, lengths)  # non-finite scores
     assert c.update(0.01, 64) == pytest.approx(5.0 * math.exp(-0.1))
+    c.observe_sequences(torch.zeros_like(r), d, lengths)  # every score equal (a sparse reward never met): no tilt
+    assert c.update(0.01, 64) == pytest.approx(5.0 * math.exp(-0.1))
 
 
 def test_state_round_trip_continues_identically():

@@ -712,6 +712,8 @@ class EquilibriumKLController(_LogSpaceController):
         d = torch.as_tensor(log_ratios, dtype=torch.float64)
         if r.numel() == 0 or not (torch.isfinite(r).all() and torch.isfinite(d).all()):
             return self._value
+        if not r.max() > r.min():  # every score equal: no coefficient tilts this batch, so it tells nothing
+            return self._value
         target = self.target * float(torch.as_tensor(lengths, dtype=torch.float64).mean()) if unit == "token" else self.target
         lo, hi = self._log_bounds()
         self.estimate = equilibrium_log_coef(r, d, target, lo, hi)
