@@ -36,3 +36,14 @@ class FullStep(_ConstantGain):
 @register_kl_controller("equilibrium_ema")
 class Ema(_ConstantGain):
     gain = 0.3
+
+
+def guard_without(**change):
+    """Build the trainer's KL guard with one piece changed (`low_margin=inf`: no low side; `reset_momentum=False`:
+    the optimizer's momentum kept when it fires)."""
+    import functools
+
+    import klppo.ppo.trainer as trainer_module
+    from klppo.ppo.guard import KLGuard
+
+    trainer_module.KLGuard = functools.partial(KLGuard, **change)
