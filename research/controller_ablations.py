@@ -1,11 +1,12 @@
 """Ablations of the equilibrium controller, registered as controllers of their own for `controller_grid.py --plugin`.
 
-- `equilibrium_full_step`: no effective-sample-size gain; log beta goes straight to the batch's estimate (still
-  within `max_step`).
+- `equilibrium_full_step`: no effective-sample-size gain; log beta goes straight to the batch's estimate.
 - `equilibrium_ema`: a constant gain of 0.3 (an EMA of the estimate) instead of the effective sample size.
 
-The other pieces are ablated through settings: `--kwargs '{"max_step": 100}'` (no bound on one update's change),
-`--config '{"kl_guard": false}'` (no guard).
+The guard is ablated through a setting, `--config '{"kl_guard": false}'`, and its pieces by the plug-ins
+`ablate_guard_low_side` and `ablate_guard_momentum_reset`. (A bound on one update's change of log beta, 1, was
+ablated and removed: the same cells within bounds and the same mean tracking error on seed 3, and it never bound on
+the default task.)
 """
 
 from __future__ import annotations
@@ -23,8 +24,7 @@ class _ConstantGain(EquilibriumKLController):
             import math
 
             now = math.log(self._value)
-            step = min(max(self.gain * (self.estimate - now), -self.max_step), self.max_step)
-            return self._from_log(now + step)
+            return self._from_log(now + self.gain * (self.estimate - now))
         return new
 
 

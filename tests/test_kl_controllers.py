@@ -373,7 +373,7 @@ def test_klppoconfig_takes_the_constants_as_a_mapping_or_a_json_string(tmp_path)
     c = build_kl_controller(args)
     assert isinstance(c, PIDKLController) and (c.kp, c.integral_limit) == (0.5, 3.0)
     assert dataclasses.replace(args).kl_controller_kwargs == {"kp": 0.5, "integral_limit": 3.0}
-    assert config(kl_target=1.0, kl_controller_kwargs='{"max_step": 0.5}').kl_controller_kwargs == {"max_step": 0.5}
+    assert config(kl_target=1.0, kl_controller_kwargs='{"coef_min": 0.001}').kl_controller_kwargs == {"coef_min": 0.001}
     with pytest.raises(ValueError, match="kl_controller_kwargs.*JSON"):
         config(kl_controller="pid", kl_target=1.0, kl_controller_kwargs="{kp: 0.5")
     with pytest.raises(ValueError, match="has no constant 'horizon'.*integral_limit"):

@@ -778,9 +778,9 @@ def test_the_default_guard_fires_in_training_and_a_changed_guard_setting_is_name
 
     messages = resume("same")
     assert "kl_guard" not in messages and "kl_controller_kwargs" not in messages
-    messages = resume("changed", kl_guard=False, kl_controller_kwargs={"max_step": 0.5})
+    messages = resume("changed", kl_guard=False, kl_controller_kwargs={"coef_min": 0.001})
     assert "kl_guard changed from True to False" in messages
-    assert "kl_controller_kwargs changed from None to {'max_step': 0.5}" in messages
+    assert "kl_controller_kwargs changed from None to {'coef_min': 0.001}" in messages
     as_written_before_kl_controller_kwargs(checkpoint)
     messages = resume("old")
     assert "kl_guard" not in messages and "kl_controller_kwargs" not in messages and "kl_horizon" not in messages

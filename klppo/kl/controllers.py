@@ -667,7 +667,7 @@ class EquilibriumKLController(_LogSpaceController):
 
         b = log beta such that optimum_kl(1 / beta, r, d) = target     (bisection within the bounds)
         g = ESS / n of the weights exp(r / exp(b) - d)                 (in (0, 1])
-        log beta <- log beta + clip(g * (b - log beta), -max_step, max_step)
+        log beta <- log beta + g * (b - log beta)
 
     Why: the optimum of ``E[r] - beta * KL`` is ``pi_beta = ref * exp(r / beta) / Z`` whatever the learning
     rate, batch or number of optimizer steps, so its KL, estimated from the batch by importance sampling, tells
@@ -675,8 +675,8 @@ class EquilibriumKLController(_LogSpaceController):
     moves, and a KL still on its way to the target does not wind it up. The estimate is exact when the policy is
     at the optimum of the current beta (the weights are then all equal). Far from it, a few sequences carry the
     weights and the estimate leans toward the policy it was drawn from; the gain ``g`` then takes a small step,
-    and a full one when every sequence backs the estimate. ``max_step`` bounds one update's change (a factor
-    ``e`` by default).
+    and a full one when every sequence backs the estimate. A batch whose scores are all equal leaves beta where it
+    is (no coefficient tilts it).
 
     It needs what the configured KL optimises to be the reverse KL of the whole sequence (``kl_mode='reward'``
     with ``k1``, klppo's default). The optimum is per prompt: with one response per prompt, the prompts'
@@ -684,11 +684,9 @@ class EquilibriumKLController(_LogSpaceController):
     used for logging. A target in nats per token is turned into one per sequence by the batch's mean length.
     """
 
-    def __init__(self, kl_coef: float, target: float, max_step: float = 1.0, coef_min: float = 1e-4,
-                 coef_max: float = 10.0):
+    def __init__(self, kl_coef: float, target: float, coef_min: float = 1e-4, coef_max: float = 10.0):
         kl_coef = _check_positive(kl_coef, "kl_coef", "an adaptive controller needs an initial coefficient > 0 (e.g. 0.05)")
         self.target = _check_positive(target, "target", "set kl_target to the KL you want, e.g. 4 (nats/sequence)")
-        self.max_step = _check_positive(max_step, "max_step", "it bounds the change of log beta per update, e.g. 1")
         self.coef_min, self.coef_max = _check_bounds(coef_min, coef_max)
         super().__init__(min(max(kl_coef, self.coef_min), self.coef_max))
         self.estimate: Optional[float] = None
@@ -720,8 +718,7 @@ class EquilibriumKLController(_LogSpaceController):
         w = torch.softmax(math.exp(-self.estimate) * r - d, dim=0)
         self.ess = float(1.0 / (w * w).sum()) / r.numel()
         now = max(_log(self._value), lo)
-        step = min(max(self.ess * (self.estimate - now), -self.max_step), self.max_step)
-        return self._from_log(now + step)
+        return self._from_log(now + self.ess * (self.estimate - now))
 
     def metrics(self) -> dict:
         """What the trainer logs after each update: the batch's estimate of beta* (`kl/coef_estimate`) and the
@@ -731,7 +728,7 @@ class EquilibriumKLController(_LogSpaceController):
         return {"kl/coef_estimate": math.exp(self.estimate), "kl/ess": self.ess}
 
     def _hparams(self) -> dict:
-        return dict(target=self.target, max_step=self.max_step, coef_min=self.coef_min, coef_max=self.coef_max)
+        return dict(target=self.target, coef_min=self.coef_min, coef_max=self.coef_max)
 
     def _dynamic_state(self) -> dict:
         return {"estimate": self.estimate, "ess": self.ess}
