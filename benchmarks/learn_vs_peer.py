@@ -2,7 +2,7 @@
 
 The task is klppo's default job (`configs/default.yaml`: SmolLM2-135M-Instruct with LoRA, VADER sentiment of
 the completion, 32 sequences of 12 tokens per update, 36 updates = 1,152 sampled sequences). klppo runs it as
-shipped (tracking controller, target 4 nats per sequence, starting at beta 0.07); the peer
+shipped (its default controller, target 4 nats per sequence, starting at beta 0.07); the peer
 (`benchmarks/learn_peer.py`, TRL 1.12 `trl.experimental.ppo.PPOTrainer` in its own virtual environment) runs the
 same model, adapter, prompts, batch layout and reward with its own layout (a separate value model) and a
 fixed beta of 0.07, k1 in the reward, as TRL has no controller.

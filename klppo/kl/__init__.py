@@ -1,7 +1,8 @@
 """KL control for klppo: pure tensor functions and small classes (torch and the stdlib only).
 
 - ``estimators``: estimators behind a registry (per-token ones and the exact ``full``), ``estimate_kl``.
-- ``controllers``: coefficient controllers behind a registry (fixed, adaptive, exponential, PID, tracking).
+- ``controllers``: coefficient controllers behind a registry (fixed, adaptive, exponential, PID, tracking,
+  equilibrium).
 - ``penalty``: KL into per-token rewards or into the loss; loss aggregation modes.
 - ``reduce``: token-weighted global statistics across ranks (one collective each), ``GlobalSums``.
 - ``monitor``: ``KLDriftMonitor``, which warns when the statistic stays far from its target.
