@@ -4,7 +4,7 @@
         One PPO optimisation pass on a saved rollout: each rank takes its contiguous slice of the rows.
         Writes the KL statistic, the coefficient before/after, and (rank 0) the parameter deltas.
     python tests/dist_trainer_worker.py train <out_dir>
-        A few real PPO updates with the adaptive controller; every rank writes its coefficient trajectory.
+        A few real PPO updates with the equilibrium controller; every rank writes its coefficient trajectory.
     python tests/dist_trainer_worker.py engine <rollout.pt> <out_dir>
         Under any engine (torchrun for DDP, `accelerate launch` for DeepSpeed): one PPO update of 2 mini-batches x
         gradient accumulation 2 on a saved rollout, with SGD. Writes the optimizer steps taken, the coefficient
@@ -29,6 +29,12 @@ def length_reward(prompts, completions, completion_ids=None, **kwargs):
     return [len(ids) / 8.0 for ids in completion_ids]
 
 
+def token_reward(prompts, completions, completion_ids=None, **kwargs):
+    """Varies between sequences even when every response runs to full length (the equilibrium controller leaves
+    beta where it is on a batch whose scores are all equal)."""
+    return [float(sum(ids) % 7) / 7.0 for ids in completion_ids]
+
+
 PROMPTS = Dataset.from_dict({"prompt": ["The day was", "My friend said", "A letter came", "It rained"] * 4})
 
 
@@ -36,7 +42,7 @@ def under_deepspeed() -> bool:
     return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
 
 
-def make_trainer(out_dir: str, **overrides) -> KLPPOTrainer:
+def make_trainer(out_dir: str, reward=length_reward, **overrides) -> KLPPOTrainer:
     args = dict(
         output_dir=out_dir,
         per_device_train_batch_size=2,
@@ -67,7 +73,7 @@ def make_trainer(out_dir: str, **overrides) -> KLPPOTrainer:
     return KLPPOTrainer(
         model=resolve_model_path(TINY_MODEL),
         args=KLPPOConfig(**args),
-        reward_funcs=length_reward,
+        reward_funcs=reward,
         train_dataset=PROMPTS,
     )
 
@@ -109,7 +115,7 @@ def run_update(rollout_path: str, out_dir: str, grad_accum: int) -> dict:
 
 def run_train(out_dir: str) -> None:
     # the equilibrium controller reads every rank's sequences (gathered in rank order): both ranks must agree
-    trainer = make_trainer(out_dir, kl_mode="reward", kl_target=0.5, kl_target_unit="sequence",
+    trainer = make_trainer(out_dir, reward=token_reward, kl_mode="reward", kl_target=0.5, kl_target_unit="sequence",
                            kl_controller="equilibrium", kl_controller_kwargs={})
     trainer.train()
     coefs = [h["kl/coef"] for h in trainer.state.log_history if "kl/coef" in h] + [trainer.kl_controller.value]
