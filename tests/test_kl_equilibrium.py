@@ -132,6 +132,11 @@ def test_the_default_with_a_target_is_equilibrium_for_k1_in_the_reward_and_track
     assert (c.kl_controller, c.kl_guard) == ("tracking", True)
     with pytest.raises(ValueError, match="k3 in kl_mode='reward'.*kl_controller='tracking'"):
         KLPPOConfig(**base, kl_estimator="k3", kl_controller="equilibrium")
+    # the tilt is the optimum of an undiscounted, unclamped penalty only
+    assert KLPPOConfig(**base, gamma=0.9).kl_controller == "tracking"
+    assert KLPPOConfig(**base, kl_value_clamp=10.0).kl_controller == "tracking"
+    with pytest.raises(ValueError, match="gamma=0.9.*needs gamma 1"):
+        KLPPOConfig(**base, gamma=0.9, kl_controller="equilibrium")
 
 
 def test_only_k1_in_the_reward_has_the_sequence_level_tilt_as_its_fixed_point():
@@ -141,3 +146,13 @@ def test_only_k1_in_the_reward_has_the_sequence_level_tilt_as_its_fixed_point():
     for mode, estimator in (("reward", "k3"), ("reward", "k2"), ("both", "k1"), ("loss", "k2"), ("none", "k1"),
                             ("reward", "no_such_estimator")):
         assert not follows_sequence_tilt(mode, estimator), (mode, estimator)
+
+
+def test_the_estimate_stays_finite_and_ordered_at_extreme_coefficients():
+    r = torch.tensor([3000.0, -2000.0, 0.5, 1.0], dtype=torch.float64)
+    d = torch.tensor([0.3, -0.2, 0.1, 0.0], dtype=torch.float64)
+    values = [optimum_kl(inv, r, d) for inv in (0.0, 1e-6, 1.0, 1e6, 1e13)]
+    assert all(math.isfinite(v) for v in values)
+    assert all(a <= b + 1e-9 for a, b in zip(values, values[1:]))
+    log_beta = equilibrium_log_coef(r, d, 0.5, -700.0, 700.0)  # coef_min = 0: the search stays where r / beta is finite
+    assert math.isfinite(log_beta) and -30.0 <= log_beta <= 30.0

@@ -453,14 +453,17 @@ def optimum_kl(inv_beta: float, scores, log_ratios) -> float:
     import torch
 
     r = torch.as_tensor(scores, dtype=torch.float64)
-    log_w = inv_beta * r - torch.as_tensor(log_ratios, dtype=torch.float64)
-    w = torch.softmax(log_w, dim=0)
-    return float(inv_beta * (w * r).sum() - (torch.logsumexp(log_w, dim=0) - math.log(r.numel())))
+    d = torch.as_tensor(log_ratios, dtype=torch.float64)
+    w = torch.softmax(inv_beta * r - d, dim=0)
+    # = E_w[r] / beta - log mean(exp(r / beta - d)), written as KL(w || uniform) + E_w[d]: no large terms cancel
+    return float(torch.special.xlogy(w, w).sum() + math.log(r.numel()) + (w * d).sum())
 
 
 def equilibrium_log_coef(scores, log_ratios, target: float, lo: float, hi: float) -> float:
     """``log beta`` in ``[lo, hi]`` whose optimum has ``optimum_kl == target`` (bisection: the estimate falls as
-    beta grows); the bound on the side the batch cannot reach when the target lies outside its range."""
+    beta grows); the bound on the side the batch cannot reach when the target lies outside its range. The search
+    stays within ``[-30, 30]`` (beta from 1e-13 to 1e13), where ``r / beta`` is finite."""
+    lo, hi = max(lo, -30.0), min(hi, 30.0)
     for _ in range(60):
         mid = 0.5 * (lo + hi)
         if optimum_kl(math.exp(-mid), scores, log_ratios) > target:
@@ -702,6 +705,7 @@ class EquilibriumKLController(_LogSpaceController):
         import torch
 
         self.last_error = math.log(max(kl, self.target / math.e) / self.target)
+        self.estimate = self.ess = None  # this batch's, for logging; nothing carries over between updates
         if self._batch is None:  # no sequences observed: nothing to estimate from
             return self._value
         scores, log_ratios, lengths, unit = self._batch

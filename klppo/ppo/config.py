@@ -384,15 +384,24 @@ class KLPPOConfig(TrainingArguments):
         if self.kl_statistic not in kl_estimators():
             raise _choice_error("kl_statistic", self.kl_statistic, kl_estimators())
         reads_sequences = getattr(self, "_controller_reads_sequences", True)  # False where TRL's trainers run it
-        tilt = reads_sequences and follows_sequence_tilt(self.kl_mode, self.kl_estimator)
+        # the tilt is the optimum of the undiscounted return (gamma 1, or critic-free sequence returns) of an
+        # unclamped penalty
+        undiscounted = getattr(self, "gamma", 1.0) == 1 or getattr(self, "advantage_estimator", "gae") != "gae"
+        tilt = (reads_sequences and undiscounted and self.kl_value_clamp is None
+                and follows_sequence_tilt(self.kl_mode, self.kl_estimator))
         if self.kl_controller is None:
             self.kl_controller = "fixed" if self.kl_target is None else "equilibrium" if tilt else "tracking"
         if self.kl_controller not in kl_controllers():
             raise _choice_error("kl_controller", self.kl_controller, kl_controllers())
         if hasattr(get_kl_controller(self.kl_controller), "observe_sequences") and not tilt:
-            why = (f"{self.kl_estimator} in kl_mode={self.kl_mode!r} does not optimise the sequence-level KL(pi || ref) "
-                   "whose optimum it solves for (only k1 in the reward does)" if reads_sequences else
-                   "TRL's trainers do not hand it their sequences")
+            if not reads_sequences:
+                why = "TRL's trainers do not hand it their sequences"
+            elif not follows_sequence_tilt(self.kl_mode, self.kl_estimator):
+                why = (f"{self.kl_estimator} in kl_mode={self.kl_mode!r} does not optimise the sequence-level "
+                       "KL(pi || ref) whose optimum it solves for (only k1 in the reward does)")
+            else:
+                why = (f"with gamma={getattr(self, 'gamma', 1.0)} or kl_value_clamp={self.kl_value_clamp} that "
+                       "optimum is not the one trained (it needs gamma 1 and no kl_value_clamp)")
             raise ValueError(
                 f"`kl_controller='{self.kl_controller}'` sets beta from the batch's estimate of the coefficient whose "
                 f"optimum ref * exp(r / beta) / Z has the target KL, but {why}. Use kl_controller='tracking' (or "

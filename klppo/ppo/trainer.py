@@ -348,12 +348,15 @@ class KLPPOTrainer(ScoringMixin, TrainingLoopMixin, CheckpointMixin, Trainer):
         return KLPenalty(kl, per_token, coef, finite, metrics)
 
     def _observe_sequences(self, rollout: Rollout, rewards: Rewards) -> None:
-        """Give a controller that reads the batch itself every sequence's score, summed log-ratio to the reference
-        (k1 over its tokens) and length, gathered over all ranks in rank order (the same on every rank)."""
+        """Give a controller that reads the batch itself every scored sequence's score, summed log-ratio to the
+        reference (k1 over its tokens) and length, gathered over all ranks in rank order (the same on every rank).
+        Sequences no reward function scored are left out: they get no policy gradient."""
         mask = rollout.response_mask
         log_ratio = ((rollout.logp - rollout.ref_logp).double() * mask).sum(dim=1)
-        table = torch.stack([rewards.scores.double(), log_ratio, mask.sum(dim=1).double()], dim=1)
+        table = torch.stack([rewards.scores.double(), log_ratio, mask.sum(dim=1).double(),
+                             rewards.scorable.double()], dim=1)  # fmt: skip
         table = self.accelerator.gather(table).cpu()
+        table = table[table[:, 3] > 0]
         self.kl_controller.observe_sequences(table[:, 0], table[:, 1], table[:, 2], unit=self.args.kl_target_unit)
 
     def _statistic_per_token(self, rollout: Rollout, kl: torch.Tensor) -> torch.Tensor:
