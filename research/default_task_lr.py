@@ -71,7 +71,8 @@ def table(out: Path) -> str:
             mean = sum(vals) / len(vals)
             se = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1) / len(vals)) if len(vals) > 1 else 0
             cols.append(f"{mean:.3g} ± {se:.2g}")
-        lines.append(f"| {lr} | {len(rows)} | " + " | ".join(cols) + f" | {sum(r['passed'] for r in rows)}/{len(rows)} |")
+        passed = sum(r["passed"] for r in rows)
+        lines.append(f"| {lr} | {len(rows)} | " + " | ".join(cols) + f" | {passed}/{len(rows)} |")
     return "\n".join(lines) + "\n"
 
 

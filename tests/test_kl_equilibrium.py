@@ -116,7 +116,8 @@ def test_state_round_trip_continues_identically():
     assert a.state_dict() == b.state_dict()
 
 
-@pytest.mark.parametrize("kwargs, param", [({"target": 0.0}, "target"), ({"coef_min": 2.0, "coef_max": 1.0}, "coef_min")])
+@pytest.mark.parametrize("kwargs, param", [({"target": 0.0}, "target"),
+                                           ({"coef_min": 2.0, "coef_max": 1.0}, "coef_min")])
 def test_constructor_rejects_bad_values(kwargs, param):
     with pytest.raises(ValueError, match=param):
         EquilibriumKLController(0.1, **{"target": 0.3, **kwargs})

@@ -692,7 +692,7 @@ class EquilibriumKLController(_LogSpaceController):
         self.target = _check_positive(target, "target", "set kl_target to the KL you want, e.g. 4 (nats/sequence)")
         self.coef_min, self.coef_max = _check_bounds(coef_min, coef_max)
         super().__init__(min(max(kl_coef, self.coef_min), self.coef_max))
-        self.estimate: Optional[float] = None
+        self.estimate: Optional[float] = None  # the latest batch's, for logging only: beta is the whole state
         self.ess: Optional[float] = None
         self._batch = None
 
@@ -716,7 +716,9 @@ class EquilibriumKLController(_LogSpaceController):
             return self._value
         if not r.max() > r.min():  # every score equal: no coefficient tilts this batch, so it tells nothing
             return self._value
-        target = self.target * float(torch.as_tensor(lengths, dtype=torch.float64).mean()) if unit == "token" else self.target
+        target = self.target
+        if unit == "token":
+            target *= float(torch.as_tensor(lengths, dtype=torch.float64).mean())
         lo, hi = self._log_bounds()
         self.estimate = equilibrium_log_coef(r, d, target, lo, hi)
         w = torch.softmax(math.exp(-self.estimate) * r - d, dim=0)
@@ -733,13 +735,6 @@ class EquilibriumKLController(_LogSpaceController):
 
     def _hparams(self) -> dict:
         return dict(target=self.target, coef_min=self.coef_min, coef_max=self.coef_max)
-
-    def _dynamic_state(self) -> dict:
-        return {"estimate": self.estimate, "ess": self.ess}
-
-    def _load_dynamic_state(self, state: dict) -> None:
-        self.estimate = None if state.get("estimate") is None else float(state["estimate"])
-        self.ess = None if state.get("ess") is None else float(state["ess"])
 
 
 def controller_table_markdown() -> str:
