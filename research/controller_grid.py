@@ -10,7 +10,8 @@ Each run is one line of JSON: the cell, the seed, and per update the exact KL of
 statistic of a one-token response) and beta. The table gives, per cell, the second-half tracking error
 (mean |KL - target| / target), the peak KL over the target, and the second half's geometric-mean beta over beta*,
 as mean and standard error over seeds. `--kwargs` sets `kl_controller_kwargs` (JSON), `--config` any other
-`KLPPOConfig` field (JSON), for ablations; `--plugin` imports a module that registers a controller of its own.
+`KLPPOConfig` field (JSON), for ablations; `--plugin` imports a module that registers a controller of its own;
+`--updates` runs every cell for that many updates instead of `updates_for(lr)`.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def run_cell(job: dict) -> dict:
         target = kl(tilted(state["ref"], state["reward"], BETA_STAR), state["ref"])
         steps, batch = job["steps"], job["batch"]
         overrides = dict(
-            kl_coef=job["start"] * BETA_STAR, max_steps=updates_for(job["lr"]), learning_rate=job["lr"],
+            kl_coef=job["start"] * BETA_STAR, max_steps=job.get("updates") or updates_for(job["lr"]), learning_rate=job["lr"],
             per_device_train_batch_size=batch // steps, num_mini_batches=steps, rollout_forward_batch_size=batch,
             seed=job["seed"], kl_statistic="full",
         )
@@ -160,6 +161,7 @@ def main() -> None:
     parser.add_argument("--config", type=json.loads, default=None, help="other KLPPOConfig fields, as JSON")
     parser.add_argument("--fixed", action="store_true", help="fixed beta* instead of a target (the reference)")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--updates", type=int, default=None, help="updates per run (default: updates_for(lr))")
     parser.add_argument("--plugin", help="import this module first (one that registers a controller)")
     parser.add_argument("--only", type=json.loads, default=None, help="run only the cells matching this JSON")
     parser.add_argument("--table", type=Path, nargs="+", help="print the table of finished grid files and exit")
@@ -177,7 +179,8 @@ def main() -> None:
                            if all(run[k] == v for k, v in (args.only or {}).items())]
         print(overview(named), end="")
         return
-    jobs = [dict(cell, seed=seed, kwargs=args.kwargs, config=args.config, fixed=args.fixed, plugin=args.plugin)
+    jobs = [dict(cell, seed=seed, kwargs=args.kwargs, config=args.config, fixed=args.fixed, plugin=args.plugin,
+                 updates=args.updates)
             for cell in (cells((1.0,)) if args.fixed else cells()) for seed in args.seeds
             if all(cell[k] == v for k, v in (args.only or {}).items())]
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -33,6 +33,12 @@ def pytest_configure(config):
         os.environ["KLPPO_CACHE"] = _SESSION_CACHE
 
 
+def pytest_collection_modifyitems(config, items):
+    """The tests marked `slow` first (their order otherwise kept): the two test processes then end together,
+    instead of one waiting for the other's last long test."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def pytest_unconfigure(config):
     if _SESSION_CACHE is not None:
         shutil.rmtree(_SESSION_CACHE, ignore_errors=True)

@@ -39,24 +39,23 @@ def test_tiny_config_end_to_end(tmp_path):
     AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
 
 
-def test_cli_flag_overrides_yaml(tmp_path):
+def test_cli_flag_overrides_yaml(tmp_path, capsys):
     """Command-line flags override the YAML. tiny.yaml sets the adaptive controller's constants
     (`kl_controller_kwargs: {horizon: 64}`), which another controller refuses, so a switch of controller clears
     them (JSON, as every mapping on a command line)."""
-    from klppo.cli import parse
+    from klppo.cli import cli, parse
 
     with pytest.raises(ValueError, match="'fixed' has no constant 'horizon'"):
         parse(["--config", TINY, "--output_dir", str(tmp_path / "out"), "--kl_controller", "fixed"])
     _, args, _ = parse(["--config", TINY, "--output_dir", str(tmp_path / "out"), "--kl_controller", "pid",
                         "--kl_controller_kwargs", '{"kp": 0.2}'])  # fmt: skip
     assert args.kl_controller == "pid" and args.kl_controller_kwargs == {"kp": 0.2}
-    proc = run_script(
-        "--config", TINY, "--output_dir", str(tmp_path / "out"), "--max_steps", "1", "--kl_controller", "fixed",
-        "--kl_controller_kwargs", "{}", cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "klppo run summary: 1 PPO updates" in proc.stdout
-    assert "controller=fixed" in proc.stdout
+    code = cli(["--config", TINY, "--output_dir", str(tmp_path / "out"), "--max_steps", "1", "--kl_controller", "fixed",
+                "--kl_controller_kwargs", "{}", "--disable_tqdm", "true"])  # fmt: skip
+    out = capsys.readouterr()
+    assert code == 0, out.err[-4000:]
+    assert "klppo run summary: 1 PPO updates" in out.out
+    assert "controller=fixed" in out.out
 
 
 def write_config(tmp_path, **changes) -> str:
