@@ -5,12 +5,12 @@
 - `equilibrium_ema`: a constant gain of 0.3 (an EMA of the estimate) instead of the effective sample size.
 - `tracking_no_startup`: the tracking controller armed from the first update: no start-up hold and no cap on
   beta's rise during the approach (the start-up rule with its exception).
-- `tracking_no_exception`: the start-up rule without its exception: until the smoothed KL first reaches
-  `arm_fraction` of the target, beta never rises above its last value, whatever the raw reading.
 - `tracking_no_antiwindup`: the integral is not kept inside the coefficient bounds (only beta itself is).
 
-The tracking controller's lookahead and EMA are ablated through its constants (`--kwargs '{"lookahead": 0}'`,
-`--kwargs '{"smoothing": 1}'`).
+The tracking controller's lookahead is ablated through its constant (`--kwargs '{"lookahead": 0}'`). Its EMA of
+the reading and the start-up rule's exception (a raw reading near the target ends the no-rise rule before the
+EMA does) were ablated the same way and removed (`results/controller_grid/README.md`); their plug-in and constant
+are in the git history.
 
 The guard is ablated through a setting, `--config '{"kl_guard": false}'`, and its pieces by the plug-ins
 `ablate_guard_low_side` and `ablate_guard_momentum_reset`. (A bound on one update's change of log beta, 1, was
@@ -63,25 +63,6 @@ class TrackingNoStartup(TrackingKLController):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.armed = True
-
-
-@register_kl_controller("tracking_no_exception")
-class TrackingNoException(TrackingKLController):
-    def _step(self, kl, n_steps):
-        if self.armed:
-            return super()._step(kl, n_steps)
-        # the exception acts only while the raw reading is at or above arm_fraction * target: read the step as
-        # if the reading were below it there (the EMA and the window still see the true reading)
-        before = self._value
-        new = super()._step(kl, n_steps)
-        if not self.armed and kl >= self.arm_fraction * self.target and self.last_error < 0 and new > before:
-            import math
-
-            lo, hi = self._log_bounds()
-            rest = self.log_beta0 + self.kp * self.last_error
-            self.integral = min(self.integral, max(math.log(before), lo) - rest)
-            return self._from_log(rest + self.integral)
-        return new
 
 
 @register_kl_controller("tracking_no_antiwindup")

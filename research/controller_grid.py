@@ -4,7 +4,7 @@ optimizer steps per update and batch size.
 
     PYTHONPATH=tests python research/controller_grid.py --seeds 1 2 3 --out results/controller_grid/grid.jsonl
     PYTHONPATH=tests python research/controller_grid.py --table results/controller_grid/grid.jsonl
-    PYTHONPATH=tests python research/controller_grid.py --overview shipped=a.jsonl no-guard=b.jsonl
+    PYTHONPATH=tests python research/controller_grid.py --overview shipped=a.jsonl no-guard=b.jsonl --paired
 
 Each run is one line of JSON: the cell, the seed, and per update the exact KL of the sampling policy (the `full`
 statistic of a one-token response) and beta. The table gives, per cell, the second-half tracking error
@@ -149,6 +149,25 @@ def overview(named: dict[str, list[dict]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def paired(named: dict[str, list[dict]]) -> str:
+    """Markdown: each variant against the first one named, paired by cell and seed: the mean and standard error of
+    the difference in second-half tracking error and in share in band (variant minus the first), over the pairs."""
+    def keyed(runs):
+        return {(r["start"], r["lr"], r["steps"], r["batch"], r["seed"]): summarise(r) for r in runs}
+
+    (base_name, base), *others = [(name, keyed(runs)) for name, runs in named.items()]
+    lines = [f"| variant | pairs | tracking error minus {base_name}'s | in band minus {base_name}'s |",
+             "|" + " --- |" * 4]
+    for name, runs in others:
+        keys = sorted(set(runs) & set(base))
+        cols = []
+        for metric in ("tracking_error", "in_band"):
+            mean, se = _mean_se([runs[k][metric] - base[k][metric] for k in keys])
+            cols.append(f"{mean:+.3f} ± {se:.3f}")
+        lines.append(f"| {name} | {len(keys)} | " + " | ".join(cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def _read(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
@@ -167,6 +186,8 @@ def main() -> None:
     parser.add_argument("--table", type=Path, nargs="+", help="print the table of finished grid files and exit")
     parser.add_argument("--overview", nargs="+", metavar="NAME=FILE[,FILE]",
                         help="print one row per named variant (ablations) and exit")
+    parser.add_argument("--paired", action="store_true",
+                        help="with --overview: also each variant against the first, paired by cell and seed")
     args = parser.parse_args()
     if args.table:
         print(table([run for path in args.table for run in _read(path)]), end="")
@@ -178,6 +199,8 @@ def main() -> None:
             named[name] = [run for f in files.split(",") for run in _read(Path(f))
                            if all(run[k] == v for k, v in (args.only or {}).items())]
         print(overview(named), end="")
+        if args.paired:
+            print("\n" + paired(named), end="")
         return
     jobs = [dict(cell, seed=seed, kwargs=args.kwargs, config=args.config, fixed=args.fixed, plugin=args.plugin,
                  updates=args.updates)

@@ -197,7 +197,7 @@ def test_tracking_controller_settles_on_the_equilibrium_coefficient_in_loss_mode
 
     Measured (128 sequences per update, lr 3e-3, 200 updates, seed 0; the controller reads the `full` statistic,
     which for one-token responses is the exact KL of the sampling policy): mean beta over the last 80 updates
-    1.051 and 1.024 beta*, the KL peaking at 2.89x and 1.33x, its mean at 1.02x and 0.98x the target. The
+    1.027 and 1.007 beta*, the KL peaking at 2.75x and 1.31x, its mean at 1.00x and 0.97x the target. The
     bounds: the second half's geometric-mean beta within x/1.3 of beta*, the mean KL over the last 80 updates
     within 15% of the target, the peak below 3x (from below) and 2x (from above).
     """

@@ -287,8 +287,6 @@ def test_load_into_wrong_kind_raises():
     (lambda: TrackingKLController(0.0, 1.0), "kl_coef"),
     (lambda: TrackingKLController(0.1, 0.0), "target"),
     (lambda: TrackingKLController(0.1, 1.0, ki=-1.0), "ki"),
-    (lambda: TrackingKLController(0.1, 1.0, smoothing=0.0), "smoothing"),
-    (lambda: TrackingKLController(0.1, 1.0, smoothing=1.5), "smoothing"),
     (lambda: TrackingKLController(0.1, 1.0, window=2), "window"),
     (lambda: TrackingKLController(0.1, 1.0, lookahead=-1.0), "lookahead"),
 ])
@@ -333,7 +331,7 @@ def test_the_constants_are_the_constructors_keyword_parameters():
     assert get_kl_controller("exponential").constants == dict(rate=0.1, coef_min=1e-4, coef_max=10.0)
     assert {"kp", "ki", "kd", "coef_min", "coef_max", "integral_limit", "error_clip"} == set(
         get_kl_controller("pid").constants)
-    assert {"kp", "ki", "lookahead", "smoothing", "window", "arm_fraction", "coef_min", "coef_max"} <= set(
+    assert {"kp", "ki", "lookahead", "window", "arm_fraction", "startup_rate", "coef_min", "coef_max"} == set(
         get_kl_controller("tracking").constants)
     for kind in kl_controllers():
         assert "target" not in get_kl_controller(kind).constants  # kl_target supplies it
@@ -442,21 +440,22 @@ def test_pid_and_exponential_on_a_per_sequence_target():
 
 
 def test_tracking_single_steps_closed_form():
-    c = TrackingKLController(0.1, target=2.0, kp=0.3, ki=0.1, lookahead=2.0, smoothing=0.5, window=5)
+    c = TrackingKLController(0.1, target=2.0, kp=0.3, ki=0.1, lookahead=2.0, window=5)
     # first reading: the policy is still the reference; e = clip(log(max(0, 2/e) / 2)) = -1, held
     assert c.update(0.0, 8) == pytest.approx(0.1 * math.exp(-0.3))
     assert c.integral == 0.0 and c.holding
-    # a reading above: m = 0 + 0.5 * (10 - 0) = 5; no trend from fewer than 3 readings, so p = 5 and
-    # e = log(5 / 2): I = 0.1 e, log beta = log 0.1 + 0.3 e + 0.1 e
-    e = math.log(2.5)
-    assert c.update(10.0, 8) == pytest.approx(0.1 * math.exp(0.4 * e))
-    assert c.smoothed == pytest.approx(5.0) and c.slope == 0.0 and c.integral == pytest.approx(0.1 * e)
-    # third reading: slope of [0, 10, 10] is 5 -> p = m + 2 * 5 = 7.5 + 10, e = min(log(17.5 / 2), 1) = 1
-    c.update(10.0, 8)
-    assert c.slope == pytest.approx(5.0) and c.last_error == 1.0
-    assert c.value == pytest.approx(0.1 * math.exp(0.3 + 0.1 * e + 0.1))
+    # a reading above: no trend from fewer than 3 readings, so p = 1.5 and e = log(1.5 / 2) < 0; the reading
+    # is below arm_fraction * target (1.6): held, and beta may not rise above its last value
+    e = math.log(0.75)
+    assert c.update(1.5, 8) == pytest.approx(0.1 * math.exp(-0.3))
+    assert c.last_error == pytest.approx(e) and not c.armed and c.integral == pytest.approx(-0.3 - 0.3 * e)
+    # a reading past the target arms the controller: slope of [0, 1.5, 3] is 1.5 -> p = 3 + 2 * 1.5 = 6,
+    # e = min(log(6 / 2), 1) = 1; I = -0.3 - 0.3 e + 0.1
+    c.update(3.0, 8)
+    assert c.armed and c.slope == pytest.approx(1.5) and c.last_error == 1.0
+    assert c.value == pytest.approx(0.1 * math.exp(0.3 - 0.3 - 0.3 * e + 0.1))
     # at the target with a flat trend: e = 0, beta = beta0 * exp(I)
-    c = TrackingKLController(0.1, target=2.0, smoothing=1.0, lookahead=0.0)
+    c = TrackingKLController(0.1, target=2.0, lookahead=0.0)
     for _ in range(5):
         c.update(2.0, 8)
     assert c.last_error == 0.0 and c.value == pytest.approx(0.1)
@@ -502,10 +501,10 @@ def test_tracking_start_up_never_raises_beta_while_the_kl_climbs_below_the_targe
     assert c.value == pytest.approx(first)
     # what the P term alone would give now (the integral held at 0): 17% above, the rise this rule removes
     assert 0.07 * math.exp(c.kp * c.last_error) > 1.15 * c.value
-    # a reading that has come near the target (arm_fraction * target = 3.2) lets the fading cut brake the
-    # approach before the lagging EMA arms the controller
+    # a reading that has come near the target (arm_fraction * target = 3.2) arms the controller: the fading cut
+    # then acts again and brakes the approach
     c.update(3.4, 8)
-    assert c.last_error < 0 and not c.armed and c.value > values[-1]
+    assert c.last_error < 0 and c.armed and c.value > values[-1]
     # once the prediction passes the target, beta rises further (error > 0 is never held)
     for _ in range(3):
         c.update(5.0, 8)
@@ -519,7 +518,7 @@ def test_tracking_start_up_hold_cuts_beta_for_a_kl_that_creeps_too_slowly():
     creeping = TrackingKLController(0.1, target=target, window=10)
     for t in range(40):
         creeping.update(1.0 + 0.03 * t + 0.01 * (-1) ** t, 8)  # 1 -> 2.2 nats: 0.3 per window, gap ~2
-        assert creeping.slope * creeping.window < creeping.arm_fraction * target - creeping.smoothed
+        assert creeping.slope * creeping.window < creeping.arm_fraction * target - creeping.readings[-1]
     assert not creeping.holding and not creeping.armed
     assert creeping.integral < -20 * creeping.startup_rate * creeping.ki * 0.3
     # the same creep at ten times the speed is on course: it would arrive within the window, no cut
@@ -542,7 +541,7 @@ def test_tracking_hold_keeps_beta_while_a_never_negative_statistic_reads_a_tiny_
 
 def test_tracking_hold_ends_once_the_target_was_approached():
     c = TrackingKLController(0.1, target=1.0, window=10)
-    for kl in [0.2, 0.5, 0.9, 1.0, 1.0, 1.0]:  # the EMA passes 0.8 at the sixth reading
+    for kl in [0.2, 0.5, 0.9, 1.0, 1.0, 1.0]:  # a reading passes 0.8 at the third
         c.update(kl, 8)
     assert c.armed and not c.holding
     before = c.integral
@@ -551,7 +550,7 @@ def test_tracking_hold_ends_once_the_target_was_approached():
 
 
 def test_tracking_anti_windup_keeps_output_on_the_bound():
-    c = TrackingKLController(1.0, target=1.0, coef_max=2.0, smoothing=1.0, lookahead=0.0)
+    c = TrackingKLController(1.0, target=1.0, coef_max=2.0, lookahead=0.0)
     for _ in range(50):
         c.update(100.0, 8)
     assert c.value == 2.0

@@ -475,24 +475,22 @@ def equilibrium_log_coef(scores, log_ratios, target: float, lo: float, hi: float
 
 @register_kl_controller("tracking")
 class TrackingKLController(_LogSpaceController):
-    """PI control of log(beta) on a smoothed, predicted KL, with a start-up hold: holds a target where
-    integral control on the raw reading winds up. klppo's default with a ``kl_target`` for any KL but ``k1`` in the
-    reward (where ``equilibrium`` is).
+    """PI control of log(beta) on the KL reading, with a start-up hold: holds a target where integral control
+    winds up while the policy is still on its way. klppo's default with a ``kl_target`` for any KL but ``k1`` in
+    the reward (where ``equilibrium`` is).
 
     Per update, with reading ``kl``::
 
-        m  <- m + smoothing * (kl - m)                 EMA of the reading (m = kl at the first one)
         s, se = least-squares slope of the last ``window`` readings per update, and its standard error
-        p  =  m + lookahead * max(s, 0)                where the KL is heading
+        p  =  kl + lookahead * max(s, 0)               where the KL is heading
         e  =  clip(log(max(p, target / e) / target), -1, 1)
-        I  <- I + ki * e; I never takes the output past a bound. Start-up hold: until m first reaches
-              arm_fraction * target, a negative e is not integrated while the KL is on course (the
-              window's slope s exceeds twice its standard error se and would carry m to
-              arm_fraction * target within ``window`` updates), or the window's mean is not above zero
-              by twice its standard error and by target / 100 (the policy has not moved yet), or there
-              are fewer than 3 readings; otherwise it is integrated at startup_rate * ki
-              Until then, too, a negative e never raises beta while the reading kl is below arm_fraction * target:
-              I <- min(I, log beta_prev - log beta0 - kp * e)
+        I  <- I + ki * e; I never takes the output past a bound (anti-windup). Start-up hold: until a reading
+              first reaches arm_fraction * target, a negative e is not integrated while the KL is on course
+              (the window's slope s exceeds twice its standard error se and would carry the reading to
+              arm_fraction * target within ``window`` updates), or the window's mean is not above zero by
+              twice its standard error and by target / 100 (the policy has not moved yet), or there are fewer
+              than 3 readings; otherwise it is integrated at startup_rate * ki.
+              Until then, too, beta never rises: I <- min(I, log beta_prev - log beta0 - kp * e)
         log beta = log beta0 + kp * e + I,             clamped to [log coef_min, log coef_max]
 
     Why each piece (Stooke, Achiam & Abbeel, ICML 2020, "Responsive Safety in RL by PID Lagrangian
@@ -513,10 +511,8 @@ class TrackingKLController(_LogSpaceController):
       short of the target raise beta before it first arrives: the proportional term's cut shrinks as the KL
       rises, and the integral takes over what it gives back. (Without this, on a reward whose KL answers beta
       steeply, the fading cut raised beta by a fifth while the KL climbed from 2 to 2.9 nats toward a target
-      of 4, and the KL fell back and arrived 20 updates later.) Once a single reading has reached
-      ``arm_fraction * target``, the fading cut acts again: it brakes a fast approach that the EMA has not
-      caught up with yet. After the KL has first come near the target, the integral acts at full gain both
-      ways.
+      of 4, and the KL fell back and arrived 20 updates later.) After the KL has first come near the
+      target, the integral acts at full gain both ways.
     - The error is taken on the predicted KL: beta rises while the KL is still climbing toward an
       overshoot, before it happens. Only a rise counts (derivative on rising KL only, as Stooke et
       al.): a falling KL does not cut beta early.
@@ -524,12 +520,12 @@ class TrackingKLController(_LogSpaceController):
       of beta, so the loop is about linear in log space, symmetric for KL too high and too low, and
       independent of the unit and size of the target. It is clipped to +-1 (a 10x spike moves beta
       by at most ``exp(kp + ki)``).
-    - The proportional term damps; the integral removes the steady-state error; the EMA averages a
-      batch's noisy reading over about ``2 / smoothing - 1`` updates.
+    - The proportional term damps; the integral removes the steady-state error.
 
-    The defaults were chosen on one-token bandits whose equilibrium coefficient is known in closed
-    form, from a start 5x below and 5x above it (``tests/test_convergence.py``), and on the default
-    sentiment task (`docs/results.md`).
+    An ablation on the one-token bandit's speed grid (``k2`` in the loss, seeds not used to build the controller;
+    ``results/controller_grid/``) removed what did not beat noise: an EMA of the reading, and an exception that
+    let a raw reading near the target end the no-rise rule before the EMA did. The start-up hold, the lookahead
+    and the anti-windup stayed.
 
     Beta acts on the KL two readings after the one that set it, and each update moves the KL by an amount
     beta does not decide, so no setting of these gains holds the KL much tighter than a fixed beta near the
@@ -545,7 +541,6 @@ class TrackingKLController(_LogSpaceController):
         kp: float = 0.3,
         ki: float = 0.1,
         lookahead: float = 2.0,
-        smoothing: float = 0.3,
         window: int = 10,
         coef_min: float = 1e-4,
         coef_max: float = 10.0,
@@ -559,9 +554,6 @@ class TrackingKLController(_LogSpaceController):
         self.kp = _check_nonnegative(kp, "kp", "gains must be >= 0 (defaults: kp=0.3, ki=0.1)")
         self.ki = _check_nonnegative(ki, "ki", "gains must be >= 0 (defaults: kp=0.3, ki=0.1)")
         self.lookahead = _check_nonnegative(lookahead, "lookahead", "it is a number of updates, e.g. 2 (0 disables)")
-        self.smoothing = _check_positive(smoothing, "smoothing", "it is an EMA weight in (0, 1], e.g. 0.3")
-        if self.smoothing > 1:
-            raise ValueError(f"smoothing must lie in (0, 1], got {self.smoothing}; 1 means no smoothing")
         if isinstance(window, bool) or int(window) != window or window < 3:
             raise ValueError(f"window must be an int >= 3 (updates), got {window!r}; e.g. 20")
         self.window = int(window)
@@ -569,7 +561,6 @@ class TrackingKLController(_LogSpaceController):
         super().__init__(min(max(kl_coef, self.coef_min), self.coef_max))
         self.log_beta0 = math.log(self._value) if self._value > 0 else -_LOG_LIMIT
         self.integral = 0.0
-        self.smoothed: Optional[float] = None
         self.readings: list[float] = []
         self.slope = 0.0
         self.armed = False
@@ -591,10 +582,10 @@ class TrackingKLController(_LogSpaceController):
 
     def _on_course(self, stderr: float) -> bool:
         """The readings in the window rise significantly (slope above twice its standard error) and fast
-        enough to carry the smoothed KL to ``arm_fraction * target`` within ``window`` updates."""
+        enough to carry the KL to ``arm_fraction * target`` within ``window`` updates."""
         if len(self.readings) < 3:
             return True
-        gap = self.arm_fraction * self.target - self.smoothed
+        gap = self.arm_fraction * self.target - self.readings[-1]
         return self.slope > 2.0 * stderr and self.slope * self.window >= gap
 
     def _moved(self) -> bool:
@@ -609,15 +600,14 @@ class TrackingKLController(_LogSpaceController):
         return mean > max(2.0 * std / math.sqrt(n), self.target / 100)
 
     def _step(self, kl: float, n_steps: int) -> float:
-        self.smoothed = kl if self.smoothed is None else self.smoothed + self.smoothing * (kl - self.smoothed)
         self.readings = (self.readings + [kl])[-self.window :]
         self.slope, stderr = self._trend()
-        if self.smoothed >= self.arm_fraction * self.target:
+        if kl >= self.arm_fraction * self.target:
             self.armed = True
         # start-up hold: until the KL first comes near the target, the integral does not fall while the
         # KL is on course to get there, or while the policy has not measurably moved from the reference
         self.holding = not self.armed and (self._on_course(stderr) or not self._moved())
-        self.predicted = self.smoothed + self.lookahead * max(self.slope, 0.0)
+        self.predicted = kl + self.lookahead * max(self.slope, 0.0)
         error = math.log(max(self.predicted, self.target / math.e) / self.target)
         error = min(max(error, -1.0), 1.0)
         self.last_error = error
@@ -629,29 +619,26 @@ class TrackingKLController(_LogSpaceController):
         rest = self.log_beta0 + self.kp * error
         # anti-windup: the integral never takes the output past a bound
         self.integral = min(max(self.integral + self.ki * integrate, lo - rest), hi - rest)
-        if error < 0 and not self.armed and kl < self.arm_fraction * self.target:
+        if error < 0 and not self.armed:
             # start-up: a KL still short of the target never raises beta. The proportional term's cut fades as
             # the KL rises; the integral keeps it instead (bumpless), so beta does not climb back before the KL
-            # arrives. A reading that has come near the target lets the fading cut brake the approach, ahead of
-            # the lagging EMA.
+            # arrives.
             self.integral = min(self.integral, max(_log(self._value), lo) - rest)
         return self._from_log(rest + self.integral)
 
     def _hparams(self) -> dict:
-        return dict(target=self.target, kp=self.kp, ki=self.ki, lookahead=self.lookahead, smoothing=self.smoothing,
-                    window=self.window, arm_fraction=self.arm_fraction, startup_rate=self.startup_rate,
-                    coef_min=self.coef_min,
+        return dict(target=self.target, kp=self.kp, ki=self.ki, lookahead=self.lookahead, window=self.window,
+                    arm_fraction=self.arm_fraction, startup_rate=self.startup_rate, coef_min=self.coef_min,
                     coef_max=self.coef_max)
 
     def _dynamic_state(self) -> dict:
-        return {"log_beta0": self.log_beta0, "integral": self.integral, "smoothed": self.smoothed,
-                "readings": list(self.readings), "slope": self.slope, "armed": self.armed,
+        return {"log_beta0": self.log_beta0, "integral": self.integral, "readings": list(self.readings),
+                "slope": self.slope, "armed": self.armed,
                 "holding": self.holding, "predicted": self.predicted}
 
     def _load_dynamic_state(self, state: dict) -> None:
         self.log_beta0 = float(state["log_beta0"])
         self.integral = float(state["integral"])
-        self.smoothed = None if state.get("smoothed") is None else float(state["smoothed"])
         self.readings = [float(x) for x in state.get("readings", [])][-self.window :]
         self.slope = float(state.get("slope", 0.0))
         self.armed = bool(state.get("armed", False))

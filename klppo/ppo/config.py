@@ -82,7 +82,7 @@ KLPPO_CONFIG_DOC = r"""
         kl_controller (`str` or `None`, *optional*, defaults to `None`):
             How beta changes between updates: `"fixed"`, `"equilibrium"` (beta moves toward the batch's estimate
             of the coefficient whose KL-regularised optimum has the target KL; needs `k1` in the reward, see
-            `EquilibriumKLController`), `"tracking"` (PI control of log beta on a smoothed, predicted KL with a
+            `EquilibriumKLController`), `"tracking"` (PI control of log beta on the KL and where it is heading, with a
             start-up hold, for any KL configuration), `"adaptive"` (Ziegler et al. 2019, Sec. 2.2),
             `"exponential"` (`beta <- beta * exp(rate * (kl - target))`), `"pid"` (PID on log beta), or a name
             registered with `klppo.kl.register_kl_controller`. `None`: with a `kl_target`, `"equilibrium"` for
