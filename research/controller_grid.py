@@ -55,7 +55,8 @@ def run_cell(job: dict) -> dict:
         target = kl(tilted(state["ref"], state["reward"], BETA_STAR), state["ref"])
         steps, batch = job["steps"], job["batch"]
         overrides = dict(
-            kl_coef=job["start"] * BETA_STAR, max_steps=job.get("updates") or updates_for(job["lr"]), learning_rate=job["lr"],
+            kl_coef=job["start"] * BETA_STAR, max_steps=job.get("updates") or updates_for(job["lr"]),
+            learning_rate=job["lr"],
             per_device_train_batch_size=batch // steps, num_mini_batches=steps, rollout_forward_batch_size=batch,
             seed=job["seed"], kl_statistic="full",
         )

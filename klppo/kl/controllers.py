@@ -633,8 +633,7 @@ class TrackingKLController(_LogSpaceController):
 
     def _dynamic_state(self) -> dict:
         return {"log_beta0": self.log_beta0, "integral": self.integral, "readings": list(self.readings),
-                "slope": self.slope, "armed": self.armed,
-                "holding": self.holding, "predicted": self.predicted}
+                "slope": self.slope, "armed": self.armed, "holding": self.holding, "predicted": self.predicted}
 
     def _load_dynamic_state(self, state: dict) -> None:
         self.log_beta0 = float(state["log_beta0"])
