@@ -28,6 +28,8 @@ def main():
         with open(path) as f:
             s = json.load(f)
         label = s["mode"] if (s["steps"], s["beta0"]) == (30, 0.04) else f"{s['mode']}, {s['steps']} updates, beta from {s['beta0']}"
+        if s.get("kwargs"):
+            label += f", kl_controller_kwargs {s['kwargs']}"
         runs.setdefault(label, []).append((s["seed"], row(s)))
     keys = ["reward_last5", "kl_half", "tracking_error", "in_band", "ppl_change", "beta_end", "seconds"]
     print("| run | seed | reward (last 5 updates) | KL/token, 2nd half | tracking error | in ±20% | held-out ppl | beta at end | s/update |")
