@@ -5,6 +5,7 @@ optimizer steps per update and batch size.
     PYTHONPATH=tests python research/controller_grid.py --seeds 1 2 3 --out results/controller_grid/grid.jsonl
     PYTHONPATH=tests python research/controller_grid.py --table results/controller_grid/grid.jsonl
     PYTHONPATH=tests python research/controller_grid.py --overview shipped=a.jsonl no-guard=b.jsonl --paired
+    PYTHONPATH=tests python research/controller_grid.py --envelope tiny_fixed_beta.jsonl
 
 Each run is one line of JSON: the cell, the seed, and per update the exact KL of the sampling policy (the `full`
 statistic of a one-token response) and beta. The table gives, per cell, the second-half tracking error
@@ -169,6 +170,21 @@ def paired(named: dict[str, list[dict]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def envelope(runs: list[dict]) -> str:
+    """Markdown: for runs at a fixed, tiny beta (the fastest the KL can arrive), per run the first update whose KL
+    reaches 0.8x the target and the least second-half tracking error any schedule of beta >= 0 could reach if the
+    KL can rise no faster than in this run: the mean over the second half of max(0, 1 - KL / target)."""
+    lines = ["| cell (lr, steps, batch) | seed | first update at 0.8x the target | tracking error bound |",
+             "|" + " --- |" * 4]
+    for run in sorted(runs, key=lambda r: (r["lr"], r["steps"], r["batch"], r["seed"])):
+        kls, target = run["kl"], run["target"]
+        second = kls[len(kls) // 2:]
+        first = next((i + 1 for i, k in enumerate(kls) if k >= 0.8 * target), None)
+        bound = sum(max(0.0, 1 - k / target) for k in second) / len(second)
+        lines.append(f"| {run['lr']:g}, {run['steps']}, {run['batch']} | {run['seed']} | {first} | {bound:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
 def _read(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
@@ -187,11 +203,16 @@ def main() -> None:
     parser.add_argument("--table", type=Path, nargs="+", help="print the table of finished grid files and exit")
     parser.add_argument("--overview", nargs="+", metavar="NAME=FILE[,FILE]",
                         help="print one row per named variant (ablations) and exit")
+    parser.add_argument("--envelope", type=Path, nargs="+",
+                        help="print, for fixed tiny-beta runs, how soon the KL can arrive, and exit")
     parser.add_argument("--paired", action="store_true",
                         help="with --overview: also each variant against the first, paired by cell and seed")
     args = parser.parse_args()
     if args.table:
         print(table([run for path in args.table for run in _read(path)]), end="")
+        return
+    if args.envelope:
+        print(envelope([run for path in args.envelope for run in _read(path)]), end="")
         return
     if args.overview:
         named = {}

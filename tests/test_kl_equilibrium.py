@@ -77,7 +77,20 @@ def test_one_step_moves_log_beta_by_the_effective_sample_size_share_of_the_way()
     w = torch.softmax(math.exp(-b) * r - d, dim=0)
     ess = float(1 / (w * w).sum()) / 64
     assert c.estimate == pytest.approx(b) and c.ess == pytest.approx(ess) and 0 < ess <= 1
-    assert math.log(new) == pytest.approx(math.log(0.1) + ess * (b - math.log(0.1)))
+    assert math.log(c.coef) == pytest.approx(math.log(0.1) + ess * (b - math.log(0.1)))
+    assert new == pytest.approx(c.coef * (0.05 / 0.3) ** 0.75)  # the approach: the KL has not reached the target
+
+
+def test_the_approach_scales_beta_until_the_first_reading_at_the_target_then_leaves_it():
+    """Below the target the coefficient in force is the equilibrium one times (kl / target) ** approach_power; from
+    the first reading at or above the target on it is the equilibrium one, whatever later readings are."""
+    c = EquilibriumKLController(0.1, target=0.3, approach_power=2.0)
+    got = [c.update(kl, 64) for kl in (0.0, -0.1, 0.15, 0.3, 0.15, 0.0)]
+    assert got[:2] == [1e-4, 1e-4]  # no KL yet (k1 can read below 0): coef_min
+    assert got[2] == pytest.approx(0.1 * 0.5**2)
+    assert got[3:] == [0.1, 0.1, 0.1] and c.coef == 0.1 and c.arrived  # no sequences observed: coef stays
+    off = EquilibriumKLController(0.1, target=0.3, approach_power=0.0)
+    assert off.arrived and [off.update(kl, 64) for kl in (0.0, 0.15)] == [0.1, 0.1]
 
 
 def test_a_per_token_target_becomes_a_per_sequence_one_by_the_mean_length():
@@ -85,12 +98,13 @@ def test_a_per_token_target_becomes_a_per_sequence_one_by_the_mean_length():
     a, b = EquilibriumKLController(0.1, target=0.025), EquilibriumKLController(0.1, target=0.3)
     a.observe_sequences(r, d, lengths, unit="token")
     b.observe_sequences(r, d, lengths)
-    assert a.update(0.01, 64) == pytest.approx(b.update(0.01, 64))
+    a.update(0.01, 64), b.update(0.01, 64)
+    assert a.coef == pytest.approx(b.coef) and a.coef != 0.1
 
 
 def test_beta_stays_without_sequences_or_with_a_batch_that_tells_nothing():
     r, d, lengths = _batch()
-    c = EquilibriumKLController(5.0, target=0.3)
+    c = EquilibriumKLController(5.0, target=0.3, approach_power=0.0)
     assert c.update(0.01, 64) == 5.0  # no sequences observed
     for scores, ratios in ((r[:0], d[:0]), (torch.full_like(r, math.nan), d), (r, torch.full_like(d, math.inf)),
                            (torch.zeros_like(r), d)):  # empty, non-finite, every score equal (no tilt)
@@ -117,7 +131,8 @@ def test_state_round_trip_continues_identically():
 
 
 @pytest.mark.parametrize("kwargs, param", [({"target": 0.0}, "target"),
-                                           ({"coef_min": 2.0, "coef_max": 1.0}, "coef_min")])
+                                           ({"coef_min": 2.0, "coef_max": 1.0}, "coef_min"),
+                                           ({"approach_power": -1.0}, "approach_power")])
 def test_constructor_rejects_bad_values(kwargs, param):
     with pytest.raises(ValueError, match=param):
         EquilibriumKLController(0.1, **{"target": 0.3, **kwargs})
@@ -157,3 +172,14 @@ def test_the_estimate_stays_finite_and_ordered_at_extreme_coefficients():
     assert all(a <= b + 1e-9 for a, b in zip(values, values[1:]))
     log_beta = equilibrium_log_coef(r, d, 0.5, -700.0, 700.0)  # coef_min = 0: the search stays where r / beta is finite
     assert math.isfinite(log_beta) and -30.0 <= log_beta <= 30.0
+
+
+def test_a_state_saved_before_the_approach_existed_resumes_at_its_beta_without_the_approach():
+    state = EquilibriumKLController(0.1, target=0.3).state_dict()
+    for key in ("coef", "arrived"):
+        del state[key]
+    state["value"] = 0.4
+    c = EquilibriumKLController(0.1, target=0.3)
+    c.load_state_dict(state)
+    assert (c.value, c.coef, c.arrived) == (0.4, 0.4, True)
+    assert c.update(0.01, 64) == 0.4  # a low reading no longer scales it
