@@ -3,11 +3,13 @@
 
 - `equilibrium_full_step`: no effective-sample-size gain; log beta goes straight to the batch's estimate.
 - `equilibrium_ema`: a constant gain of 0.3 (an EMA of the estimate) instead of the effective sample size.
+  (These two ran before the approach existed; with it, add `--kwargs '{"approach_power": 0}'` to repeat them.)
 - `tracking_no_startup`: the tracking controller armed from the first update: no start-up hold and no cap on
   beta's rise during the approach (the start-up rule with its exception).
 - `tracking_no_antiwindup`: the integral is not kept inside the coefficient bounds (only beta itself is).
 
-The tracking controller's lookahead is ablated through its constant (`--kwargs '{"lookahead": 0}'`). Its EMA of
+The equilibrium controller's approach is ablated through its constant (`--kwargs '{"approach_power": 0}'`), the
+tracking controller's lookahead through its constant (`--kwargs '{"lookahead": 0}'`). The tracking controller's EMA of
 the reading and the start-up rule's exception (a raw reading near the target ends the no-rise rule before the
 EMA does) were ablated the same way and removed (`results/controller_grid/README.md`); their plug-in and constant
 are in the git history.
@@ -26,13 +28,14 @@ from klppo.kl.controllers import EquilibriumKLController, TrackingKLController, 
 class _ConstantGain(EquilibriumKLController):
     gain = 1.0
 
-    def _step(self, kl, n_steps):
-        new = super()._step(kl, n_steps)
+    def _equilibrium_step(self):
+        before = self.coef
+        new = super()._equilibrium_step()
         if self.ess is not None:
             self.ess = self.gain  # recompute the step with a constant gain
             import math
 
-            now = math.log(self._value)
+            now = math.log(before)
             return self._from_log(now + self.gain * (self.estimate - now))
         return new
 
