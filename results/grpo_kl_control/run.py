@@ -6,7 +6,6 @@ klppo's tracking controller (`add_kl_control`). One run per call; writes `<out>/
 
 import argparse
 import json
-import math
 import os
 import time
 

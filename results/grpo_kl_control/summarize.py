@@ -3,7 +3,6 @@
 
 import glob
 import json
-import math
 import os
 import statistics
 
