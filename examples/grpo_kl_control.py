@@ -44,7 +44,7 @@ def main(argv=None):
         output_dir=args.output_dir, beta=args.beta, num_generations=4, per_device_train_batch_size=16,
         max_completion_length=12, learning_rate=3e-5, temperature=1.0, max_steps=args.max_steps, logging_steps=1,
         save_strategy="steps", save_steps=10, report_to="none", use_cpu=True, seed=args.seed,
-        bf16=False, gradient_checkpointing=False,  # TRL's defaults are for GPUs: bf16 autocast is ~4x slower on a CPU
+        bf16=False, gradient_checkpointing=False,  # TRL's defaults are for GPUs: bf16 autocast is 4x+ slower on a CPU
     )  # fmt: skip
     prompts = Dataset.from_dict({"prompt": offline_prompts("train")})
     trainer = trainer_cls(model=resolve_model_path(args.model), reward_funcs=positive_sentiment_reward, args=config,

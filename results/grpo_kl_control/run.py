@@ -36,7 +36,7 @@ def main():
         output_dir=a.out, beta=a.beta, num_generations=4, per_device_train_batch_size=16, max_completion_length=12,
         learning_rate=a.lr, lr_scheduler_type="constant", temperature=1.0, max_steps=a.steps, logging_steps=1,
         save_strategy="no", report_to="none", use_cpu=True, seed=a.seed, disable_tqdm=True,
-        bf16=False, gradient_checkpointing=False,  # GRPOConfig defaults to bf16 autocast: about 4x slower on a CPU
+        bf16=False, gradient_checkpointing=False,  # GRPOConfig defaults to bf16 autocast: 4x slower or more on a CPU
     )
     prompts = Dataset.from_dict({"prompt": offline_prompts("train")})
     trainer = GRPOTrainer(model=resolve_model_path(OFFLINE_DEFAULT_MODEL), reward_funcs=positive_sentiment_reward,
