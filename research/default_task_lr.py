@@ -1,7 +1,7 @@
 """The default job (`configs/default.yaml`) at several LoRA learning rates and seeds: does the KL hold its target?
 
     python research/default_task_lr.py --lrs 1e-4 2.5e-4 5e-4 --seeds 1 2 3 --out results/default_task_lr
-    python research/default_task_lr.py --table results/default_task_lr
+    python research/default_task_lr.py --table --out results/default_task_lr
 
 Each run is `scripts/train.py --config configs/default.yaml` with `--learning_rate`, `--seed` and any further
 flags given after `--`, one after another, one thread each; its `trainer_state.json` and `summary.json` are kept
@@ -56,10 +56,12 @@ def summarise(folder: Path) -> dict:
             "reward_rise": verdict["reward_rise"]}
 
 
-def table(out: Path) -> str:
+def table(out: Path, seeds: list[int]) -> str:
     groups: dict[str, list[dict]] = {}
     for folder in sorted(p for p in out.iterdir() if (p / "summary.json").exists()):
-        lr = folder.name.split("_seed")[0][2:]
+        lr, seed = folder.name[2:].split("_seed")
+        if int(seed) not in seeds:
+            continue
         groups.setdefault(lr, []).append(summarise(folder))
     lines = ["| LoRA lr | seeds | tracking error | in band | peak KL / target | geo-mean beta | reward rise "
              "| verdict PASS |", "|" + " --- |" * 8]
@@ -81,7 +83,8 @@ def main() -> None:
     parser.add_argument("--lrs", nargs="+", default=["1e-4", "2.5e-4", "5e-4"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--table", action="store_true", help="print the table of finished runs in --out and exit")
+    parser.add_argument("--table", action="store_true",
+                        help="print the table of the finished runs of --seeds in --out and exit")
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != "--"]
     if not args.table:
@@ -89,7 +92,7 @@ def main() -> None:
         for lr in args.lrs:
             for seed in args.seeds:
                 run(lr, seed, args.out, extra)
-    print(table(args.out), end="")
+    print(table(args.out, args.seeds), end="")
 
 
 if __name__ == "__main__":
