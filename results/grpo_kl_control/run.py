@@ -28,12 +28,13 @@ def main():
     p.add_argument("--beta", type=float, default=0.04)
     p.add_argument("--kl_target", type=float, default=0.1, help="nats per token")
     p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--batch", type=int, default=16, help="completions per optimizer step (num_generations 4 each prompt)")
     p.add_argument("--kwargs", default=None, help="kl_controller_kwargs (JSON), e.g. '{\"ki_growth\": 1}'")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     torch.set_num_threads(1)
     config = GRPOConfig(
-        output_dir=a.out, beta=a.beta, num_generations=4, per_device_train_batch_size=16, max_completion_length=12,
+        output_dir=a.out, beta=a.beta, num_generations=4, per_device_train_batch_size=a.batch, max_completion_length=12,
         learning_rate=a.lr, lr_scheduler_type="constant", temperature=1.0, max_steps=a.steps, logging_steps=1,
         save_strategy="no", report_to="none", use_cpu=True, seed=a.seed, disable_tqdm=True,
         bf16=False, gradient_checkpointing=False,  # GRPOConfig defaults to bf16 autocast: 4x slower or more on a CPU
@@ -57,7 +58,7 @@ def main():
     errors = [abs(k / a.kl_target - 1) for k in half]
     rewards = [h["reward"] for h in logs]
     summary = dict(
-        mode=a.mode, kwargs=a.kwargs, seed=a.seed, steps=a.steps, beta0=a.beta, kl_target=a.kl_target, lr=a.lr,
+        mode=a.mode, kwargs=a.kwargs, seed=a.seed, steps=a.steps, batch=a.batch, beta0=a.beta, kl_target=a.kl_target, lr=a.lr,
         reward_first5=sum(rewards[:5]) / 5, reward_last5=sum(rewards[-5:]) / 5,
         kl_second_half_mean=sum(half) / len(half), tracking_error=sum(errors) / len(errors),
         in_band=sum(e <= 0.2 for e in errors) / len(errors), ppl_before=ppl_before, ppl_after=ppl_after,
