@@ -1,5 +1,6 @@
 """The table of results/grpo_kl_control/README.md from runs/*/summary.json (tracking figures against the target
-0.03 nats per token for every run, fixed-beta runs included)."""
+0.03 nats per token for every run, fixed-beta runs included; runs with another number of completions per step than
+16 are labelled with it)."""
 
 import glob
 import json
@@ -29,6 +30,8 @@ def main():
         label = s["mode"] if (s["steps"], s["beta0"]) == (30, 0.04) else f"{s['mode']}, {s['steps']} updates, beta from {s['beta0']}"
         if s.get("kwargs"):
             label += f", kl_controller_kwargs {s['kwargs']}"
+        if s.get("batch", 16) != 16:  # runs written before --batch existed used 16 completions per step
+            label += f", {s['batch']} completions per step"
         runs.setdefault(label, []).append((s["seed"], row(s)))
     keys = ["reward_last5", "kl_half", "tracking_error", "in_band", "ppl_change", "beta_end", "seconds"]
     print("| run | seed | reward (last 5 updates) | KL/token, 2nd half | tracking error | in ±20% | held-out ppl | beta at end | s/update |")
