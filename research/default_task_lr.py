@@ -4,7 +4,8 @@
     python research/default_task_lr.py --table --out results/default_task_lr
 
 Each run is `scripts/train.py --config configs/default.yaml` with `--learning_rate`, `--seed` and any further
-flags given after `--`, one after another, one thread each; its `trainer_state.json` and `summary.json` are kept
+flags given after `--`, one after another, one thread each (`--plugin M` imports `research/M.py` first, for a
+controller of its own); its `trainer_state.json` and `summary.json` are kept
 under `--out/lr<lr>_seed<seed>/`. The table gives, per learning rate, the second-half tracking error (mean
 |KL - target| / target), the share of second-half updates within +-20% of the target, the peak KL over the
 target and the second half's geometric-mean beta, as mean and standard error over seeds.
@@ -25,7 +26,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(lr: str, seed: int, out: Path, extra: list[str]) -> None:
+# runs scripts/train.py after importing a module of research/ that registers a controller of its own
+_WITH_PLUGIN = ("import importlib, runpy, sys; sys.path.insert(0, sys.argv[1]); importlib.import_module(sys.argv[2]); "
+                "sys.argv = sys.argv[3:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+def run(lr: str, seed: int, out: Path, extra: list[str], plugin: str | None = None) -> None:
     dest = out / f"lr{lr}_seed{seed}"
     if (dest / "summary.json").exists():
         return
@@ -33,6 +39,8 @@ def run(lr: str, seed: int, out: Path, extra: list[str]) -> None:
         cmd = [sys.executable, str(ROOT / "scripts/train.py"), "--config", str(ROOT / "configs/default.yaml"),
                "--learning_rate", lr, "--seed", str(seed), "--output_dir", tmp, "--report_to", "none",
                "--save_strategy", "no", *extra]
+        if plugin:
+            cmd = [sys.executable, "-c", _WITH_PLUGIN, str(ROOT / "research"), plugin, *cmd[1:]]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         with open(out / f"lr{lr}_seed{seed}.log", "w") as log:
             subprocess.run(cmd, check=True, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -85,13 +93,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--table", action="store_true",
                         help="print the table of the finished runs of --seeds in --out and exit")
+    parser.add_argument("--plugin", help="a module of research/ to import first (one that registers a controller)")
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != "--"]
     if not args.table:
         args.out.mkdir(parents=True, exist_ok=True)
         for lr in args.lrs:
             for seed in args.seeds:
-                run(lr, seed, args.out, extra)
+                run(lr, seed, args.out, extra, args.plugin)
     print(table(args.out, args.seeds), end="")
 
 

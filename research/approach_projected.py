@@ -1,0 +1,30 @@
+"""A variant of the equilibrium controller's approach, tried and not kept, registered as ``equilibrium_projected``
+for ablations: until the KL first reaches the target, beta is the equilibrium coefficient times
+``(projected / target) ** approach_power`` with ``projected = kl + max(kl - previous, 0)`` (the reading plus its
+last rise), and the first reading applies no factor. The guard is on by default only for the built-in
+controllers' names, so the commands set it:
+
+    PYTHONPATH=tests python research/controller_grid.py --plugin approach_projected \\
+        --config '{"kl_controller": "equilibrium_projected", "kl_guard": true}' --seeds 11 12 --out ...
+    python research/default_task_lr.py --plugin approach_projected --lrs 5e-4 --seeds 4 5 6 --out ... \\
+        -- --kl_controller equilibrium_projected --kl_guard true
+"""
+
+import math
+
+from klppo.kl.controllers import EquilibriumKLController, _log, register_kl_controller
+
+
+@register_kl_controller("equilibrium_projected")
+class ProjectedEquilibriumKLController(EquilibriumKLController):
+    """The equilibrium controller with the approach on the projected reading (for ablations)."""
+
+    def _step(self, kl: float, n_steps: int) -> float:
+        self.last_error = _log(max(kl, self.target / math.e) / self.target)
+        self.coef = self._equilibrium_step()
+        self.arrived = self.arrived or kl >= self.target
+        previous = self.last_kl  # the reading before this one (the base class records it after each update)
+        if self.arrived or previous is None:
+            return self.coef
+        projected = kl + max(kl - previous, 0.0)
+        return self._from_log(_log(self.coef) + self.approach_power * _log(min(max(projected, 0.0) / self.target, 1.0)))
