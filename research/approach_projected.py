@@ -10,8 +10,6 @@ controllers' names, so the commands set it:
         -- --kl_controller equilibrium_projected --kl_guard true
 """
 
-import math
-
 from klppo.kl.controllers import EquilibriumKLController, _log, register_kl_controller
 
 
@@ -20,10 +18,8 @@ class ProjectedEquilibriumKLController(EquilibriumKLController):
     """The equilibrium controller with the approach on the projected reading (for ablations)."""
 
     def _step(self, kl: float, n_steps: int) -> float:
-        self.last_error = _log(max(kl, self.target / math.e) / self.target)
-        self.coef = self._equilibrium_step()
-        self.arrived = self.arrived or kl >= self.target
         previous = self.last_kl  # the reading before this one (the base class records it after each update)
+        super()._step(kl, n_steps)  # the equilibrium step and the arrival; its factor on the last reading is dropped
         if self.arrived or previous is None:
             return self.coef
         projected = kl + max(kl - previous, 0.0)
