@@ -29,6 +29,7 @@ def test_fsdp2_root_unsharded_for_off_root_forwards(tiny_model_path, tmp_path):
     assert "DTensor" in result["error_without_unshard"]  # the pitfall: the root's weights are still sharded
     assert result["logits_match"] is True and result["generation_matches"] is True
     assert result["resharded_after"] is True
+    assert result["root_forward_after_off_root_matches"] is True
     assert result["loaded_logits_match"] is True and result["loaded_differs_from_before"] is True
 
 
@@ -72,6 +73,10 @@ def _run(out_path: str) -> None:
     result["logits_match"] = bool(torch.allclose(logits, expected, atol=1e-6))
     result["generation_matches"] = bool(torch.equal(generation, expected_generation))
     result["resharded_after"] = isinstance(model.lm_head.weight, DTensor)
+    # after those off-root forwards, the actor-critic's own forward (the PPO loss) still works, with the same logits
+    with torch.no_grad():
+        root_logits = actor_critic(ids)[0]
+    result["root_forward_after_off_root_matches"] = bool(torch.allclose(root_logits, expected, atol=1e-6))
     # resuming: a checkpoint's whole weights go into the sharded actor-critic
     torch.manual_seed(1)
     other, _ = tiny_model_and_tokenizer(seed=1)

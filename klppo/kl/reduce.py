@@ -114,7 +114,11 @@ class GlobalSums:
         if not self.sums:
             return {}
         names = list(self.sums)
-        packed = torch.stack([torch.stack([self.sums[n] for n in names]), torch.stack([self.counts[n] for n in names])])
+        # statistics may come from the host (a float, the gradient norm) and from the accelerator: gather on one device
+        on_accelerator = [t.device for t in self.sums.values() if t.device.type != "cpu"]
+        device = on_accelerator[0] if on_accelerator else (_device_for(None, None, accelerator) or "cpu")
+        packed = torch.stack([torch.stack([self.sums[n].to(device) for n in names]),
+                              torch.stack([self.counts[n].to(device) for n in names])])
         totals, counts = all_reduce_sum(packed, accelerator).tolist()
         return {n: t / c if c > 0 else float("nan") for n, t, c in zip(names, totals, counts)}
 

@@ -29,6 +29,10 @@ def root_unsharded(model: nn.Module):
     if not is_fsdp2(model):
         yield
         return
+    # FSDP2 names its root at the first forward. Were that first forward one of the submodule forwards below, their
+    # blocks would take themselves for roots and the actor-critic's own forward would fail ("already lazily
+    # initialized"); `unshard` does not do this naming, so do it here (private in torch 2.11-2.13).
+    model._get_fsdp_state()._lazy_init()
     model.unshard()
     try:
         yield
