@@ -11,6 +11,7 @@ import time
 
 import torch
 from datasets import Dataset
+from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from klppo.data import load_heldout_texts, offline_prompts
@@ -18,6 +19,17 @@ from klppo.evaluation import heldout_perplexity
 from klppo.integrations.trl import add_kl_control
 from klppo.models import OFFLINE_DEFAULT_MODEL, resolve_model_path
 from klppo.rewards.sentiment import positive_sentiment_reward
+
+
+class LogLines(TrainerCallback):
+    """Appends each logged record to a JSON-lines file as it comes, so that a run cut short keeps its readings."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": state.global_step, **(logs or {})}) + "\n")
 
 
 def main():
@@ -36,8 +48,8 @@ def main():
     config = GRPOConfig(
         output_dir=a.out, beta=a.beta, num_generations=4, per_device_train_batch_size=a.batch, max_completion_length=12,
         learning_rate=a.lr, lr_scheduler_type="constant", temperature=1.0, max_steps=a.steps, logging_steps=1,
-        save_strategy="no", report_to="none", use_cpu=True, seed=a.seed, disable_tqdm=True,
-        bf16=False, gradient_checkpointing=False,  # GRPOConfig defaults to bf16 autocast: 4x slower or more on a CPU
+        save_strategy="no", report_to="none", use_cpu=not torch.cuda.is_available(), seed=a.seed, disable_tqdm=True,
+        bf16=False, gradient_checkpointing=False,  # float32 (GRPOConfig's bf16 autocast is 4x slower or more on a CPU)
     )
     prompts = Dataset.from_dict({"prompt": offline_prompts("train")})
     trainer = GRPOTrainer(model=resolve_model_path(OFFLINE_DEFAULT_MODEL), reward_funcs=positive_sentiment_reward,
@@ -45,6 +57,8 @@ def main():
     if a.mode == "tracking":
         extra = {"kl_controller_kwargs": json.loads(a.kwargs)} if a.kwargs else {}
         add_kl_control(trainer, kl_target=a.kl_target, kl_target_unit="token", **extra)
+    os.makedirs(a.out, exist_ok=True)
+    trainer.add_callback(LogLines(os.path.join(a.out, "log.jsonl")))
     texts = load_heldout_texts(max_texts=32)
     tok = trainer.processing_class
     ppl_before = heldout_perplexity(trainer.model, tok, texts)
@@ -62,7 +76,7 @@ def main():
         reward_first5=sum(rewards[:5]) / 5, reward_last5=sum(rewards[-5:]) / 5,
         kl_second_half_mean=sum(half) / len(half), tracking_error=sum(errors) / len(errors),
         in_band=sum(e <= 0.2 for e in errors) / len(errors), ppl_before=ppl_before, ppl_after=ppl_after,
-        seconds_per_update=seconds / a.steps, kl=kls, reward=rewards,
+        seconds_per_update=seconds / a.steps, device=str(trainer.args.device), kl=kls, reward=rewards,
         beta=[h.get("kl/coef", a.beta) for h in logs],
     )
     os.makedirs(a.out, exist_ok=True)

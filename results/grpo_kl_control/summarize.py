@@ -1,11 +1,15 @@
-"""The table of results/grpo_kl_control/README.md from runs/*/summary.json (tracking figures against the target
+"""The tables of results/grpo_kl_control/README.md from runs' summary.json files (tracking figures against the target
 0.03 nats per token for every run, fixed-beta runs included; runs with another number of completions per step than
-16 are labelled with it)."""
+16 are labelled with it). With no argument it reads runs/*/summary.json; else the files named, e.g.
+
+    python results/grpo_kl_control/summarize.py results/grpo_kl_control/summaries/gpu150-*.json
+"""
 
 import glob
 import json
 import os
 import statistics
+import sys
 
 TARGET = 0.03
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -24,7 +28,7 @@ def row(s):
 
 def main():
     runs = {}
-    for path in sorted(glob.glob(os.path.join(HERE, "runs", "*", "summary.json"))):
+    for path in sys.argv[1:] or sorted(glob.glob(os.path.join(HERE, "runs", "*", "summary.json"))):
         with open(path) as f:
             s = json.load(f)
         label = s["mode"] if (s["steps"], s["beta0"]) == (30, 0.04) else f"{s['mode']}, {s['steps']} updates, beta from {s['beta0']}"
@@ -42,8 +46,10 @@ def main():
                   f"{r['in_band']:.0%} | {r['ppl_change']:+.1%} | {r['beta_end']:.4f} | {r['seconds']:.1f} |")
         if len(rows) > 1:
             m = {k: statistics.mean(r[k] for _, r in rows) for k in keys}
-            print(f"| {mode} | mean | {m['reward_last5']:+.3f} | {m['kl_half']:.4f} | {m['tracking_error']:.3f} | "
-                  f"{m['in_band']:.0%} | {m['ppl_change']:+.1%} | {m['beta_end']:.4f} | {m['seconds']:.1f} |")
+            se = {k: statistics.stdev(r[k] for _, r in rows) / len(rows) ** 0.5 for k in keys}
+            print(f"| {mode} | mean ± SE | {m['reward_last5']:+.3f} ± {se['reward_last5']:.3f} | {m['kl_half']:.4f} | "
+                  f"{m['tracking_error']:.3f} ± {se['tracking_error']:.3f} | {m['in_band']:.0%} ± {se['in_band']:.0%} | "
+                  f"{m['ppl_change']:+.1%} | {m['beta_end']:.4f} | {m['seconds']:.1f} |")
 
 
 if __name__ == "__main__":
