@@ -4,8 +4,8 @@
 from trl import GRPOConfig, GRPOTrainer
 from klppo.integrations.trl import add_kl_control
 
-trainer = GRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(beta=0.04, ...), train_dataset=...)
-add_kl_control(trainer, kl_target=0.05, kl_target_unit="token")  # the tracking controller holds 0.05 nats/token
+trainer = GRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(beta=0.5, ...), train_dataset=...)
+add_kl_control(trainer, kl_target=0.03, kl_target_unit="token")  # the tracking controller aims beta at 0.03 nats/token
 trainer.train()                                 # or trainer.train(resume_from_checkpoint=True)
 ```
 
