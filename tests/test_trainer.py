@@ -303,6 +303,17 @@ def test_biased_combination_warns_once(tmp_path, caplog):
     assert len(messages) == 1
 
 
+def test_log_probs_are_recomputed_under_mixed_precision_set_by_accelerate(tiny_path, prompts, tmp_path, monkeypatch):
+    """A float32 policy reads its sampling log-probs from generation; under bf16 autocast they are recomputed, also
+    when only accelerate's config asks for bf16 (as `accelerate launch` with `mixed_precision: bf16` does)."""
+    assert make_trainer(tiny_path, prompts, make_args(tmp_path / "fp32")).logprobs_from_generation
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    args = make_args(tmp_path / "bf16")
+    assert not args.bf16  # the arguments do not know
+    trainer = make_trainer(tiny_path, prompts, args)
+    assert trainer.accelerator.mixed_precision == "bf16" and not trainer.logprobs_from_generation
+
+
 @pytest.mark.parametrize("critic, stop_token", [("shared", "eos"), ("separate", "eos"), ("shared", None)])
 def test_generation_logprobs_and_values_match_a_scoring_forward(tiny_path, prompts, tmp_path, critic, stop_token):
     """Old log-probs (and a shared critic's values) are read from generation; they must equal what a

@@ -34,7 +34,8 @@ class ScoringMixin:
         and a full forward differ by up to 0.32 nats on a token, 0.04 on average (SmolLM2 on CPU, `results/bf16_logprobs`), which would
         make the first mini-batch's ratio far from 1, so they are recomputed, as TRL did."""
         policy = self.accelerator.unwrap_model(self.model_wrapped).policy
-        mixed = self.args.bf16 or self.args.fp16
+        # mixed precision set by the arguments or by accelerate (`mixed_precision` in an accelerate config file)
+        mixed = self.args.bf16 or self.args.fp16 or self.accelerator.mixed_precision != "no"
         return not mixed and all(p.dtype == torch.float32 for p in policy.parameters() if p.is_floating_point())
 
     @contextmanager
