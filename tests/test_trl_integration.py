@@ -151,6 +151,6 @@ def test_the_example_runs_offline_on_the_tiny_model(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("grpo_kl_control", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    trainer = example.main(["--model", "klppo:tiny-llama", "--max_steps", "2", "--output_dir", str(tmp_path)])
+    trainer = example.main(["--model", "klppo:tiny-llama", "--max_steps", "2", "--batch", "16", "--output_dir", str(tmp_path)])
     assert [h["step"] for h in step_logs(trainer)] == [1, 2]
     assert trainer.kl_control.settings.kl_controller == "tracking" and "kl/coef" in capsys.readouterr().out

@@ -5,7 +5,7 @@ from trl import GRPOConfig, GRPOTrainer
 from klppo.integrations.trl import add_kl_control
 
 trainer = GRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(beta=0.5, ...), train_dataset=...)
-add_kl_control(trainer, kl_target=0.03, kl_target_unit="token")  # the tracking controller aims beta at 0.03 nats/token
+add_kl_control(trainer, kl_target=0.03, kl_target_unit="token")  # beta set to hold the KL near 0.03 nats/token
 trainer.train()                                 # or trainer.train(resume_from_checkpoint=True)
 ```
 

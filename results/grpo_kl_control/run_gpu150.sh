@@ -7,7 +7,7 @@ for s in 2 3 4; do
   for run in "tracking 0.5" "fixed 0.5" "tracking 0.04"; do
     set -- $run; d=results/grpo_kl_control/runs/gpu150-$1-b$2-$s; mkdir -p $d
     $PY results/grpo_kl_control/run.py --mode $1 --seed $s --steps 150 --lr 3e-5 --beta $2 --kl_target 0.03 \
-      --batch 64 --out $d > $d.log 2>&1 &
+      --batch 64 --out $d > $d.log 2>&1 && cp $d/summary.json results/grpo_kl_control/summaries/gpu150-$1-b$2-$s.json &
   done
 done
 wait
