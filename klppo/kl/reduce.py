@@ -115,8 +115,10 @@ class GlobalSums:
             return {}
         names = list(self.sums)
         # statistics may come from the host (a float, the gradient norm) and from the accelerator: gather on one device
-        on_accelerator = [t.device for t in self.sums.values() if t.device.type != "cpu"]
-        device = on_accelerator[0] if on_accelerator else (_device_for(None, None, accelerator) or "cpu")
+        device = _device_for(None, None, accelerator)  # the rank's own device, where there is one to ask
+        if device is None:
+            on_accelerator = [t.device for t in self.sums.values() if t.device.type != "cpu"]
+            device = on_accelerator[0] if on_accelerator else "cpu"
         packed = torch.stack([torch.stack([self.sums[n].to(device) for n in names]),
                               torch.stack([self.counts[n].to(device) for n in names])])
         totals, counts = all_reduce_sum(packed, accelerator).tolist()
