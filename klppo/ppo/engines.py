@@ -32,7 +32,9 @@ def root_unsharded(model: nn.Module):
     # FSDP2 names its root at the first forward. Were that first forward one of the submodule forwards below, their
     # blocks would take themselves for roots and the actor-critic's own forward would fail ("already lazily
     # initialized"); `unshard` does not do this naming, so do it here (private in torch 2.11-2.13).
-    model._get_fsdp_state()._lazy_init()
+    fsdp_state = getattr(model, "_get_fsdp_state", None)
+    if fsdp_state is not None:
+        fsdp_state()._lazy_init()
     model.unshard()
     try:
         yield
