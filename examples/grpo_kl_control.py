@@ -3,8 +3,8 @@
 Offline, on SmolLM2-135M-Instruct (shipped in a pip wheel) and klppo's built-in prompts, steered toward positive
 sentiment, with a KL target of 0.03 nats per token. The defaults are the settings under which the controller held
 that target with GRPO on three seeds (results/grpo_kl_control: 150 updates of 64 completions, beta starting at 0.5;
-second-half tracking error 0.098 ± 0.007; RLOO was not run at these settings). Shorter runs or 16 completions per step did not hold it. About 1.6 s per update on one
-GPU, 45 s on 2 CPU cores:
+second-half tracking error 0.098 ± 0.007; RLOO was not run at these settings). Shorter runs or 16 completions per
+step did not hold it. About 1.6 s per update on one GPU, 45 s on 2 CPU cores:
 
     python examples/grpo_kl_control.py --output_dir outputs/grpo-kl
 

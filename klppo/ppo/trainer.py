@@ -472,7 +472,8 @@ class KLPPOTrainer(ScoringMixin, TrainingLoopMixin, CheckpointMixin, Trainer):
                 with record_function("klppo/forward"):
                     loss, parts = self.micro_batch_loss(rollout.select(idx), advantages, idx, counts)
                 checks[0] += (~torch.isfinite(loss.detach())).double()
-                checks[1:3] += torch.stack([torch.as_tensor(x, dtype=torch.float64, device=checks.device) for x in parts["kl/during_update"]])
+                checks[1:3] += torch.stack([torch.as_tensor(x, dtype=torch.float64, device=checks.device)
+                                            for x in parts["kl/during_update"]])  # a count in sequences is a host int
                 checks[3] += ((rollout.logp[idx].double() - rollout.ref_logp[idx].double()) * rollout.response_mask[idx]).sum()
                 if boundary:  # one collective and host sync per step
                     bad, kl_sum, kl_count, kl_rollout = all_reduce_sum(checks, acc).tolist()

@@ -79,7 +79,6 @@ def main():
         seconds_per_update=seconds / a.steps, device=str(trainer.args.device), kl=kls, reward=rewards,
         beta=[h.get("kl/coef", a.beta) for h in logs],
     )
-    os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, list)}))
