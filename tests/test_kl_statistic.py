@@ -120,33 +120,31 @@ def test_the_statistic_from_generation_logits_equals_a_scoring_pass(tiny_path, t
         torch.testing.assert_close(getattr(rollout, name)[mask], getattr(scored, name)[mask], rtol=1e-4, atol=1e-4)
 
 
-def test_a_chunk_that_stopped_early_pads_its_generation_logits(tiny_path, tmp_path):
-    """Generation runs in chunks of `rollout_forward_batch_size`, and a chunk stops when all its sequences have
-    met the stop token, so its logits can be shorter than the rollout's responses. Here the second chunk is made
-    to stop after 3 tokens (its last token replaced by the stop token): its padded positions are masked, and the
-    statistic on the rest equals a scoring pass's."""
+def test_one_generate_call_per_rollout_even_when_it_stops_early(tiny_path, tmp_path):
+    """The whole rollout is generated in one `generate` call, whatever the scoring chunk (`rollout_forward_batch_size`
+    2 for 4 sequences here), and generation stops when every sequence has met the stop token: here after 3 tokens
+    (its last token replaced by the stop token). The responses are then 3 tokens wide, and the statistic read from
+    the generation's logits equals a scoring pass's, chunk by chunk."""
     trainer = _statistic_trainer(tiny_path, tmp_path, PROMPTS[:4])
     policy = trainer.accelerator.unwrap_model(trainer.model).policy
-    generate, widths = policy.generate, []
+    generate, calls = policy.generate, []
 
     def stop_early(*args, **kwargs):
-        if len(widths) == 1:
-            kwargs["generation_config"] = copy.deepcopy(kwargs["generation_config"])
-            kwargs["generation_config"].max_new_tokens = 3
-            kwargs["generation_config"].min_new_tokens = None
+        kwargs["generation_config"] = copy.deepcopy(kwargs["generation_config"])
+        kwargs["generation_config"].max_new_tokens = 3
+        kwargs["generation_config"].min_new_tokens = None
         out = generate(*args, **kwargs)
-        if len(widths) == 1:
-            out.sequences[:, -1] = trainer.stop_token_id
-        widths.append(len(out.logits))
+        out[:, -1] = trainer.stop_token_id
+        calls.append(kwargs["input_ids"].shape[0])
         return out
 
     policy.generate = stop_early
     torch.manual_seed(1)
     rollout = trainer.rollout(trainer.prompt_batch(PROMPTS[:4]))
     del policy.generate
-    assert widths == [6, 3] and rollout.responses.shape[1] == 6
+    assert calls == [4] and rollout.responses.shape[1] == 3
     mask = rollout.response_mask.bool()
-    assert mask[2:, :3].all() and not mask[2:, 3:].any()
+    assert mask.all()
     scored = trainer.score(rollout.sequences())
     torch.testing.assert_close(rollout.statistic_kl[mask], scored.statistic_kl[mask], rtol=1e-4, atol=1e-4)
-    assert float(rollout.statistic_kl[2:, :3].sum()) > 0
+    assert float(rollout.statistic_kl.sum()) > 0

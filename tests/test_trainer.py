@@ -356,14 +356,15 @@ def test_sample_categorical_draws_exactly_the_given_probabilities(monkeypatch):
     assert sample_categorical(p[None], block=3).item() == 7  # u == total mass: the last positive token, not a 0
 
 
-def test_generation_samples_softmax_of_the_logits_over_temperature(tiny_model_and_tokenizer):
-    """The rollout's sampler (greedy `generate` with `InverseCDFSampler` last) draws from `softmax(logits / T)`
-    without the suppressed tokens: first-token frequencies over 4,000 samples within 5 standard errors of the exact
-    probabilities of a forward pass, and a suppressed token never drawn. The log-probs read from generation are those
-    of the drawn tokens."""
+@pytest.mark.parametrize("draw", ["inverse_cdf", "exponential_race"])
+def test_generation_samples_softmax_of_the_logits_over_temperature(tiny_model_and_tokenizer, draw):
+    """The rollout's sampler (greedy `generate` with `TemperatureSampler` last, either draw) samples from
+    `softmax(logits / T)` without the suppressed tokens: first-token frequencies over 4,000 samples within 5 standard
+    errors of the exact probabilities of a forward pass, and a suppressed token never drawn. The log-probs read at
+    each decoding step are those of the drawn tokens, and the kept logits are the scaled ones."""
     from transformers import GenerationConfig
 
-    from klppo.ppo.rollout import generate_responses, inverse_cdf_sampling
+    from klppo.ppo.rollout import generate_responses
 
     model, tokenizer = tiny_model_and_tokenizer
     enc = tokenizer(["The tiny model says"], return_tensors="pt")
@@ -377,40 +378,58 @@ def test_generation_samples_softmax_of_the_logits_over_temperature(tiny_model_an
         do_sample=True, temperature=0.7, top_k=0, top_p=1.0, max_new_tokens=1, pad_token_id=tokenizer.pad_token_id,
         suppress_tokens=suppressed.tolist(),
     )  # fmt: skip
-    assert inverse_cdf_sampling(config)[1] is not None  # the sampler path is the one under test
     n = 4000
     torch.manual_seed(0)
-    tokens, logp, _, _ = generate_responses(
-        model, enc.input_ids.repeat(n, 1), enc.attention_mask.repeat(n, 1), config, chunk=n, temperature=0.7,
-        suppressed=suppressed,
+    out = generate_responses(
+        model, enc.input_ids.repeat(n, 1), enc.attention_mask.repeat(n, 1), config, with_logprobs=True,
+        keep_logits=True, draw=draw,
     )  # fmt: skip
+    tokens = out.tokens
     freq = torch.bincount(tokens[:, 0], minlength=probs.numel()).double() / n
     assert freq[suppressed].sum() == 0
     top = probs.topk(20).indices
     se = (probs[top] * (1 - probs[top]) / n).sqrt()
     assert (freq[top] - probs[top]).abs().le(5 * se).all(), (freq[top], probs[top])
-    torch.testing.assert_close(logp[:, 0], probs.log()[tokens[:, 0]].float(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.logp[:, 0], probs.log()[tokens[:, 0]].float(), rtol=1e-4, atol=1e-4)
+    expected = logits.clamp(min=torch.finfo(logits.dtype).min)  # suppressed: the lowest finite value
+    torch.testing.assert_close(out.logits[0, 0], expected, rtol=1e-5, atol=1e-5)
+    assert out.finite
 
 
-def test_the_inverse_cdf_sampler_applies_only_to_plain_temperature_sampling():
-    """Greedy + `InverseCDFSampler` replaces `do_sample=True` only when nothing truncates or reshapes the
-    distribution, counting what the model's own generation config fills into unset fields (as `generate` does)."""
+def test_exponential_race_draws_exactly_the_given_probabilities():
+    """The race `argmax(w / E)`, E ~ Exp(1): frequencies within 5 standard errors of `w / sum(w)` for an
+    unnormalised row, and a token of weight 0 never drawn."""
+    from klppo.ppo.rollout import sample_exponential_race
+
+    w = torch.tensor([0.0, 0.2, 0.0, 0.4, 0.6, 0.0, 0.1, 0.7])  # total 2
+    p = (w / w.sum()).double()
+    n = 200_000
+    torch.manual_seed(0)
+    freq = torch.bincount(sample_exponential_race(w.repeat(n, 1)), minlength=w.numel()).double() / n
+    se = (p * (1 - p) / n).sqrt()
+    assert (freq - p).abs().le(5 * se + 1e-12).all(), (freq, p)
+    assert freq[w == 0].sum() == 0
+
+
+def test_only_plain_temperature_sampling_is_accepted():
+    """klppo scores `softmax(logits / T)`, so generation must sample exactly that: plain temperature sampling, counting
+    what the model's own generation config fills into unset fields (as `generate` does); anything that truncates or
+    reshapes the distribution is refused."""
     from transformers import GenerationConfig
 
-    from klppo.ppo.rollout import InverseCDFSampler, inverse_cdf_sampling
+    from klppo.ppo.rollout import default_draw, plain_sampling_temperature
 
     plain = GenerationConfig(do_sample=True, temperature=0.7, top_k=0, top_p=1.0, max_new_tokens=4)
-    config, processors = inverse_cdf_sampling(plain)
-    assert not config.do_sample and isinstance(processors[0], InverseCDFSampler)
-    assert processors[0].temperature == 0.7
+    assert plain_sampling_temperature(plain) == 0.7
     # the caller's explicit values win over the model's, as in `generate`
-    assert inverse_cdf_sampling(plain, GenerationConfig(temperature=0.2, top_p=0.9))[1][0].temperature == 0.7
+    assert plain_sampling_temperature(plain, GenerationConfig(temperature=0.2, top_p=0.9)) == 0.7
     for model_default in ({"min_p": 0.05}, {"typical_p": 0.9}, {"epsilon_cutoff": 3e-4}, {"penalty_alpha": 0.6}):
-        assert inverse_cdf_sampling(plain, GenerationConfig(**model_default))[1] is None, model_default
+        assert plain_sampling_temperature(plain, GenerationConfig(**model_default)) is None, model_default
     unset_top_k = GenerationConfig(do_sample=True, temperature=0.7, max_new_tokens=4)  # transformers' top-k 50
     two_per_prompt = GenerationConfig(do_sample=True, temperature=0.7, top_k=0, num_return_sequences=2)
     for other in (unset_top_k, two_per_prompt, GenerationConfig(do_sample=False)):
-        assert inverse_cdf_sampling(other) == (other, None)
+        assert plain_sampling_temperature(other) is None
+    assert default_draw("cpu") == "inverse_cdf" and default_draw("cuda") == "exponential_race"
 
 
 def test_sampling_from_non_finite_logits_says_the_weights_diverged(tiny_model_and_tokenizer):
@@ -425,7 +444,8 @@ def test_sampling_from_non_finite_logits_says_the_weights_diverged(tiny_model_an
     config = GenerationConfig(do_sample=True, temperature=0.7, top_k=0, top_p=1.0, max_new_tokens=3,
                               pad_token_id=tokenizer.pad_token_id)  # fmt: skip
     with pytest.raises(RuntimeError, match="weights have diverged"), clear_sampling_errors():
-        generate_responses(model, enc.input_ids, enc.attention_mask, config, chunk=2, temperature=0.7)
+        generate_responses(model, enc.input_ids, enc.attention_mask, config, with_logprobs=True)
+    assert not generate_responses(model, enc.input_ids, enc.attention_mask, config, check_finite=False).finite
 
 
 @pytest.mark.parametrize("merge", [True, False])
@@ -627,6 +647,40 @@ def test_a_diverging_update_is_undone_and_the_log_says_so(tiny_path, prompts, tm
 
     saved = load_file(os.path.join(args.output_dir, "checkpoint-2", "klppo_trainable.safetensors"))
     assert all(torch.isfinite(v).all() for v in saved.values())
+
+
+def test_an_update_that_leaves_overflowing_logits_is_undone_by_the_next_rollout(tiny_path, prompts, tmp_path, caplog,
+                                                                               monkeypatch):
+    """An update whose loss and gradients were finite can still leave weights whose logits overflow. No extra forward
+    pass looks for that after each update: the next rollout's own forwards find it, the update is undone from its
+    copy and the rollout sampled again from the policy before it. Only the end of training checks with a forward of
+    its own (one micro-batch), before anything samples from or saves the policy."""
+    import klppo.ppo.trainer as trainer_module
+
+    args = make_args(tmp_path, max_steps=3, nonfinite_rollback=True, max_nonfinite_updates=5)
+    trainer = make_trainer(tiny_path, prompts, args)
+    head = trainer.model.policy.get_output_embeddings().weight
+    optimise, checks = trainer.optimise, []
+
+    def optimise_then_blow_up(*a, **k):
+        result = optimise(*a, **k)
+        if trainer.state.global_step == 0:  # the first update leaves finite weights with overflowing logits
+            with torch.no_grad():
+                head.fill_(1e38)
+        return result
+
+    checked = trainer_module.policy_outputs_finite
+    monkeypatch.setattr(trainer, "optimise", optimise_then_blow_up)
+    monkeypatch.setattr(trainer_module, "policy_outputs_finite", lambda *a, **k: checks.append(1) or checked(*a, **k))
+    before = head.detach().clone()
+    with caplog.at_level("WARNING"):
+        trainer.train()
+    assert trainer.state.global_step == 3 and trainer.nonfinite_skips == 1
+    assert checks == [1]  # the end of training's own check, and no other
+    assert any("after update 1" in r.getMessage() and "restored to the start of that update" in r.getMessage()
+               for r in caplog.records)  # fmt: skip
+    assert torch.isfinite(head).all() and head.abs().max() < 1e3 and not torch.equal(head, before)
+    assert trainer.state.log_history[1]["train/skipped_update"] == 1.0
 
 
 def test_rollback_is_on_by_default_with_lora_and_off_for_full_fine_tuning(tiny_path, prompts, tmp_path):

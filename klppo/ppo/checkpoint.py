@@ -64,6 +64,7 @@ class CheckpointMixin:
         """Save the policy (HF format: full model or PEFT adapter), the tokenizer, and every trainable
         weight of the actor-critic (value head / critic included) for resuming."""
         output_dir = output_dir or self.args.output_dir
+        self._settle_last_update()
         if not self._weights_finite():
             if self.is_world_process_zero():
                 logger.warning("Not saving to %s: the trainable weights are not finite, or training stopped on a "
@@ -97,6 +98,7 @@ class CheckpointMixin:
     def _save_checkpoint(self, model, trial) -> None:
         """Write `checkpoint-N` atomically: every file (Trainer's and klppo's) goes into a staging folder that
         is renamed into place only when complete, so a crash mid-save never leaves a partial `checkpoint-N`."""
+        self._settle_last_update()
         if not self._weights_finite():
             if self.is_world_process_zero():
                 logger.warning(

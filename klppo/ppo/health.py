@@ -23,6 +23,7 @@ import torch
 
 __all__ = [
     "HEALTH_RANGES", "HealthRange", "NonfiniteGuard", "PPOHealthMonitor", "TrainingDiverged", "policy_outputs_finite",
+    "rollout_outputs_finite",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -137,6 +138,20 @@ def policy_outputs_finite(model, sequences, accelerator, rows: int = 1) -> bool:
     for x in (logits, values):
         if x is not None:
             bad += (~torch.isfinite(x)).sum()
+    return all_reduce_sum(bad, accelerator).item() == 0
+
+
+@torch.no_grad()
+def rollout_outputs_finite(rollout, accelerator) -> bool:
+    """Whether the policy gave finite outputs while a rollout was sampled and scored: its sampling logits
+    (`rollout.sampled_finite`), the response tokens' log-probs and the critic's values, on every rank."""
+    from ..kl.reduce import all_reduce_sum
+
+    mask = rollout.response_mask.bool()
+    bad = torch.zeros(1, dtype=torch.float64, device=accelerator.device)
+    bad += float(not rollout.sampled_finite)
+    for x in (rollout.logp, rollout.values):
+        bad += (~torch.isfinite(x[mask])).sum()
     return all_reduce_sum(bad, accelerator).item() == 0
 
 

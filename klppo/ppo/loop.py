@@ -48,6 +48,7 @@ class TrainingLoopMixin:
             self._log_evaluate_save(metrics)
             if self.control.should_training_stop:
                 break
+        self._settle_last_update()  # the last update's policy, checked before anything samples from or saves it
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         self.is_in_train = False
         runtime = time.time() - start_time
@@ -65,6 +66,8 @@ class TrainingLoopMixin:
         self.state.is_world_process_zero = self.is_world_process_zero()
 
     def _log_evaluate_save(self, metrics: dict) -> None:
+        if self.control.should_evaluate or self.control.should_save:  # check the policy before using it
+            metrics = {**metrics, **(self._settle_last_update() or {})}
         if self.control.should_log:
             self.log(dict(metrics))
         if self.control.should_evaluate:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from collections import Counter
 from contextlib import contextmanager, nullcontext
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -69,6 +70,13 @@ def endless_prompt_batches(dataset, batch_size: int, collate, accelerator, seed:
         epoch += 1
 
 
+DIVERGED_SAMPLING = (
+    "The policy's logits are not finite, so no response can be sampled: its weights have diverged. Lower the "
+    "learning rate or max_grad_norm, raise the KL coefficient, or use bf16/fp32 instead of fp16; resume from the "
+    "last checkpoint (checkpoints written so far are intact)."
+)
+
+
 @contextmanager
 def clear_sampling_errors():
     """Sampling from a policy whose logits are NaN or inf fails deep inside torch; say what it means."""
@@ -77,11 +85,7 @@ def clear_sampling_errors():
     except RuntimeError as err:
         text = str(err).lower()
         if "inf" in text or "nan" in text:
-            raise TrainingDiverged(
-                "The policy's logits are not finite, so no response can be sampled: its weights have diverged. "
-                "Lower the learning rate or max_grad_norm, raise the KL coefficient, or use bf16/fp32 instead of "
-                "fp16; resume from the last checkpoint (checkpoints written so far are intact)."
-            ) from err
+            raise TrainingDiverged(DIVERGED_SAMPLING) from err
         raise
 
 
@@ -275,34 +279,67 @@ def sample_categorical(probs: torch.Tensor, block: int = 256, generator: torch.G
     return (b * block + j).squeeze(1)
 
 
-class InverseCDFSampler(LogitsProcessor):
-    """Temperature sampling as the last logits processor of a greedy `generate`: draws the token from
-    `softmax(scores / temperature)` with `sample_categorical` and returns scores whose only finite entry is that
-    token, which the greedy step then picks. The draws follow the distribution of `do_sample=True` with the same
-    temperature (and no truncation), without `torch.multinomial`'s cost on CPU. Generation's raw logits
-    (`output_logits`) are untouched; its `output_scores` would hold the one-hot scores.
+def sample_exponential_race(weights: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of `weights [B, V]` (non-negative, each row with a positive sum; need not be normalised):
+    the index of the largest `weights / E`, with `E` independent Exp(1) variates. Token `i` wins with probability
+    `w_i / sum(w)` (the race of exponential clocks with rates `w_i`), and a token of weight 0 never does. Two
+    elementwise kernels and an argmax: the draw `torch.multinomial` makes inside, without its bookkeeping."""
+    race = torch.empty_like(weights).exponential_(generator=generator).clamp_(min=torch.finfo(weights.dtype).tiny)
+    return (weights / race).argmax(dim=-1)
 
-    Non-finite probabilities (NaN or +inf logits, or a row with every token masked) are noted on the device, with
-    no host sync per decoding step; `raise_if_nonfinite` after `generate` raises as `torch.multinomial` does (a
-    message naming inf and nan, which `clear_sampling_errors` explains)."""
 
-    def __init__(self, temperature: float):
+# how a `TemperatureSampler` draws, per device type: measured per decoding step for 8 x 49,152 weights on one CPU
+# thread, inverse transform sampling took 1 ms against 12-14 ms for `torch.multinomial` and the same for the
+# exponential race (one exponential variate per entry); on a GPU the race is two elementwise kernels and an argmax
+# (`benchmarks/sampling.py` times the three on any device)
+DRAWS = {"inverse_cdf": sample_categorical, "exponential_race": sample_exponential_race}
+
+
+def default_draw(device: torch.device | str) -> str:
+    """The draw a `TemperatureSampler` uses on `device`: inverse transform sampling on a CPU, the race elsewhere."""
+    return "inverse_cdf" if torch.device(device).type == "cpu" else "exponential_race"
+
+
+class TemperatureSampler(LogitsProcessor):
+    """Temperature sampling as the last logits processor of a greedy `generate`, reading what scoring needs as it
+    goes.
+
+    At each decoding step it draws the token from `softmax(scores / temperature)` (after the processors before it,
+    such as the suppression of end-of-sequence tokens) with `DRAWS[draw]`, and returns scores whose only finite
+    entry is that token, which the greedy step then picks: the draws follow `do_sample=True` with the same
+    temperature and no truncation. With `record_logprobs` it keeps the drawn token's log-probability (one `[B]`
+    tensor per step, no full-vocabulary tensor kept); with `keep_logits`, the scaled logits of each step `[B, V]`,
+    their suppressed entries (-inf) set to the lowest finite value as in `mask_suppressed`. Tokens generation then
+    replaces by padding (sequences already finished) get entries that the response mask drops.
+
+    Non-finite logits (NaN or +inf, or a row with every token masked) are noted in `nonfinite`, a device bool, with
+    no host sync per decoding step."""
+
+    def __init__(self, temperature: float, draw: str = "inverse_cdf", record_logprobs: bool = False,
+                 keep_logits: bool = False):  # fmt: skip
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
-        self.temperature = float(temperature)
-        self.nonfinite = None  # a device bool: any non-finite probability since the last check
+        if draw not in DRAWS:
+            raise ValueError(f"draw must be one of {', '.join(DRAWS)}, got {draw!r}")
+        self.temperature, self.draw = float(temperature), draw
+        self.record_logprobs, self.keep_logits = record_logprobs, keep_logits
+        self.logprobs: list[torch.Tensor] = []
+        self.logits: list[torch.Tensor] = []
+        self.nonfinite = torch.tensor(False)  # on the device after the first step: any non-finite logits
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(scores.float() / self.temperature, dim=-1)
-        bad = ~torch.isfinite(probs).all()
-        self.nonfinite = bad if self.nonfinite is None else self.nonfinite | bad
-        token = sample_categorical(probs)
-        return torch.full_like(scores, float("-inf")).scatter_(1, token[:, None], 0.0)
-
-    def raise_if_nonfinite(self) -> None:
-        nonfinite, self.nonfinite = self.nonfinite, None
-        if nonfinite is not None and bool(nonfinite):  # one sync per `generate` call
-            raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+        scaled = scores.float() / self.temperature
+        top = scaled.amax(dim=-1, keepdim=True)
+        bad = ~torch.isfinite(top).all()
+        self.nonfinite = bad | self.nonfinite.to(bad.device)
+        weights = (scaled - top).exp_()  # softmax up to its normaliser, which neither draw needs
+        token = DRAWS[self.draw](weights)[:, None]
+        if self.record_logprobs:
+            log_norm = top + weights.sum(dim=-1, keepdim=True).log()
+            self.logprobs.append((scaled.gather(1, token) - log_norm).squeeze(1))
+        if self.keep_logits:
+            self.logits.append(scaled.clamp_(min=torch.finfo(scaled.dtype).min))
+        return torch.full_like(scores, float("-inf")).scatter_(1, token, 0.0)
 
 
 # settings under which `do_sample=True` is plain temperature sampling: each field's value (after the model's own
@@ -323,24 +360,40 @@ _UNTRUNCATED = {
 }
 
 
-def inverse_cdf_sampling(
+def plain_sampling_temperature(
     generation_config: GenerationConfig, model_generation_config: GenerationConfig | None = None
-) -> tuple[GenerationConfig, LogitsProcessorList | None]:
-    """`(config, logits_processor)` for `generate`: plain temperature sampling (no top-k / top-p / min-p / typical /
-    epsilon / eta / top-h truncation, one beam, one sequence per prompt, no watermark or prompt lookup), judged after
-    `model_generation_config` (the model's `generation_config`) fills the fields `generation_config` leaves unset,
-    becomes greedy decoding with an `InverseCDFSampler` last, which draws from the same distribution. Any other
-    configuration is returned as it is, with no processor, and samples with `torch.multinomial`."""
+) -> float | None:
+    """The temperature of `generation_config` when it is plain temperature sampling (no top-k / top-p / min-p /
+    typical / epsilon / eta / top-h truncation, one beam, one sequence per prompt, no watermark or prompt lookup),
+    judged after `model_generation_config` (the model's `generation_config`) fills the fields `generation_config`
+    leaves unset, as `generate` does; None for any other configuration."""
     merged = copy.deepcopy(generation_config)
     if model_generation_config is not None:
         merged.update(**model_generation_config.to_dict(), defaults_only=True)
     if not merged.do_sample or any(getattr(merged, k, None) not in ok for k, ok in _UNTRUNCATED.items()):
-        return generation_config, None
-    sampler = InverseCDFSampler(merged.temperature if merged.temperature is not None else 1.0)
-    greedy = copy.deepcopy(merged)
-    # neutral values: a greedy config that sets sampling flags makes transformers warn that they are ignored
+        return None
+    return merged.temperature if merged.temperature is not None else 1.0
+
+
+def greedy_form(generation_config: GenerationConfig) -> GenerationConfig:
+    """`generation_config` as greedy decoding, for a `TemperatureSampler` to draw the tokens; the sampling flags
+    are set to neutral values (a greedy config that sets them makes transformers warn that they are ignored)."""
+    greedy = copy.deepcopy(generation_config)
     greedy.do_sample, greedy.temperature, greedy.top_p, greedy.top_k = False, 1.0, 1.0, None
-    return greedy, LogitsProcessorList([sampler])
+    return greedy
+
+
+class Generation(NamedTuple):
+    """What `generate_responses` returns: `tokens [B, R]` right-padded with the pad token (R <= `max_new_tokens`:
+    generation stops when every sequence has), and when asked for, the sampled tokens' `logp [B, R]`, a shared
+    critic's `values [B, R]` and the scaled `logits [B, R, V]`; `finite` is False when some sampling logits were
+    not (the tokens are then meaningless)."""
+
+    tokens: torch.Tensor
+    logp: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    finite: bool = True
 
 
 @torch.no_grad()
@@ -349,68 +402,52 @@ def generate_responses(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     generation_config: GenerationConfig,
-    chunk: int,
-    temperature: float | None = None,
+    with_logprobs: bool = False,
     value_head=None,
-    suppressed: torch.Tensor | None = None,
     keep_logits: bool = False,
     synced: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, list[torch.Tensor] | None]:
-    """Sample responses for left-padded prompts in chunks of `chunk` sequences.
+    draw: str | None = None,
+    check_finite: bool = True,
+) -> Generation:
+    """Sample responses for left-padded prompts, all in one `generate` call.
 
-    With `temperature`, the log-probs of the sampled tokens under `softmax(logits / temperature)` are read
-    from the generation's own logits, so scoring needs no second policy forward pass; with `value_head` too,
-    the values of the states before each token come from the generation's last hidden states (a shared
-    critic). `suppressed` token ids are masked out of the scored log-softmax, as in `response_logits`.
-    Full-vocabulary logits exist for one chunk at a time, unless `keep_logits` (with `temperature`) returns
-    them: the scaled, masked logits of each chunk, for a logits-based KL statistic without a scoring pass.
-    `synced` keeps every rank generating until all have finished (`synced_gpus`): sharded weights (FSDP) need
-    every rank in every forward pass.
-
-    Returns:
-        `(responses [B, R], logp [B, R] or None, values [B, R] or None, logits)`, right-padded (pad token /
-        0), R <= `max_new_tokens`; `logits` is None or one `[chunk, R_chunk, V]` tensor per chunk
-        (`R_chunk <= R`: a chunk stops when all its sequences have).
+    `generation_config` must be plain temperature sampling (`plain_sampling_temperature`): a `TemperatureSampler`
+    draws the tokens (`draw`: see `DRAWS`; None picks `default_draw` for the policy's device). With
+    `with_logprobs`, the log-probs of the sampled tokens under `softmax(logits / T)` (without the suppressed tokens)
+    are read at each decoding step, so scoring needs no second policy forward pass; with `value_head` too, the
+    values of the states before each token come from the generation's last hidden states (a shared critic). No
+    full-vocabulary tensor outlives its decoding step unless `keep_logits` returns them all: the scaled logits, for
+    a logits-based KL statistic without a scoring pass. `synced` keeps every rank generating until all have
+    finished (`synced_gpus`): sharded weights (FSDP) need every rank in every forward pass. Non-finite sampling
+    logits raise a `RuntimeError` naming inf and nan (`clear_sampling_errors` explains it), or with
+    `check_finite=False` give `finite=False` (a caller that decides alike on every rank reduces it first).
     """
-    pad = generation_config.pad_token_id
-    with_scores = temperature is not None
-    generation_config, processors = inverse_cdf_sampling(generation_config, getattr(policy, "generation_config", None))
-    generation_config = copy.deepcopy(generation_config)
-    generation_config.return_dict_in_generate = True
-    generation_config.output_logits = with_scores
-    with_values = with_scores and value_head is not None
-    pieces, logps, values, kept = [], [], [], []
-    for start in range(0, input_ids.shape[0], chunk):
-        with last_hidden_states(policy) if with_values else nullcontext() as hidden:
-            out = policy.generate(
-                input_ids=input_ids[start : start + chunk],
-                attention_mask=attention_mask[start : start + chunk],
-                generation_config=generation_config,
-                logits_processor=processors,
-                synced_gpus=synced or None,  # None: transformers decides (on under DeepSpeed ZeRO-3)
-            )
-        if processors is not None:
-            processors[0].raise_if_nonfinite()
-        tokens = out.sequences[:, input_ids.shape[1] :]
-        pieces.append(tokens)
-        if with_scores:
-            step_logits = mask_suppressed(torch.stack(out.logits, dim=1) / temperature, suppressed, inplace=True)  # [b, R, V]
-            logps.append(response_logprobs(step_logits, tokens))
-            if keep_logits:
-                kept.append(step_logits)
-            del step_logits
-            if with_values:
-                # the last hidden state at the last position of every step: the state before each token
-                last = torch.stack([step[:, -1] for step in hidden[: tokens.shape[1]]], dim=1)
-                values.append(value_head(last).float())
-        del out
-
-    def cat(parts, value):
-        width = max(p.shape[1] for p in parts)
-        return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=value) for p in parts], dim=0)
-
-    logp_out, values_out = cat(logps, 0.0) if logps else None, cat(values, 0.0) if values else None
-    return cat(pieces, pad), logp_out, values_out, kept if keep_logits and with_scores else None
+    temperature = plain_sampling_temperature(generation_config, getattr(policy, "generation_config", None))
+    if temperature is None:
+        raise ValueError(
+            "klppo samples with plain temperature sampling (the distribution it scores); the generation config "
+            f"truncates or reshapes it: {generation_config.to_diff_dict()}"
+        )
+    device = input_ids.device
+    sampler = TemperatureSampler(temperature, draw or default_draw(device), record_logprobs=with_logprobs,
+                                 keep_logits=keep_logits)  # fmt: skip
+    with last_hidden_states(policy) if with_logprobs and value_head is not None else nullcontext() as hidden:
+        sequences = policy.generate(
+            input_ids=input_ids, attention_mask=attention_mask, generation_config=greedy_form(generation_config),
+            logits_processor=LogitsProcessorList([sampler]),
+            synced_gpus=synced or None,  # None: transformers decides (on under DeepSpeed ZeRO-3)
+        )  # fmt: skip
+    finite = not bool(sampler.nonfinite)  # one host sync per rollout
+    if check_finite and not finite:
+        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+    tokens = sequences[:, input_ids.shape[1] :]
+    width = tokens.shape[1]  # synced ranks may step past their own last token: those steps are dropped
+    logp = torch.stack(sampler.logprobs[:width], dim=1) if with_logprobs else None
+    logits = torch.stack(sampler.logits[:width], dim=1) if keep_logits else None
+    values = None
+    if hidden is not None:  # the last hidden state at the last position of every step: the state before each token
+        values = value_head(torch.stack([step[:, -1] for step in hidden[:width]], dim=1)).float()
+    return Generation(tokens, logp, values, logits, finite)
 
 
 def response_positions(response_length: int, length: int, device) -> torch.Tensor:

@@ -58,18 +58,18 @@ class ScoringMixin:
 
     @torch.no_grad()
     def score(self, sequences: Sequences, logp=None, values=None, timings: dict | None = None,
-              policy_logits: list[torch.Tensor] | None = None) -> Rollout:  # fmt: skip
+              policy_logits: torch.Tensor | None = None) -> Rollout:  # fmt: skip
         """Step 3: forward passes in chunks of `rollout_forward_batch_size` sequences for what is not given: the
         policy's log-probs (`logp`), the critic's values (`values`); always the reference's log-probs.
-        `policy_logits` (the generation's scaled logits, one tensor per chunk) feed a logits-based statistic."""
+        `policy_logits` (the generation's scaled logits `[B, R, V]`) feed a logits-based statistic."""
         timings = timings if timings is not None else defaultdict(float)
         chunk = self.args.rollout_forward_batch_size
         need_policy = logp is None or (self.kl_statistic_spec.needs_logits and policy_logits is None)
         need_values = values is None and not self.args.critic_free
         parts = [
             self._score_chunk(sequences.select(slice(i, i + chunk)), need_policy, need_values, timings,
-                              None if policy_logits is None else policy_logits[k])  # fmt: skip
-            for k, i in enumerate(range(0, sequences.batch_size, chunk))
+                              None if policy_logits is None else policy_logits[i : i + chunk])  # fmt: skip
+            for i in range(0, sequences.batch_size, chunk)
         ]
         scored = {k: torch.cat([p[k] for p in parts], dim=0) if parts[0][k] is not None else None for k in parts[0]}
         scored["logp"] = logp if logp is not None else scored["logp"]
@@ -106,9 +106,7 @@ class ScoringMixin:
             if self.kl_estimator.needs_logits:
                 out["logits_kl"] = self._estimate_kl(logits=logits, ref_logits=ref_logits)
             if self.kl_statistic_spec.needs_logits and args.kl_statistic != args.kl_estimator:
-                if logits is None:  # the generation's logits, shorter when this chunk stopped early
-                    width = resp.shape[1] - policy_logits.shape[1]
-                    logits = torch.nn.functional.pad(policy_logits, (0, 0, 0, width)) if width else policy_logits
+                logits = policy_logits if logits is None else logits  # the generation's, when not scored here
                 out["statistic_kl"] = estimate_kl(
                     args.kl_statistic, logits=logits, ref_logits=ref_logits, chunk_size=args.full_kl_chunk_size
                 )

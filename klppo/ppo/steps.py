@@ -67,6 +67,7 @@ class Sequences(_Selectable):
     responses: torch.Tensor  # [B, R], padding after the stop token
     response_mask: torch.Tensor  # [B, R], 1 on response tokens (up to and including the stop token)
     context_length: int  # P
+    sampled_finite: bool = True  # False: the sampling policy's logits were not finite (the tokens mean nothing)
 
     @property
     def batch_size(self) -> int:

@@ -54,12 +54,12 @@ from .loop import TrainingLoopMixin
 from .config import KL_LOSS_MIN_ADVANTAGE_STD, KLPPOConfig
 from .engines import root_unsharded
 from .guard import LOWER, UPPER, KLGuard, reset_momentum
-from .health import NonfiniteGuard, PPOHealthMonitor, policy_outputs_finite
+from .health import NonfiniteGuard, PPOHealthMonitor, TrainingDiverged, policy_outputs_finite, rollout_outputs_finite
 from .losses import ppo_losses
 from .rollback import restore_optimisation, snapshot_optimisation
 from .scoring import ScoringMixin
 from .rollout import (
-    clear_sampling_errors,
+    DIVERGED_SAMPLING,
     collate_prompts,
     ends_with_stop,
     generate_responses,
@@ -182,11 +182,14 @@ class KLPPOTrainer(ScoringMixin, TrainingLoopMixin, CheckpointMixin, Trainer):
         lr = self.lr_scheduler.get_last_lr()[0] if self.lr_scheduler is not None else self.args.learning_rate
         start = now(self.accelerator)
         rollout = self.rollout(batch, timings)  # steps 1-3
+        undone = self._settle_last_update(rollout)
+        if undone:  # the last update left non-finite outputs and was undone: sample again from the policy before it
+            rollout = self.rollout(batch, timings)
         with timed(timings, "time/reward", self.accelerator):
             rewards = self.compute_rewards(rollout)  # step 4
         with timed(timings, "time/kl", self.accelerator):
             penalty = self.apply_kl(rollout, rewards)  # steps 5-6
-        metrics = {**rewards.metrics, **penalty.metrics}
+        metrics = {**rewards.metrics, **penalty.metrics, **(undone or {})}
         if not penalty.finite:
             metrics.update(self._record_nonfinite("rollout scores or KL", "no optimizer step was taken"))
         else:
@@ -200,6 +203,7 @@ class KLPPOTrainer(ScoringMixin, TrainingLoopMixin, CheckpointMixin, Trainer):
                 result = self.optimise(rollout, advantages, kl_reading=penalty.metrics["kl/value"])  # step 8
             metrics.update(result.metrics, **advantages.metrics)
             metrics.update(self._after_optimise(result, snapshot, rollout))
+            self._checked_rows = rollout.select(slice(0, self.args.per_device_train_batch_size))
         timings["time/update"] = now(self.accelerator) - start
         metrics.update(timings, **{"train/nonfinite_skips": float(self.nonfinite_skips), "lr": lr})
         for message in self.health_monitor.update(metrics):
@@ -227,22 +231,44 @@ class KLPPOTrainer(ScoringMixin, TrainingLoopMixin, CheckpointMixin, Trainer):
         return 10 * trainable <= total
 
     def _after_optimise(self, result: OptimiseResult, snapshot: dict | None, rollout: Rollout) -> dict[str, float]:
-        """Roll back (or report) an update stopped by a non-finite loss or gradient, or whose steps left a policy
-        with non-finite logits or values; such a policy that cannot be rolled back stops training."""
-        rows = self.args.per_device_train_batch_size  # the forward pass of one micro-batch checks the policy
-        diverged = result.applied_steps > 0 and not policy_outputs_finite(self.model_wrapped, rollout, self.accelerator, rows)
-        if not (result.skipped or diverged):
-            self.nonfinite_guard.reset()
+        """Roll back (or report) an update stopped by a non-finite loss or gradient. An update whose steps went
+        through is checked later, by the forward passes that run anyway (`_settle_last_update`): its `snapshot` is
+        kept until then."""
+        if not result.skipped:
+            self._unsettled = (self.state.global_step + 1, result.applied_steps, snapshot)
             return {}
-        what = "the policy's logits or values after the update" if diverged else "the loss or its gradient"
         if snapshot is not None:
             restore_optimisation(snapshot, self.accelerator.unwrap_model(self.model_wrapped), self.optimizer, self.lr_scheduler)
             outcome = "the weights and optimizer state were restored to the start of the update"
-        elif diverged:
-            self.nonfinite_guard.policy_diverged(self.state.global_step + 1, result.applied_steps, self.args)
         else:
+            self._unsettled = (self.state.global_step + 1, result.applied_steps, None)  # partly applied: check it
             outcome = f"{result.applied_steps} optimizer step(s) of this update had already been applied"
-        return self._record_nonfinite(what, outcome)
+        return self._record_nonfinite("the loss or its gradient", outcome)
+
+    def _settle_last_update(self, rollout: Rollout | None = None) -> dict[str, float] | None:
+        """Check the policy that the last update left, with forward passes that run anyway: the next rollout's
+        (`rollout`: its sampling logits, its log-probs and values), or, before a save and at the end of training,
+        one micro-batch of the last rollout. An optimizer step can leave finite weights whose logits overflow on
+        some inputs (a learning rate far too high): the weights alone do not tell. Finite: nothing to do (None).
+        Not finite: the update is undone from its copy, and the metrics of the skip are returned; without a copy
+        training stops (`TrainingDiverged`, nothing saved from then on). Decided alike on every rank."""
+        if getattr(self, "_unsettled", None) is None:
+            return None
+        step, applied, snapshot = self._unsettled
+        if rollout is not None:
+            finite = rollout_outputs_finite(rollout, self.accelerator)
+        else:
+            finite = policy_outputs_finite(self.model_wrapped, self._checked_rows, self.accelerator)
+        self._unsettled = None
+        if finite:
+            self.nonfinite_guard.reset()
+            return None
+        if snapshot is None:
+            self.nonfinite_guard.policy_diverged(step, applied, self.args)
+        restore_optimisation(snapshot, self.accelerator.unwrap_model(self.model_wrapped), self.optimizer, self.lr_scheduler)
+        return self._record_nonfinite(f"the policy's logits or values after update {step}",
+                                      "the weights and optimizer state were restored to the start of that update",
+                                      step=step)  # fmt: skip
 
     # ------------------------------------------------------------------ steps 1-3: rollout
     @torch.no_grad()
@@ -258,21 +284,21 @@ class KLPPOTrainer(ScoringMixin, TrainingLoopMixin, CheckpointMixin, Trainer):
         reuse = self.logprobs_from_generation and not self.kl_estimator.needs_logits and (
             keep or not self.kl_statistic_spec.needs_logits)  # fmt: skip
         with timed(timings, "time/generation", acc):
-            with unwrap_model_for_generation(self.model_wrapped, acc) as unwrapped, clear_sampling_errors(), \
+            with unwrap_model_for_generation(self.model_wrapped, acc) as unwrapped, \
                     root_unsharded(self.model_wrapped), self._sampling_form(unwrapped.policy):  # fmt: skip
-                responses, logp, values, policy_logits = generate_responses(
-                    unwrapped.policy, input_ids, attention_mask, self.generation_config,
-                    args.rollout_forward_batch_size, temperature=args.temperature if reuse else None,
-                    value_head=unwrapped.value_head if reuse else None, suppressed=self.suppressed_ids,
-                    keep_logits=keep and reuse, synced=self.is_fsdp_enabled and acc.num_processes > 1,
+                generated = generate_responses(
+                    unwrapped.policy, input_ids, attention_mask, self.generation_config, with_logprobs=reuse,
+                    value_head=unwrapped.value_head if reuse else None, keep_logits=keep and reuse,
+                    synced=self.is_fsdp_enabled and acc.num_processes > 1, check_finite=False,
                 )  # fmt: skip
-        responses, response_mask = truncate_at_stop(responses, self.stop_token_id, self.processing_class.pad_token_id)
+        responses, response_mask = truncate_at_stop(generated.tokens, self.stop_token_id, self.processing_class.pad_token_id)
         sequences = Sequences(
             prompts=batch.prompts, extra=batch.extra, query_responses=torch.cat([input_ids, responses], dim=1),
             attention_mask=torch.cat([attention_mask, response_mask], dim=1), responses=responses,
-            response_mask=response_mask, context_length=input_ids.shape[1],
+            response_mask=response_mask, context_length=input_ids.shape[1], sampled_finite=generated.finite,
         )  # fmt: skip
-        return self.score(sequences, logp=logp, values=values, timings=timings, policy_logits=policy_logits)
+        return self.score(sequences, logp=generated.logp, values=generated.values, timings=timings,
+                          policy_logits=generated.logits)  # fmt: skip
 
     # ------------------------------------------------------------------ step 4: rewards
     @torch.no_grad()
@@ -576,9 +602,10 @@ class KLPPOTrainer(ScoringMixin, TrainingLoopMixin, CheckpointMixin, Trainer):
         """Updates skipped so far because of NaN/inf in the rewards, the KL, a loss or a gradient."""
         return self.nonfinite_guard.skips
 
-    def _record_nonfinite(self, what: str, outcome: str) -> dict[str, float]:
+    def _record_nonfinite(self, what: str, outcome: str, step: int | None = None) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
-        return self.nonfinite_guard.record(self.state.global_step + 1, what, outcome, log=self.is_world_process_zero())
+        step = self.state.global_step + 1 if step is None else step
+        return self.nonfinite_guard.record(step, what, outcome, log=self.is_world_process_zero())
 
     # ------------------------------------------------------------------ diagnostics
     def sample(self, prompts: list, seed: int | None = None) -> tuple[Rollout, Rewards]:
@@ -591,7 +618,9 @@ class KLPPOTrainer(ScoringMixin, TrainingLoopMixin, CheckpointMixin, Trainer):
             if seed is not None:
                 torch.manual_seed(seed)
             rollout = self.rollout(batch)
-            return rollout, self.compute_rewards(rollout)
+        if not rollout_outputs_finite(rollout, self.accelerator):
+            raise TrainingDiverged(DIVERGED_SAMPLING)
+        return rollout, self.compute_rewards(rollout)
 
     def evaluate_policy(self) -> dict[str, float]:
         """`eval/perplexity` of the policy on held-out text and, with `eval_dataset`, `eval/scores`."""
