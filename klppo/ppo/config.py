@@ -214,6 +214,14 @@ KLPPO_CONFIG_DOC = r"""
             this many sequences at once.
         max_prompt_length (`int` or `None`, *optional*, defaults to `256`):
             Prompts are truncated (from the left) to this many tokens.
+        cache_implementation (`str` or `None`, *optional*, defaults to `None`):
+            The KV cache generation decodes into. `None`: transformers' dynamic cache. `"static"`: one cache of
+            `max_prompt_length + response_length` positions per batch size, made once and reused, so that on a GPU
+            `generate` compiles the decoding step (transformers' automatic compilation: `torch.compile` with CUDA
+            graphs) once per batch size, at the first rollout, whatever the prompts' width. Needs
+            `max_prompt_length`. A model that transformers does not mark as compilable, and runs under DeepSpeed
+            or FSDP, keep the dynamic cache (one log line says so). A LoRA policy then samples unmerged
+            (`merge_adapter_for_generation` does not apply: its copies of the weights would move at every rollout).
         merge_adapter_for_generation (`bool`, *optional*, defaults to `True`):
             Sample from a LoRA policy with its adapter merged into copies of the base weights (put back, bit for
             bit, after sampling): no per-layer adapter overhead at every decoding step, at the cost of one extra
@@ -335,6 +343,7 @@ class KLPPOConfig(TrainingArguments):
     reward_weights: list[float] | None = field(default=None, metadata=_doc("reward_weights"))
     rollout_forward_batch_size: int = field(default=16, metadata=_doc("rollout_forward_batch_size"))
     max_prompt_length: int | None = field(default=256, metadata=_doc("max_prompt_length"))
+    cache_implementation: str | None = field(default=None, metadata=_doc("cache_implementation"))
     merge_adapter_for_generation: bool = field(default=True, metadata=_doc("merge_adapter_for_generation"))
 
     # Diagnostics
@@ -512,6 +521,13 @@ class KLPPOConfig(TrainingArguments):
                 raise ValueError(f"`{name}` must be >= {low}, got {getattr(self, name)}.")
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             raise ValueError(f"`max_prompt_length` must be >= 1 or None, got {self.max_prompt_length}.")
+        if self.cache_implementation not in (None, "static"):
+            raise _choice_error("cache_implementation", self.cache_implementation, (None, "static"))
+        if self.cache_implementation == "static" and self.max_prompt_length is None:
+            raise ValueError(
+                "`cache_implementation='static'` makes a cache of max_prompt_length + response_length positions, so "
+                "it needs a `max_prompt_length` (e.g. 256). Set one, or leave cache_implementation unset."
+            )
         for name in ("save_strategy", "eval_strategy", "logging_strategy"):
             if str(getattr(getattr(self, name), "value", getattr(self, name))) == "epoch":
                 raise ValueError(

@@ -288,10 +288,9 @@ def sample_exponential_race(weights: torch.Tensor, generator: torch.Generator | 
     return (weights / race).argmax(dim=-1)
 
 
-# how a `TemperatureSampler` draws, per device type: measured per decoding step for 8 x 49,152 weights on one CPU
-# thread, inverse transform sampling took 1 ms against 12-14 ms for `torch.multinomial` and the same for the
-# exponential race (one exponential variate per entry); on a GPU the race is two elementwise kernels and an argmax
-# (`benchmarks/sampling.py` times the three on any device)
+# how a `TemperatureSampler` draws, per device type (`default_draw`): on a CPU, inverse transform sampling takes a
+# small fraction of the time of `torch.multinomial` or the race, which draw an exponential variate per entry; on a
+# GPU the race is two elementwise kernels and an argmax. `benchmarks/sampling.py` times the three on any device.
 DRAWS = {"inverse_cdf": sample_categorical, "exponential_race": sample_exponential_race}
 
 
@@ -408,6 +407,7 @@ def generate_responses(
     synced: bool = False,
     draw: str | None = None,
     check_finite: bool = True,
+    cache=None,
 ) -> Generation:
     """Sample responses for left-padded prompts, all in one `generate` call.
 
@@ -420,7 +420,8 @@ def generate_responses(
     a logits-based KL statistic without a scoring pass. `synced` keeps every rank generating until all have
     finished (`synced_gpus`): sharded weights (FSDP) need every rank in every forward pass. Non-finite sampling
     logits raise a `RuntimeError` naming inf and nan (`clear_sampling_errors` explains it), or with
-    `check_finite=False` give `finite=False` (a caller that decides alike on every rank reduces it first).
+    `check_finite=False` give `finite=False` (a caller that decides alike on every rank reduces it first). `cache`:
+    a KV cache to decode into (a `StaticCache` from `StaticCaches`), reset first; None: `generate`'s own.
     """
     temperature = plain_sampling_temperature(generation_config, getattr(policy, "generation_config", None))
     if temperature is None:
@@ -431,10 +432,13 @@ def generate_responses(
     device = input_ids.device
     sampler = TemperatureSampler(temperature, draw or default_draw(device), record_logprobs=with_logprobs,
                                  keep_logits=keep_logits)  # fmt: skip
-    with last_hidden_states(policy) if with_logprobs and value_head is not None else nullcontext() as hidden:
+    if cache is not None:
+        cache.reset()
+    capture = with_logprobs and value_head is not None
+    with last_hidden_states(policy, last_position=True) if capture else nullcontext() as hidden:
         sequences = policy.generate(
             input_ids=input_ids, attention_mask=attention_mask, generation_config=greedy_form(generation_config),
-            logits_processor=LogitsProcessorList([sampler]),
+            logits_processor=LogitsProcessorList([sampler]), past_key_values=cache,
             synced_gpus=synced or None,  # None: transformers decides (on under DeepSpeed ZeRO-3)
         )  # fmt: skip
     finite = not bool(sampler.nonfinite)  # one host sync per rollout
@@ -446,8 +450,36 @@ def generate_responses(
     logits = torch.stack(sampler.logits[:width], dim=1) if keep_logits else None
     values = None
     if hidden is not None:  # the last hidden state at the last position of every step: the state before each token
-        values = value_head(torch.stack([step[:, -1] for step in hidden[:width]], dim=1)).float()
+        values = value_head(torch.stack(hidden[:width], dim=1)).float()
     return Generation(tokens, logp, values, logits, finite)
+
+
+class StaticCaches:
+    """Static KV caches for generation (`cache_implementation="static"`), one per batch size, each of `max_len`
+    positions (the longest prompt plus the response), made once and reused by every rollout.
+
+    With a static cache `generate` compiles the decoding step (on a GPU; `generation_config.compile_config` says how).
+    Every tensor the compiled step sees then keeps its shape from one rollout to the next whatever the prompts'
+    width, since the cache is as long as the longest prompt allows: the step compiles once per batch size, and the
+    policy's weight updates change values, not shapes."""
+
+    def __init__(self, config, max_len: int):
+        self.config, self.max_len = config, int(max_len)
+        self.caches: dict[int, object] = {}
+
+    def __call__(self, batch_size: int):
+        from transformers import StaticCache
+
+        if batch_size not in self.caches:
+            self.caches[batch_size] = StaticCache(config=self.config, max_cache_len=self.max_len)
+        return self.caches[batch_size]
+
+
+def supports_static_cache(model) -> bool:
+    """Whether `model` (or the model inside a PEFT wrapper) decodes into a static cache: transformers marks the
+    model classes whose forward compiles as one graph (`_can_compile_fullgraph`)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return bool(getattr(base, "_can_compile_fullgraph", False))
 
 
 def response_positions(response_length: int, length: int, device) -> torch.Tensor:

@@ -44,6 +44,7 @@ class ScoringMixin:
         merged into copies of the base weights (`merge_adapter_for_generation`), except under DeepSpeed or FSDP,
         whose sharded parameters are not plain tensors to copy."""
         merge = self.args.merge_adapter_for_generation and not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
+        merge = merge and self.static_caches is None  # a compiled decoding step keeps reading the same weight tensors
         with contiguous_lm_head_input(policy), merged_lora(policy) if merge else nullcontext():
             yield
 

@@ -60,6 +60,7 @@ from .rollback import restore_optimisation, snapshot_optimisation
 from .scoring import ScoringMixin
 from .rollout import (
     DIVERGED_SAMPLING,
+    StaticCaches,
     collate_prompts,
     ends_with_stop,
     generate_responses,
@@ -67,6 +68,7 @@ from .rollout import (
     response_logits,
     response_logprobs,
     sampling_setup,
+    supports_static_cache,
     truncate_at_stop,
 )
 from .steps import Advantages, KLPenalty, OptimiseResult, PromptBatch, Rewards, Rollout, Sequences
@@ -148,6 +150,24 @@ class KLPPOTrainer(ScoringMixin, TrainingLoopMixin, CheckpointMixin, Trainer):
         self.stop_token_id, self.suppressed_ids, self.generation_config = sampling_setup(
             self.args, self.processing_class, policy_generation_config
         )
+        self.static_caches = self._static_caches()
+
+    def _static_caches(self) -> StaticCaches | None:
+        """The static KV caches of `cache_implementation="static"`, or None (the dynamic cache): also None, with one
+        log line, for a model that transformers does not mark as compilable and under DeepSpeed or FSDP, whose
+        gathered weights are not the same tensors from one rollout to the next."""
+        if self.args.cache_implementation != "static":
+            return None
+        policy = self.accelerator.unwrap_model(self.model).policy
+        why = None
+        if not supports_static_cache(policy):
+            why = f"{type(policy).__name__} is not marked as compilable by transformers"
+        elif self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            why = "DeepSpeed and FSDP gather the weights anew for every rollout"
+        if why:
+            logger.warning("cache_implementation='static' is not used: %s; generation keeps the dynamic cache.", why)
+            return None
+        return StaticCaches(policy.config, self.args.max_prompt_length + self.args.response_length)
 
     def _init_kl_control(self) -> None:
         args = self.args
@@ -290,6 +310,7 @@ class KLPPOTrainer(ScoringMixin, TrainingLoopMixin, CheckpointMixin, Trainer):
                     unwrapped.policy, input_ids, attention_mask, self.generation_config, with_logprobs=reuse,
                     value_head=unwrapped.value_head if reuse else None, keep_logits=keep and reuse,
                     synced=self.is_fsdp_enabled and acc.num_processes > 1, check_finite=False,
+                    cache=self.static_caches(input_ids.shape[0]) if self.static_caches else None,
                 )  # fmt: skip
         responses, response_mask = truncate_at_stop(generated.tokens, self.stop_token_id, self.processing_class.pad_token_id)
         sequences = Sequences(

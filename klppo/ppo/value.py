@@ -16,18 +16,22 @@ from torch import nn
 
 
 @contextmanager
-def last_hidden_states(model: nn.Module):
+def last_hidden_states(model: nn.Module, last_position: bool = False):
     """Collect the last hidden state (the decoder's output, after its final norm) of every forward pass of
     `model` inside the block, from a hook on its decoder: what a value head reads, without asking the model for
     every layer's hidden states (`output_hidden_states`), which keeps all of them alive. Yields a list that
-    receives one `[B, L, H]` tensor per forward pass (per generation step, `L` is 1 after the prompt)."""
+    receives one `[B, L, H]` tensor per forward pass, or with `last_position` a copy of its last position `[B, H]`
+    (per generation step: the state before the token it samples; a copy, since a compiled step may reuse its
+    output's memory at the next step)."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     if decoder is None or decoder is model:
         raise ValueError(f"{type(model).__name__} has no separate decoder to read the last hidden state from.")
     captured: list[torch.Tensor] = []
 
+    @torch.compiler.disable  # a compiled decoding step runs the hook as it is: traced, the growing list would recompile
     def hook(module, args, output):
-        captured.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
+        hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
+        captured.append(hidden[:, -1].clone() if last_position else hidden)
 
     handle = decoder.register_forward_hook(hook)
     try:
