@@ -23,6 +23,7 @@ import torch
 from datasets import Dataset
 
 from klppo import KLPPOConfig, KLPPOTrainer
+from helpers import klppo_config
 
 PROMPT = "The day was"
 MODULUS = 4  # reward 1 for token ids divisible by 4: about a quarter of the reference's mass
@@ -83,7 +84,7 @@ def bandit_trainer(tiny_path, tmp_path, response_length: int = 1, modulus: int =
     base.update(overrides)
     rollout_batch = base["per_device_train_batch_size"] * base["gradient_accumulation_steps"] * base["num_mini_batches"]
     prompts = Dataset.from_dict({"prompt": [PROMPT] * rollout_batch})
-    return KLPPOTrainer(model=tiny_path, args=KLPPOConfig(**base), train_dataset=prompts, reward_funcs=reward)
+    return KLPPOTrainer(model=tiny_path, args=klppo_config(**base), train_dataset=prompts, reward_funcs=reward)
 
 
 @torch.no_grad()

@@ -23,6 +23,7 @@ from datasets import Dataset
 
 from klppo import KLPPOConfig, KLPPOTrainer
 from klppo.models import TINY_MODEL, resolve_model_path
+from helpers import klppo_config
 
 
 def length_reward(prompts, completions, completion_ids=None, **kwargs):
@@ -72,7 +73,7 @@ def make_trainer(out_dir: str, reward=length_reward, **overrides) -> KLPPOTraine
     args.update(overrides)
     return KLPPOTrainer(
         model=resolve_model_path(TINY_MODEL),
-        args=KLPPOConfig(**args),
+        args=klppo_config(**args),
         reward_funcs=reward,
         train_dataset=PROMPTS,
     )

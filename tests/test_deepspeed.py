@@ -157,4 +157,4 @@ def test_rollback_is_refused_under_deepspeed_at_parse_time(monkeypatch, tmp_path
 
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # as `accelerate launch` sets it
     with pytest.raises(ValueError, match="nonfinite_rollback=True is not available under DeepSpeed.*Leave"):
-        KLPPOConfig(output_dir=str(tmp_path), nonfinite_rollback=True, report_to="none")
+        KLPPOConfig(output_dir=str(tmp_path), experimental={"nonfinite_rollback": True}, report_to="none")

@@ -13,6 +13,7 @@ from datasets import Dataset
 
 from klppo import KLPPOConfig, KLPPOTrainer
 from klppo.models import TINY_MODEL, resolve_model_path
+from helpers import klppo_config
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +23,7 @@ def tiny_path():
 
 def _config(tmp_path, **overrides) -> KLPPOConfig:
     base = dict(output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True, save_strategy="no")
-    return KLPPOConfig(**{**base, **overrides})
+    return klppo_config(**{**base, **overrides})
 
 
 def test_the_statistic_defaults_to_full_with_a_target_and_to_the_estimator_without(tmp_path):

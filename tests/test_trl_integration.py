@@ -120,8 +120,7 @@ def test_beta_zero_is_refused(tiny_path, prompts, tmp_path):
 
 def test_only_controller_fields_are_taken_and_checked_like_klppoconfig(tiny_path, prompts, tmp_path):
     trainer = make_trainer("rloo", tiny_path, prompts, tmp_path)
-    assert controller_fields() == ("kl_controller", "kl_controller_kwargs", "kl_drift_patience", "kl_target",
-                                   "kl_target_unit")  # fmt: skip
+    assert controller_fields() == ("kl_controller", "kl_controller_kwargs", "kl_target", "kl_target_unit")
     with pytest.raises(ValueError, match="does not take `kl_horizon`; its fields are: .*kl_controller_kwargs"):
         add_kl_control(trainer, kl_target=1.0, kl_horizon=64)  # a constant goes in kl_controller_kwargs
     with pytest.raises(ValueError, match="does not take `kl_guard`"):  # klppo's guard acts inside its own updates

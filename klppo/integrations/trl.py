@@ -45,12 +45,12 @@ import json
 import logging
 import math
 import os
-from dataclasses import fields
 
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from ..kl import build_kl_controller
+from ..kl.config import KLControlConfig
 
 logger = logging.getLogger(__name__)
 
@@ -62,13 +62,15 @@ _NOT_CONTROLLER_FIELDS = {
     "kl_mode": "TRL decides where the KL acts (GRPO: the loss; RLOO: the reward)",
     "kl_estimator": "TRL decides the estimator (GRPO: k3; RLOO: k1)",
     "kl_statistic": "the statistic is the KL that TRL computes and logs",
+    "kl_value_clamp": "TRL computes the KL itself",
+    "kl_loss_agg_mode": "TRL aggregates its own loss",
 }
 
 
 def controller_fields() -> tuple[str, ...]:
-    """The `KLPPOConfig` fields `add_kl_control` accepts: the controller's name, its constants
-    (`kl_controller_kwargs`), the target, its unit and the drift patience."""
-    return ("kl_controller", "kl_controller_kwargs", "kl_drift_patience", "kl_target", "kl_target_unit")
+    """The `KLControlConfig` fields `add_kl_control` accepts: the controller's name, its constants
+    (`kl_controller_kwargs`), the target and its unit."""
+    return ("kl_controller", "kl_controller_kwargs", "kl_target", "kl_target_unit")
 
 
 def _kind(trainer) -> str:
@@ -81,11 +83,17 @@ def _kind(trainer) -> str:
     )
 
 
-def resolve_kl_fields(trainer, kl_fields: dict):
-    """The controller settings as a `KLPPOConfig`-like object, checked by `KLPPOConfig`'s own validation (the
-    same choices, bounds and messages), with `kl_coef` the trainer's `beta`."""
-    from ..ppo.config import KLPPOConfig
+class TRLKLControl(KLControlConfig):
+    """The KL settings of a TRL trainer under `add_kl_control`: TRL decides where the KL acts and how it is
+    estimated, and the callback reads TRL's logged KL, not the sequences."""
 
+    def _reads_sequences(self) -> bool:
+        return False
+
+
+def resolve_kl_fields(trainer, kl_fields: dict) -> TRLKLControl:
+    """The controller settings, checked by `KLControlConfig` (the same choices, bounds and messages as in
+    `KLPPOConfig`), with `kl_coef` the trainer's `beta` and TRL's own place and estimator of the KL."""
     kind = _kind(trainer)
     allowed = controller_fields()
     for name in kl_fields:
@@ -96,22 +104,7 @@ def resolve_kl_fields(trainer, kl_fields: dict):
     mode, estimator = TRAINER_KINDS[kind]
     if kind == "GRPOTrainer" and getattr(trainer.args, "use_bias_correction_kl", False):
         estimator = "corrected_k3"
-
-    class _KLFields:  # KLPPOConfig's KL fields and their defaults, validated by KLPPOConfig's own method
-        _validate_kl_fields = KLPPOConfig._validate_kl_fields
-
-    settings = _KLFields()
-    for f in fields(KLPPOConfig):
-        if f.name.startswith("kl_") or f.name in ("full_kl_chunk_size", "generation_logits_max_mb"):
-            setattr(settings, f.name, f.default)
-    for name, value in kl_fields.items():
-        setattr(settings, name, value)
-    settings.kl_coef, settings.kl_mode, settings.kl_estimator = float(trainer.beta), mode, estimator
-    settings.kl_statistic = estimator
-    settings.kl_guard = False  # klppo's guard acts inside its own updates
-    settings._controller_reads_sequences = False  # the callback sees TRL's logged KL, not the sequences
-    settings._validate_kl_fields()
-    return settings
+    return TRLKLControl(kl_mode=mode, kl_estimator=estimator, kl_coef=float(trainer.beta), **kl_fields)
 
 
 class KLControlCallback(TrainerCallback):
@@ -212,8 +205,8 @@ def add_kl_control(trainer, **kl_fields):
         trainer: a `trl.GRPOTrainer` or `trl.RLOOTrainer` (or a subclass) whose `beta` is > 0.
         **kl_fields: `KLPPOConfig`'s controller fields, with the same meaning and checks: `kl_controller`
             (`None`: `"tracking"` with a `kl_target`, else `"fixed"`), `kl_target`, `kl_target_unit` (`"sequence"`,
-            the default, or `"token"`: TRL's own `kl`), `kl_controller_kwargs` (the controller's constants) and
-            `kl_drift_patience` (`klppo.integrations.trl.controller_fields()`). beta starts from `trainer.beta`.
+            the default, or `"token"`: TRL's own `kl`) and `kl_controller_kwargs` (the controller's constants)
+            (`klppo.integrations.trl.controller_fields()`). beta starts from `trainer.beta`.
 
     Returns:
         The trainer, with a `KLControlCallback` registered (`trainer.kl_control`); its `train` records the

@@ -19,58 +19,94 @@ logger = logging.getLogger(__name__)
 
 UPPER, LOWER = "guard", "guard_low"
 
+_KL_GUARDS: dict[str, type] = {}
+
+
+def register_kl_guard(name: str):
+    """Class decorator: register a `KLGuard` subclass under `name`, selectable with the experimental setting
+    `kl_guard: <name>` (for ablations: a variant changes `upper`, `lower` or `clears_momentum`, or overrides
+    `check`)."""
+
+    def decorate(cls):
+        if not (isinstance(cls, type) and issubclass(cls, KLGuard)):
+            raise TypeError(f"register_kl_guard decorates KLGuard subclasses, got {cls!r}")
+        if name in _KL_GUARDS:
+            raise ValueError(f"A KL guard named {name!r} is already registered; unregister it first")
+        _KL_GUARDS[name] = cls
+        return cls
+
+    return decorate
+
+
+def unregister_kl_guard(name: str) -> None:
+    """Remove a registered guard (for tests and plug-ins); unknown names raise `KeyError`."""
+    del _KL_GUARDS[name]
+
+
+def kl_guards() -> tuple[str, ...]:
+    """Names of the registered guards."""
+    return tuple(_KL_GUARDS)
+
+
+def build_kl_guard(setting: bool | str, target: float | None) -> KLGuard:
+    """The guard of a run: the registered class `setting` names (`True`: `"default"`), or an inactive one for
+    `False`."""
+    if not setting:
+        return KLGuard(None)
+    return _KL_GUARDS["default" if setting is True else setting](target)
+
 
 class KLGuard:
-    """Whether a mini-batch's optimizer step goes ahead, from the KL the update has reached.
+    """Whether a mini-batch's optimizer step goes ahead, from the KL the update has reached (`kl_guard="default"`).
 
     Args:
         target: `kl_target` (None: the guard is off).
-        margin: the upper bound is `target * (1 + margin)`; `inf` turns that side off.
-        low_margin: the lower bound is `target * (1 - low_margin)`; `inf` turns that side off.
-        reset_momentum: clear the optimizer's first moments when the guard fires.
+
+    Its upper bound is the target; its lower bound too, once armed. A variant changes the class attributes in a
+    subclass registered with `register_kl_guard`: `upper` / `lower` turn a side off, `clears_momentum` keeps the
+    optimizer's momentum when it fires.
     """
 
-    def __init__(self, target: float | None, margin: float = 0.0, low_margin: float = 0.0, reset_momentum: bool = True):
+    upper = True
+    lower = True
+    clears_momentum = True
+
+    def __init__(self, target: float | None):
         self.target = target
-        self.margin = margin if target else math.inf
-        self.low_margin = low_margin if target else math.inf
-        self.reset_momentum = reset_momentum
         self.low_armed = False
 
     @property
     def upper_on(self) -> bool:
-        return math.isfinite(self.margin)
+        return bool(self.target) and self.upper
 
     @property
     def lower_on(self) -> bool:
-        return math.isfinite(self.low_margin)
+        return bool(self.target) and self.lower
 
     def observe(self, reading: float) -> None:
-        """A rollout's KL reading (the controller's statistic): the low side arms once one reaches its bound."""
-        if self.lower_on and reading >= self.target * (1 - self.low_margin):
+        """A rollout's KL reading (the controller's statistic): the low side arms once one reaches the target."""
+        if self.lower_on and reading >= self.target:
             self.low_armed = True
 
     def check(self, kl_sum: float, kl_count: float, kl_rollout: float, reading: float | None) -> str | None:
-        """`"guard"` (above the upper bound), `"guard_low"` (below the armed lower bound) or None.
+        """`"guard"` (above the target), `"guard_low"` (below it, once armed) or None.
 
         The KL now is the rollout's `reading` plus this update's change on the mini-batch's tokens: `kl_sum` is
         their KL at the current policy (importance-weighted k1, `kl_count` the statistic's count) and `kl_rollout`
         the same tokens' KL at the rollout. Measured on the same tokens before and after, that change is far less
         noisy than a few sequences' own k1. Without a reading, the KL now is the mini-batch's own. "Pushed" means
-        by more than rounding (a thousandth of the bound's KL): a rollout that already read above the bound keeps
+        by more than rounding (a thousandth of the target's KL): a rollout that already read above the target keeps
         stepping while its KL does not rise (else the policy, never stepping, could not come back).
         """
         if not (self.upper_on or self.low_armed) or kl_count == 0:
             return None
-        bound = self.target * (1 + self.margin)
-        low = self.target * (1 - self.low_margin) if self.low_armed else -math.inf
         change = kl_sum - kl_rollout
-        pushed_up = change > 1e-3 * max(bound * kl_count, abs(kl_rollout))
+        pushed_up = change > 1e-3 * max(self.target * kl_count, abs(kl_rollout))
         pushed_down = -change > 1e-3 * max(self.target * kl_count, abs(kl_rollout))
         now = kl_sum / kl_count if reading is None else reading + change / kl_count
-        if now > bound and pushed_up:
+        if self.upper_on and now > self.target and pushed_up:
             return UPPER
-        if now < low and pushed_down:
+        if self.low_armed and now < self.target and pushed_down:
             return LOWER
         return None
 
@@ -83,9 +119,9 @@ class KLGuard:
         return out
 
     def describe(self, fired: str, steps: int) -> str:
-        side, factor = ("passed", 1 + self.margin) if fired == UPPER else ("fell below", 1 - self.low_margin)
-        return (f"KL guard: the KL to the reference {side} {factor:g} x kl_target after {steps} optimizer step(s); "
-                "the rest of this update was skipped.")  # fmt: skip
+        side = "passed" if fired == UPPER else "fell below"
+        return (f"KL guard: the KL to the reference {side} kl_target after {steps} optimizer step(s); the rest of "
+                "this update was skipped.")  # fmt: skip
 
     def state_dict(self) -> dict:
         return {"kl_guard_low_armed": self.low_armed}
@@ -109,3 +145,6 @@ def reset_momentum(optimizer) -> bool:
                 value.zero_()
                 reset += 1
     return reset > 0 or not states
+
+
+register_kl_guard("default")(KLGuard)

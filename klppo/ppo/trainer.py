@@ -53,7 +53,7 @@ from .checkpoint import CheckpointMixin
 from .loop import TrainingLoopMixin
 from .config import KL_LOSS_MIN_ADVANTAGE_STD, KLPPOConfig
 from .engines import root_unsharded
-from .guard import LOWER, UPPER, KLGuard, reset_momentum
+from .guard import LOWER, UPPER, build_kl_guard, reset_momentum
 from .health import NonfiniteGuard, PPOHealthMonitor, TrainingDiverged, policy_outputs_finite, rollout_outputs_finite
 from .losses import ppo_losses
 from .rollback import restore_optimisation, snapshot_optimisation
@@ -174,7 +174,7 @@ class KLPPOTrainer(ScoringMixin, TrainingLoopMixin, CheckpointMixin, Trainer):
         self.kl_estimator = get_kl_estimator_spec(args.kl_estimator)
         self.kl_statistic_spec = get_kl_estimator_spec(args.kl_statistic)
         self.kl_controller = build_kl_controller(args)
-        self.kl_guard = KLGuard(args.kl_target if args.kl_guard else None)
+        self.kl_guard = build_kl_guard(args.kl_guard, args.kl_target)
         self.drift_monitor = KLDriftMonitor(args.kl_target, patience=args.kl_drift_patience) if args.kl_target else None
         self.health_monitor = PPOHealthMonitor(patience=args.health_patience)
         self.nonfinite_guard = NonfiniteGuard(args.max_nonfinite_updates)
@@ -537,7 +537,7 @@ class KLPPOTrainer(ScoringMixin, TrainingLoopMixin, CheckpointMixin, Trainer):
             verdict = "applied" if grad_norm is None or math.isfinite(grad_norm) else "nonfinite"
         elif self.is_deepspeed_enabled:
             model.step()  # finds the poisoned gradients non-finite: drops them and skips the step
-        if verdict in (UPPER, LOWER) and self.kl_guard.reset_momentum and not reset_momentum(self.optimizer):
+        if verdict in (UPPER, LOWER) and self.kl_guard.clears_momentum and not reset_momentum(self.optimizer):
             logger.warning("kl_guard: the optimizer keeps no exp_avg or momentum_buffer tensor, so its momentum was not "
                            "cleared when the KL guard fired.")  # fmt: skip
         self.optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,61 @@
+"""The configuration's surface: every field documented once, in its class's docstring; the public fields few,
+the research settings behind `experimental`; the documents built from those texts current; `--help` working."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import TrainingArguments
+
+from klppo import KLPPOConfig
+from klppo.kl.config import KL_CONTROL_DOC, KLControlConfig
+from klppo.ppo.config import EXPERIMENTAL_DOC, EXPERIMENTAL_KEYS, KLPPO_CONFIG_DOC, ExperimentalSettings
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def public_fields() -> list[str]:
+    """KLPPOConfig's fields that are not TrainingArguments' own, and the TrainingArguments fields it redefines."""
+    inherited = {f.name: f for f in dataclasses.fields(TrainingArguments)}
+    return [f.name for f in dataclasses.fields(KLPPOConfig)
+            if f.name not in inherited or f.default is not inherited[f.name].default]  # fmt: skip
+
+
+def test_every_field_is_documented_once_in_its_class_docstring():
+    docs = _flat(KL_CONTROL_DOC + KLPPO_CONFIG_DOC)
+    fields = {f.name: f for f in dataclasses.fields(KLPPOConfig)}
+    for name in public_fields():
+        help_text = fields[name].metadata["help"].replace("%%", "%")
+        assert help_text and help_text in docs, name
+    for name in (f.name for f in dataclasses.fields(KLControlConfig)):
+        assert name in fields, name  # KLPPOConfig has every KL field
+    experimental = _flat(EXPERIMENTAL_DOC)
+    for name in EXPERIMENTAL_KEYS:
+        assert f"{name} (" in experimental, name
+
+
+def test_the_public_fields_are_at_most_35_and_the_rest_is_experimental(tmp_path):
+    assert len(public_fields()) <= 35, public_fields()
+    assert not set(EXPERIMENTAL_KEYS) & set(public_fields())
+    args = KLPPOConfig(output_dir=str(tmp_path), report_to="none", kl_target=2.0,
+                       experimental={"kl_guard": False, "health_patience": 5})  # fmt: skip
+    assert args.kl_guard is False and args.health_patience == 5 and args.kl_statistic == "full"
+    assert isinstance(args._experimental, ExperimentalSettings)
+    with pytest.raises(ValueError, match="no setting 'kl_gaurd'.*kl_statistic, kl_guard"):
+        KLPPOConfig(output_dir=str(tmp_path), report_to="none", experimental={"kl_gaurd": False})
+    with pytest.raises(ValueError, match="`health_patience` must be >= 1"):
+        KLPPOConfig(output_dir=str(tmp_path), report_to="none", experimental='{"health_patience": 0}')
+
+
+def test_help_prints_every_field_and_exits_0():
+    script = Path(__file__).resolve().parents[1] / "scripts" / "train.py"
+    proc = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for name in (*public_fields(), "experimental", "dataset_name", "reward_funcs", "model_name_or_path"):
+        assert f"--{name}" in proc.stdout, name
