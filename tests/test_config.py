@@ -59,3 +59,13 @@ def test_help_prints_every_field_and_exits_0():
     assert proc.returncode == 0, proc.stderr[-2000:]
     for name in (*public_fields(), "experimental", "dataset_name", "reward_funcs", "model_name_or_path"):
         assert f"--{name}" in proc.stdout, name
+
+
+def test_the_documents_built_from_the_docstrings_are_current():
+    """docs/configuration.md's field tables and the README's table of common fields are rebuilt from the
+    docstrings (`python -m klppo.config_docs --write`); a field whose doc changed without them fails here."""
+    from klppo.config_docs import built_documents
+
+    root = Path(__file__).resolve().parents[1]
+    for path, text in built_documents(str(root)).items():
+        assert Path(path).read_text(encoding="utf-8") == text, f"{path} is out of date: python -m klppo.config_docs --write"

@@ -58,7 +58,7 @@ KL_CONTROL_DOC = r"""
             `kl_coef * aggregated kl` added to the policy loss (GRPO style). `"both"`: both, with the same
             coefficient. `"none"`: no KL term (KL is still measured and logged).
         kl_estimator (`str`, *optional*, defaults to `"k1"`):
-            Per-token estimator: `k1`, `k2`, `k3`, `low_var_kl`, `abs`, `corrected_k3`, each also with a `+`
+            Which estimate of the KL is applied (`docs/kl.md` gives the gradient each one follows). Per-token: `k1`, `k2`, `k3`, `low_var_kl`, `abs`, `corrected_k3`, each also with a `+`
             suffix (value of the estimator, gradient of `k2`), or `"full"` (exact KL over the whole vocabulary,
             computed in chunks). Combinations whose gradient is not that of KL(pi||ref) log one warning naming the
             divergence they follow (the estimator table in `docs/kl.md`).
@@ -66,7 +66,7 @@ KL_CONTROL_DOC = r"""
             Initial KL coefficient beta: the fixed value with `kl_controller="fixed"`, else the controller's start.
             It names the objective `E[r] - beta * KL(pi || ref)` in every `kl_mode`.
         kl_controller (`str` or `None`, *optional*, defaults to `None`):
-            How beta changes between updates: `"fixed"`, `"equilibrium"` (beta moves toward the batch's estimate
+            How beta changes between updates. `"fixed"`, `"equilibrium"` (beta moves toward the batch's estimate
             of the coefficient whose KL-regularised optimum has the target KL; needs `k1` in the reward),
             `"tracking"` (PI control of log beta on the KL and where it is heading, for any KL configuration),
             `"adaptive"` (Ziegler et al. 2019, Sec. 2.2), `"exponential"` (`beta <- beta * exp(rate * (kl -

@@ -3,24 +3,21 @@
 The KL fields come from `klppo.kl.config.KLControlConfig`; the PPO, rollout and diagnostic fields are here; research
 and implementation settings sit behind one mapping, `experimental` (`ExperimentalSettings`). Every field is documented
 once, in its class's docstring: `--help`, `docs/configuration.md` and the README's table of common fields are built
-from those texts (`python -m klppo.ppo.config --write` rewrites the two documents, `--check` tells whether they are
-current).
+from those texts (`klppo.config_docs`).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
 import os
-import sys
 from dataclasses import dataclass, field, fields
 
 from transformers import TrainingArguments
 
 from ..kl import divergence_followed
-from ..kl.config import KLControlConfig, choice_error, doc_metadata, field_docs
+from ..kl.config import KL_CONTROL_DOC, KLControlConfig, choice_error, doc_metadata, field_docs
 from ..kl.estimators import kl_estimators
 
 logger = logging.getLogger(__name__)
@@ -167,7 +164,7 @@ KLPPO_CONFIG_DOC = r"""
         > PPO
 
         num_ppo_epochs (`int`, *optional*, defaults to `4`):
-            Optimisation epochs over each rollout batch.
+            Optimisation epochs (passes) over each rollout batch.
         num_mini_batches (`int`, *optional*, defaults to `1`):
             Mini-batches per rollout batch (one optimizer step each).
         cliprange (`float`, *optional*, defaults to `0.2`):
