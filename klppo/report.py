@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from .kl.tracking import mean_and_standard_error, tracking_stats
+
 
 def metric_series(log_history: list[dict], key: str) -> list[tuple[int, float]]:
     """`(step, value)` pairs of one metric from `trainer.state.log_history`."""
@@ -22,18 +24,6 @@ def sample_completions(trainer, prompts: list, seed: int = 0) -> list[str]:
     """Completions of `prompts` by the current policy, sampled as in training with a fixed seed."""
     _, rewards = trainer.sample(prompts, seed=seed)
     return [f"{c!r} (reward {s:+.3f})" for c, s in zip(rewards.completions, rewards.scores.tolist())]
-
-
-def _mean_se(values: list[float]) -> tuple[float, float]:
-    """Mean and its standard error (sample std / sqrt(n); 0 for a single value)."""
-    n = len(values)
-    if n == 0:
-        return float("nan"), float("nan")
-    mean = sum(values) / n
-    if n == 1:
-        return mean, 0.0
-    var = sum((v - mean) ** 2 for v in values) / (n - 1)
-    return mean, math.sqrt(var / n)
 
 
 def learning_verdict(
@@ -58,21 +48,20 @@ def learning_verdict(
     - held-out perplexity change, relative; kept when it rose by at most `max_perplexity_rise`.
     """
     out: dict = {"updates": len(rewards), "judged": len(rewards) >= 2 * window}
-    first, last = _mean_se(rewards[:window]), _mean_se(rewards[-window:])
+    first, last = mean_and_standard_error(rewards[:window]), mean_and_standard_error(rewards[-window:])
     rise = last[0] - first[0]
     se = math.sqrt(first[1] ** 2 + last[1] ** 2)
     out["reward_first"], out["reward_last"], out["reward_rise"] = first[0], last[0], rise
     out["reward_rise_se"] = rise / se if se > 0 else (math.inf if rise > 0 else float("nan"))
     out["learned"] = len(rewards) >= 2 * window and out["reward_rise_se"] > min_standard_errors
     if kl_target and kls:
-        second = [k for k in kls[len(kls) // 2 :] if math.isfinite(k)]
-        if second:
-            mean = sum(second) / len(second)
-            out["kl_second_half_mean"] = mean
-            out["kl_second_half_ratio"] = mean / kl_target
-            out["kl_tracking_error"] = sum(abs(k - kl_target) for k in second) / len(second) / kl_target
-            out["kl_in_band"] = sum(abs(k - kl_target) <= 0.2 * kl_target for k in second) / len(second)
-            out["kl_held"] = abs(mean / kl_target - 1) <= kl_tolerance
+        stats = tracking_stats(kls, kl_target)
+        if stats.readings:
+            out["kl_second_half_mean"] = stats.mean_ratio * kl_target
+            out["kl_second_half_ratio"] = stats.mean_ratio
+            out["kl_tracking_error"] = stats.error
+            out["kl_in_band"] = stats.in_band
+            out["kl_held"] = abs(stats.mean_ratio - 1) <= kl_tolerance
     if perplexity_before and perplexity_after is not None and math.isfinite(perplexity_before):
         change = perplexity_after / perplexity_before - 1
         out["perplexity_change"] = change
