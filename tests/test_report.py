@@ -69,15 +69,17 @@ def test_health_monitor_state_round_trip():
 
 
 def test_tracking_stats_on_a_run_worked_by_hand():
-    """Second half of [10, 0, 3, 5, 4.4] against 4: |3-4|/4, |5-4|/4, |4.4-4|/4 = 0.25, 0.25, 0.1 (mean 0.2); only
-    4.4 within 20%; mean reading 12.4 / 3 = 4.133 (1.0333x); the peak, 10, comes from the first half; a NaN
+    """Second half of [10, 0, 2, 3, 5, 4.4] against 4: |3-4|/4, |5-4|/4, |4.4-4|/4 = 0.25, 0.25, 0.1 (mean 0.2);
+    only 4.4 within 20%; mean reading 12.4 / 3 = 4.133 (1.0333x); the peak, 10, comes from the first half. A NaN
     reading is left out."""
     from klppo.kl.tracking import mean_and_standard_error, tracking_stats
 
-    stats = tracking_stats([10, 0, 3, 5, float("nan"), 4.4], 4.0)
+    stats = tracking_stats([10, 0, 2, 3, 5, 4.4], 4.0)
     assert stats.readings == 3
     assert stats.error == pytest.approx(0.2) and stats.in_band == pytest.approx(1 / 3)
     assert stats.mean_ratio == pytest.approx(12.4 / 12) and stats.peak_ratio == 2.5
+    with_nan = tracking_stats([10, 0, 2, 3, 5, float("nan")], 4.0)
+    assert with_nan.readings == 2 and with_nan.error == pytest.approx(0.25) and with_nan.in_band == 0
     mean, se = mean_and_standard_error([1.0, 2.0, 3.0])
     assert mean == 2.0 and se == pytest.approx(1 / 3**0.5)
     with pytest.raises(ValueError):
