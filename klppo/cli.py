@@ -6,7 +6,6 @@ reuse `parse` and `build_trainer`.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -17,6 +16,7 @@ from .ppo.checkpoint import ResumeMismatch
 from .ppo.health import TrainingDiverged
 from .ppo.lock import OutputDirInUse, OutputDirLock
 from .rewards import RewardFunctionError, load_reward_funcs
+from .utils import write_json
 
 
 @dataclass
@@ -167,9 +167,7 @@ def _run(script_args, training_args, model_args) -> dict:
     summary["wall_seconds"] = time.time() - start
     if trainer.is_world_process_zero():
         print(format_summary(summary, summary["wall_seconds"]), flush=True)
-        summary_file = script_args.summary_file or os.path.join(training_args.output_dir, "summary.json")
-        with open(summary_file, "w") as f:
-            json.dump(summary, f, indent=2)
+        write_json(script_args.summary_file or os.path.join(training_args.output_dir, "summary.json"), summary)
     trainer.shutdown()  # a clean exit under torchrun / accelerate launch
     return summary
 

@@ -32,11 +32,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
+
+from .utils import atomic_path
 
 OFFLINE_DEFAULT_MODEL = "klppo:smollm2-135m-instruct"
 TINY_MODEL = "klppo:tiny-llama"
@@ -121,17 +121,9 @@ def materialise(folder: Path, build: Callable[[Path], None]) -> Path:
     with FileLock(str(folder.parent / f"{folder.name}.lock")):
         if is_complete(folder):  # another process built it while we waited
             return folder
-        if folder.exists():  # left by an interrupted build of an older klppo: rebuild
-            shutil.rmtree(folder)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-        try:
-            with _outside_zero3_init():
-                build(tmp)
+        with atomic_path(folder, folder=True) as tmp, _outside_zero3_init():  # replaces one an older klppo left
+            build(tmp)
             (tmp / COMPLETE_MARKER).write_text("ok\n")
-            os.replace(tmp, folder)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
 

@@ -22,7 +22,7 @@ import math
 import torch
 from datasets import Dataset
 
-from klppo import KLPPOConfig, KLPPOTrainer
+from klppo import KLPPOTrainer
 from helpers import klppo_config
 
 PROMPT = "The day was"

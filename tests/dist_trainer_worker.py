@@ -21,7 +21,7 @@ import torch
 from datasets import Dataset
 
 
-from klppo import KLPPOConfig, KLPPOTrainer
+from klppo import KLPPOTrainer
 from klppo.models import TINY_MODEL, resolve_model_path
 from helpers import klppo_config
 

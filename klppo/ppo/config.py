@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 from transformers import TrainingArguments
 
 from ..kl import divergence_followed
-from ..kl.config import KL_CONTROL_DOC, KLControlConfig, choice_error, doc_metadata, field_docs
+from ..kl.config import KLControlConfig, choice_error, doc_metadata, field_docs
 from ..kl.estimators import kl_estimators
 
 logger = logging.getLogger(__name__)

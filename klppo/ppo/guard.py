@@ -11,7 +11,6 @@ an overshoot).
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 

@@ -297,7 +297,7 @@ class KLPPOTrainer(ScoringMixin, TrainingLoopMixin, CheckpointMixin, Trainer):
         log-probs (and a shared critic's values) are read from generation, except for a logits-based KL
         estimator or statistic, which needs the policy's logits beside the reference's."""
         timings = timings if timings is not None else defaultdict(float)
-        args, acc = self.args, self.accelerator
+        acc = self.accelerator
         input_ids, attention_mask = batch.input_ids.to(acc.device), batch.attention_mask.to(acc.device)
         # a logits-based statistic reads the generation's own logits when they fit in `generation_logits_max_mb`
         keep = self.kl_statistic_spec.needs_logits and self._generation_logits_fit()

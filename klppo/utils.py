@@ -1,0 +1,46 @@
+"""Small helpers shared by klppo's modules and its lab."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+__all__ = ["atomic_path", "write_json"]
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike, folder: bool = False):
+    """Write `path` all at once: yields a new temporary sibling (a file name, or with `folder` an empty folder) to
+    write; when the block ends without an error it replaces `path` (`os.replace`, atomic on one file system), else
+    it is removed. A crash never leaves a half-written `path`, and readers see the old one or the new one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if folder:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    else:
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}-", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+        tmp = Path(name)
+    try:
+        yield tmp
+        if folder and path.is_dir():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    finally:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif tmp.exists():
+            tmp.unlink()
+
+
+def write_json(path: str | os.PathLike, data, **kwargs) -> None:
+    """`json.dump` of `data` to `path`, atomically (`atomic_path`); `kwargs` go to `json.dump`
+    (default `indent=2`)."""
+    kwargs.setdefault("indent", 2)
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, **kwargs)
+        f.write("\n")
