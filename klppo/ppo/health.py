@@ -121,23 +121,24 @@ class TrainingDiverged(RuntimeError):
 
 
 @torch.no_grad()
-def policy_outputs_finite(model, sequences, accelerator, rows: int = 1) -> bool:
-    """Whether the actor-critic `model` gives finite logits and values on the first `rows` of `sequences` (a
-    `Sequences` of this rank), on every rank. An optimizer step can leave finite weights whose logits overflow
-    on some inputs (a learning rate far too high): the weights alone do not tell. Every rank runs the forward
-    pass (sharded models need all of them) and the verdicts are summed, so all ranks answer the same."""
+def policy_outputs_finite(model, sequences, accelerator, chunk: int) -> bool:
+    """Whether the actor-critic `model` gives finite logits and values on `sequences` (a `Sequences` of this rank,
+    in forward passes of `chunk` rows), on every rank. An optimizer step can leave finite weights whose logits
+    overflow on some inputs (a learning rate far too high): the weights alone do not tell. Every rank runs the
+    forward passes (sharded models need all of them) and the verdicts are summed, so all ranks answer the same."""
     from ..kl.reduce import all_reduce_sum
     from .rollout import position_ids_from_mask
 
-    first = sequences.select(slice(0, rows))
-    logits, values = model(
-        first.query_responses, attention_mask=first.attention_mask,
-        position_ids=position_ids_from_mask(first.attention_mask), response_length=first.responses.shape[1],
-    )  # fmt: skip
     bad = torch.zeros(1, dtype=torch.float64, device=accelerator.device)
-    for x in (logits, values):
-        if x is not None:
-            bad += (~torch.isfinite(x)).sum()
+    for start in range(0, sequences.batch_size, chunk):
+        part = sequences.select(slice(start, start + chunk))
+        logits, values = model(
+            part.query_responses, attention_mask=part.attention_mask,
+            position_ids=position_ids_from_mask(part.attention_mask), response_length=part.responses.shape[1],
+        )  # fmt: skip
+        for x in (logits, values):
+            if x is not None:
+                bad += (~torch.isfinite(x)).sum()
     return all_reduce_sum(bad, accelerator).item() == 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 from collections import Counter
 from contextlib import contextmanager, nullcontext
 from typing import NamedTuple
@@ -432,14 +433,19 @@ def generate_responses(
     device = input_ids.device
     sampler = TemperatureSampler(temperature, draw or default_draw(device), record_logprobs=with_logprobs,
                                  keep_logits=keep_logits)  # fmt: skip
+    cache_kwargs = {}
     if cache is not None:
         cache.reset()
+        # the keyword's name: `cache` in transformers >= 5.20 (which deprecates `past_key_values`), before it the other
+        forward = policy.get_base_model().forward if hasattr(policy, "get_base_model") else policy.forward
+        cache_kwargs["cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"] = cache
     capture = with_logprobs and value_head is not None
     with last_hidden_states(policy, last_position=True) if capture else nullcontext() as hidden:
         sequences = policy.generate(
             input_ids=input_ids, attention_mask=attention_mask, generation_config=greedy_form(generation_config),
-            logits_processor=LogitsProcessorList([sampler]), past_key_values=cache,
+            logits_processor=LogitsProcessorList([sampler]),
             synced_gpus=synced or None,  # None: transformers decides (on under DeepSpeed ZeRO-3)
+            **cache_kwargs,
         )  # fmt: skip
     finite = not bool(sampler.nonfinite)  # one host sync per rollout
     if check_finite and not finite:

@@ -223,7 +223,7 @@ class KLPPOTrainer(ScoringMixin, TrainingLoopMixin, CheckpointMixin, Trainer):
                 result = self.optimise(rollout, advantages, kl_reading=penalty.metrics["kl/value"])  # step 8
             metrics.update(result.metrics, **advantages.metrics)
             metrics.update(self._after_optimise(result, snapshot, rollout))
-            self._checked_rows = rollout.select(slice(0, self.args.per_device_train_batch_size))
+            self._checked_rows = rollout.sequences()  # what a forward check before a save reads
         timings["time/update"] = now(self.accelerator) - start
         metrics.update(timings, **{"train/nonfinite_skips": float(self.nonfinite_skips), "lr": lr})
         for message in self.health_monitor.update(metrics):
@@ -267,18 +267,22 @@ class KLPPOTrainer(ScoringMixin, TrainingLoopMixin, CheckpointMixin, Trainer):
 
     def _settle_last_update(self, rollout: Rollout | None = None) -> dict[str, float] | None:
         """Check the policy that the last update left, with forward passes that run anyway: the next rollout's
-        (`rollout`: its sampling logits, its log-probs and values), or, before a save and at the end of training,
-        one micro-batch of the last rollout. An optimizer step can leave finite weights whose logits overflow on
-        some inputs (a learning rate far too high): the weights alone do not tell. Finite: nothing to do (None).
-        Not finite: the update is undone from its copy, and the metrics of the skip are returned; without a copy
-        training stops (`TrainingDiverged`, nothing saved from then on). Decided alike on every rank."""
+        (`rollout`: its sampling logits, its log-probs and values), which settles it; before a save and at the end
+        of training, a forward pass over the last rollout's sequences. An optimizer step can leave finite weights
+        whose logits overflow on some inputs (a learning rate far too high): the weights alone do not tell.
+        Finite: nothing to do (None). Not finite: the update is undone from its copy, and the metrics of the skip
+        are returned; without a copy training stops (`TrainingDiverged`, nothing saved from then on). Decided alike
+        on every rank."""
         if getattr(self, "_unsettled", None) is None:
             return None
         step, applied, snapshot = self._unsettled
         if rollout is not None:
             finite = rollout_outputs_finite(rollout, self.accelerator)
-        else:
-            finite = policy_outputs_finite(self.model_wrapped, self._checked_rows, self.accelerator)
+        else:  # the next rollout checks again
+            finite = policy_outputs_finite(self.model_wrapped, self._checked_rows, self.accelerator,
+                                           self.args.rollout_forward_batch_size)  # fmt: skip
+            if finite:
+                return None
         self._unsettled = None
         if finite:
             self.nonfinite_guard.reset()
