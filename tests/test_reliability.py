@@ -83,33 +83,33 @@ def test_killed_at_random_moments_then_resumed_from_the_latest(tmp_path):
 
 
 def test_a_second_run_on_the_same_output_dir_stops_at_once(tmp_path):
-    from klppo.ppo.lock import LOCK_NAME, OutputDirInUse, OutputDirLock
-
-    import socket
+    """A live process holding the folder's lock stops a second run at once, naming its pid; once that process has
+    ended (killed, not released), the lock is free; the same process may take it again inside its own hold."""
+    from klppo.ppo.lock import LOCK_NAME, OWNER_NAME, OutputDirInUse, OutputDirLock
 
     out = tmp_path / "out"
     out.mkdir()
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # another live run
+    holder = (
+        "import sys, time; from klppo.ppo.lock import OutputDirLock\n"
+        "with OutputDirLock(sys.argv[1]):\n    print('held', flush=True); time.sleep(60)"
+    )
+    other = subprocess.Popen([sys.executable, "-c", holder, str(out)], stdout=subprocess.PIPE, text=True)
     try:
-        (out / LOCK_NAME).write_text(f'{{"pid": {other.pid}, "host": "{socket.gethostname()}"}}')
+        assert other.stdout.readline().strip() == "held"
         with pytest.raises(OutputDirInUse, match=f"pid {other.pid}"):
             with OutputDirLock(str(out)):
                 pass
-        assert (out / LOCK_NAME).exists()  # not ours: left alone
+        assert (out / OWNER_NAME).exists()  # not ours: left alone
     finally:
         other.kill()
         other.wait()
-    (out / LOCK_NAME).unlink()
-    # a lock left by a process that no longer runs is taken over
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    (out / LOCK_NAME).write_text(f'{{"pid": {dead.pid}, "host": "{socket.gethostname()}"}}')
+    assert (out / LOCK_NAME).exists()  # a killed run leaves its files, not its lock
     with OutputDirLock(str(out)) as lock:
         assert lock.held
         with OutputDirLock(str(out)) as inner:  # the same process again (the CLI around the trainer)
             assert not inner.held
-        assert (out / LOCK_NAME).exists()  # still held by the outer one
-    assert not (out / LOCK_NAME).exists()
+        assert (out / OWNER_NAME).exists()  # still held by the outer one
+    assert not (out / OWNER_NAME).exists()
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ nothing in place:
     rewards  = trainer.compute_rewards(rollout)               Rewards      step 4
     penalty  = trainer.apply_kl(rollout, rewards)             KLPenalty    steps 5-6
     adv      = trainer.compute_advantages(rollout, rewards, penalty)  Advantages  step 7
-    result   = trainer.optimise(rollout, adv, kl_reading=penalty.metrics["kl/value"])  OptimiseResult  step 8
+    result   = trainer.optimise(rollout, adv, kl_reading=penalty.reading)  OptimiseResult  step 8
                                            (the reading is what the KL guard starts from)
 
 Shapes: `B` sequences on this rank, `P` prompt length (left-padded), `R` response length. Every per-sequence
@@ -80,13 +80,16 @@ class Sequences(_Selectable):
 
 @dataclass(kw_only=True)
 class Rollout(Sequences):
-    """Steps 1-3: the sequences and their scores under the sampling policy, the critic and the reference."""
+    """Steps 1-3: the sequences, their scores under the sampling policy, the critic and the reference, and the
+    per-token KL they give, computed once (every KL field is 0 outside `response_mask`)."""
 
     logp: torch.Tensor  # [B, R] log-prob of each response token under the sampling policy
     ref_logp: torch.Tensor  # [B, R] the same under the reference
     values: torch.Tensor  # [B, R] the critic's value before each response token
-    logits_kl: torch.Tensor | None = None  # [B, R] a logits-based estimator's KL (e.g. "full"), else None
-    statistic_kl: torch.Tensor | None = None  # [B, R] a logits-based `kl_statistic`'s KL, else None
+    log_ratio: torch.Tensor  # [B, R] logp - ref_logp
+    kl: torch.Tensor  # [B, R] the configured estimator (`kl_estimator`), what the reward or the loss charges
+    kl_clamped: torch.Tensor  # [B, R] bool: tokens where a clamp bounded the estimate
+    statistic_kl: torch.Tensor  # [B, R] the controller's estimator (`kl_statistic`)
 
 
 @dataclass
@@ -105,11 +108,11 @@ class Rewards(_Selectable):
 
 @dataclass
 class KLPenalty:
-    """Steps 5-6: the configured estimator, the per-token rewards and the coefficient in force."""
+    """Steps 5-6: the per-token rewards, the coefficient in force and the controller's reading."""
 
-    kl: torch.Tensor  # [B, R] configured estimator per token
     rewards: torch.Tensor  # [B, R] -coef * kl in reward mode, plus the score at the last response token
     coef: float  # the coefficient used in this update (the controller's next value is in metrics)
+    reading: float  # the controller statistic `kl/value` of this rollout, reduced over all ranks
     finite: bool  # False: the scores or the KL held NaN/inf and the update must be skipped
     metrics: dict = field(default_factory=dict)
 

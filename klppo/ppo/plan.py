@@ -1,0 +1,89 @@
+"""The KL plan of a run: which KL, from which logits, where it goes; decided once, when the trainer is built.
+
+Every step of an update reads the plan instead of deciding again:
+
+- rollout (steps 1-3): whether the sampling policy's log-probs (and a shared critic's values) are read while
+  decoding, and whether the generation's full-vocabulary logits are kept for a logits-based statistic;
+- scoring (step 3): which logits the scoring forward passes must produce, and the per-token estimates;
+- the KL step (steps 5-6): where the configured estimate acts (reward, loss) and in which unit the controller reads;
+- the loss (step 8): whether the loss term needs the reference's logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kl import estimate_kl, get_kl_estimator_spec
+
+LOGGED_ESTIMATORS = ("k1", "k2", "k3")  # logged whatever the configured estimator (TRL issue 1161)
+
+
+@dataclass(frozen=True)
+class KLPlan:
+    """How one run estimates, applies and reads the KL.
+
+    Args:
+        estimator: `kl_estimator`, the estimate that enters the reward or the loss.
+        statistic: `kl_statistic`, the estimate the controller reads (`kl/value`).
+        places: where the estimator acts: a subset of ("reward", "loss").
+        unit: `kl_target_unit` ("sequence": per-sequence sums; "token": token mean).
+        log_ratio_clamp, value_clamp, chunk_size: the estimators' clamps and `full`'s chunk size.
+        read_while_decoding: the sampling policy's log-probs (and a shared critic's values) are read at each decoding
+            step instead of by a scoring forward pass: only when the policy computes in float32 (in bf16 the KV-cache
+            path and a full forward differ by up to 0.32 nats on a token, `docs/results.md`) and no logits-based
+            estimator needs the policy's logits at scoring.
+        keep_generation_logits: the logits-based statistic reads the generation's logits (they fit in
+            `generation_logits_max_mb`), so that scoring runs no policy forward for it.
+    """
+
+    estimator: str
+    statistic: str
+    places: tuple[str, ...]
+    unit: str
+    log_ratio_clamp: float | None
+    value_clamp: float | None
+    chunk_size: int
+    read_while_decoding: bool
+    keep_generation_logits: bool
+
+    @property
+    def estimator_needs_logits(self) -> bool:
+        return get_kl_estimator_spec(self.estimator).needs_logits
+
+    @property
+    def statistic_needs_logits(self) -> bool:
+        return get_kl_estimator_spec(self.statistic).needs_logits
+
+    @property
+    def policy_logits_at_scoring(self) -> bool:
+        """Whether scoring must run the policy forward for its logits (a logits-based estimator, or a logits-based
+        statistic whose generation logits are not kept)."""
+        return self.estimator_needs_logits or (self.statistic_needs_logits and not self.keep_generation_logits)
+
+    def estimate(self, name: str, logp=None, ref_logp=None, old_logp=None, logits=None, ref_logits=None,
+                 return_clamped: bool = False):  # fmt: skip
+        """Per-position KL by the estimator `name`, with this run's clamps (`klppo.kl.estimate_kl`)."""
+        return estimate_kl(
+            name, logp, ref_logp, old_logp=old_logp, logits=logits, ref_logits=ref_logits, chunk_size=self.chunk_size,
+            return_clamped=return_clamped, log_ratio_clamp=self.log_ratio_clamp, value_clamp=self.value_clamp,
+        )  # fmt: skip
+
+
+def make_kl_plan(args, policy: torch.nn.Module, mixed_precision: bool, vocab_size: int) -> KLPlan:
+    """The plan of a run from its `KLPPOConfig`, the policy (its weights' dtype) and whether accelerate or the
+    arguments set mixed precision."""
+    estimator = get_kl_estimator_spec(args.kl_estimator)
+    statistic = get_kl_estimator_spec(args.kl_statistic)
+    float32 = not mixed_precision and all(p.dtype == torch.float32 for p in policy.parameters() if p.is_floating_point())
+    # a rollout's response logits, float32, per process: decided from the configured size, so every process agrees
+    logits_bytes = args.local_rollout_batch_size * args.response_length * vocab_size * 4
+    fits = logits_bytes <= args.generation_logits_max_mb * 2**20
+    read = float32 and not estimator.needs_logits and (fits or not statistic.needs_logits)
+    return KLPlan(
+        estimator=args.kl_estimator, statistic=args.kl_statistic, places=args.kl_modes_applied,
+        unit=args.kl_target_unit, log_ratio_clamp=args.kl_log_ratio_clamp, value_clamp=args.kl_value_clamp,
+        chunk_size=args.full_kl_chunk_size, read_while_decoding=read,
+        keep_generation_logits=read and statistic.needs_logits and fits,
+    )  # fmt: skip
