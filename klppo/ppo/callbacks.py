@@ -47,12 +47,7 @@ def maybe_offline_wandb(args) -> None:
     global _WANDB_NOTICE_GIVEN
     if "wandb" not in (args.report_to or []) or os.environ.get("WANDB_MODE"):
         return
-    has_key = bool(os.environ.get("WANDB_API_KEY"))
-    netrc = os.path.expanduser("~/.netrc")
-    if not has_key and os.path.exists(netrc):
-        with open(netrc) as f:
-            has_key = "api.wandb.ai" in f.read()
-    if not has_key:
+    if not (os.environ.get("WANDB_API_KEY") or _netrc_has_wandb_login()):
         os.environ["WANDB_MODE"] = "offline"
         if not _WANDB_NOTICE_GIVEN:
             warnings.warn(
@@ -60,6 +55,18 @@ def maybe_offline_wandb(args) -> None:
                 stacklevel=3,
             )
             _WANDB_NOTICE_GIVEN = True
+
+
+def _netrc_has_wandb_login() -> bool:
+    """Whether `~/.netrc` (where `wandb login` saves the key) has a login for wandb's host."""
+    import netrc
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc().authenticators(host) is not None
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return False
 
 
 def record_samples(trainer, prompts: list, rewards) -> None:
