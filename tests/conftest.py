@@ -77,3 +77,30 @@ def tiny_reward_model_path(tiny_model_path, tmp_path_factory):
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(tiny_model_path).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def engine_rollout(tmp_path_factory):
+    """One saved rollout of 8 sequences (with its rewards) for the worker's `engine` mode: 4 per rank, 2 mini-batches
+    of 2 per rank, 1 sequence per micro-batch. Shared by the engine tests (DeepSpeed, FSDP2)."""
+    import torch
+
+    import dist_trainer_worker as worker
+
+    out = tmp_path_factory.mktemp("engine_rollout")
+    trainer = worker.make_trainer(str(out))
+    torch.manual_seed(0)
+    rollout = trainer.rollout(trainer.prompt_batch(worker.PROMPTS["prompt"][:8]))
+    path = out / "rollout.pt"
+    torch.save((rollout, trainer.compute_rewards(rollout)), path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def ddp_update(engine_rollout, tmp_path_factory):
+    """The `engine` update of `engine_rollout` under DDP (`torchrun`, 2 CPU processes): the reference engine."""
+    from test_trainer_distributed import torchrun
+
+    out = tmp_path_factory.mktemp("ddp")
+    torchrun(["engine", str(engine_rollout), str(out)], out)
+    return out

@@ -5,10 +5,17 @@
         Writes the KL statistic, the coefficient before/after, and (rank 0) the parameter deltas.
     python tests/dist_trainer_worker.py train <out_dir>
         A few real PPO updates with the equilibrium controller; every rank writes its coefficient trajectory.
-    python tests/dist_trainer_worker.py engine <rollout.pt> <out_dir>
-        Under any engine (torchrun for DDP, `accelerate launch` for DeepSpeed): one PPO update of 2 mini-batches x
-        gradient accumulation 2 on a saved rollout, with SGD. Writes the optimizer steps taken, the coefficient
-        and (rank 0) every trainable weight after the update, gathered in full.
+    python tests/dist_trainer_worker.py engine <rollout.pt> <out_dir> [<seed> <stop_token_id>]
+        Under any engine (torchrun for DDP, `accelerate launch` for DeepSpeed and FSDP2): one PPO update of 2
+        mini-batches x gradient accumulation 2 on a saved rollout, with SGD. Writes the optimizer steps taken, the
+        coefficient and (rank 0) every trainable weight before and after the update, gathered in full. With a seed
+        and a stop token, first each rank samples its own prompt from the seed (`sample_alone`) and the trainer
+        evaluates one prompt (`EVAL_PROMPTS`): the tokens, log-probs and evaluation are written too.
+    python tests/dist_trainer_worker.py cli <scripts/train.py arguments>
+        `scripts/train.py`, under whatever launched the worker.
+
+Under `ACCELERATE_USE_FSDP=true` (`accelerate launch` with an FSDP config) without a GPU, FSDP is turned on for the
+CPU ranks first (`fsdp_on_cpu`).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from datasets import Dataset
 
 from klppo import KLPPOTrainer
 from klppo.models import TINY_MODEL, resolve_model_path
+from klppo.ppo.engines import is_fsdp2
 from helpers import klppo_config
 
 
@@ -43,7 +51,35 @@ def under_deepspeed() -> bool:
     return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
 
 
-def make_trainer(out_dir: str, reward=length_reward, **overrides) -> KLPPOTrainer:
+def under_fsdp() -> bool:
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def fsdp_on_cpu() -> None:
+    """Let accelerate run FSDP on CPU ranks. `AcceleratorState` turns FSDP on (distributed type FSDP, with the
+    plugin) only for the device types of GPUs and other accelerators; on CPU ranks (`use_cpu`: MULTI_CPU, gloo) it
+    leaves the plugin out and runs DDP. This does for MULTI_CPU what it does for those, once, when the Trainer's
+    `Accelerator` creates the state: everything after it (the Trainer's `is_fsdp_enabled`, `prepare`'s
+    `fsdp2_prepare_model`, `fully_shard` on a CPU mesh) is accelerate's and klppo's own code. Test-only: a GPU run
+    needs none of it."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    original = AcceleratorState.__init__
+
+    def __init__(self, *args, fsdp_plugin=None, **kwargs):
+        fresh = not AcceleratorState._shared_state
+        original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fresh and fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            if self.mixed_precision != "no":
+                fsdp_plugin.set_mixed_precision(self.mixed_precision)
+            self.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+            self.fsdp_plugin = fsdp_plugin
+
+    AcceleratorState.__init__ = __init__
+
+
+def make_trainer(out_dir: str, reward=length_reward, eval_dataset=None, **overrides) -> KLPPOTrainer:
     args = dict(
         output_dir=out_dir,
         per_device_train_batch_size=2,
@@ -76,6 +112,7 @@ def make_trainer(out_dir: str, reward=length_reward, **overrides) -> KLPPOTraine
         args=klppo_config(**args),
         reward_funcs=reward,
         train_dataset=PROMPTS,
+        eval_dataset=eval_dataset,
     )
 
 
@@ -144,7 +181,7 @@ def count_optimizer_steps() -> dict[int, int]:
 
 
 def full_weights(trainer) -> dict[str, torch.Tensor]:
-    """Every trainable weight of the actor-critic, gathered in full under ZeRO-3."""
+    """Every trainable weight of the actor-critic, gathered in full under ZeRO-3 and FSDP2."""
     model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if hasattr(params[0][1], "ds_id"):
@@ -152,38 +189,75 @@ def full_weights(trainer) -> dict[str, torch.Tensor]:
 
         with deepspeed.zero.GatheredParameters([p for _, p in params]):
             return {n: p.detach().clone() for n, p in params}
-    return {n: p.detach().clone() for n, p in params}
+    # an FSDP2 weight is a DTensor: `full_tensor` gathers its shards (a collective: every rank calls it)
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in params}
 
 
-def run_engine_update(rollout_path: str, out_dir: str) -> None:
+# one evaluation prompt: fewer than ranks, so that the ranks hold different numbers of them
+EVAL_PROMPTS = Dataset.from_dict({"prompt": PROMPTS["prompt"][:1]})
+
+
+def engine_trainer(out_dir: str, stop_token_id: int | None = None) -> KLPPOTrainer:
+    """The `engine` mode's trainer: 2 mini-batches x gradient accumulation 2 of one sequence, SGD; `EVAL_PROMPTS`
+    and 2 held-out texts for an evaluation; the stop token `stop_token_id` (default: end of sequence)."""
+    return make_trainer(out_dir, per_device_train_batch_size=1, gradient_accumulation_steps=2, num_mini_batches=2,
+                        learning_rate=0.05, kl_mode="reward", nonfinite_rollback=False, stop_token_id=stop_token_id,
+                        eval_dataset=EVAL_PROMPTS, heldout_eval_texts=2)  # fmt: skip
+
+
+def sample_alone(trainer, rank: int, seed: int):
+    """The rollout of rank `rank`'s prompt (row `rank` of PROMPTS), sampled from `seed`."""
+    torch.manual_seed(seed)
+    return trainer.rollout(trainer.prompt_batch([PROMPTS["prompt"][rank]]))
+
+
+def run_engine_update(rollout_path: str, out_dir: str, seed: int | None = None, stop_token_id: int | None = None) -> None:
     counts = count_optimizer_steps()
-    trainer = make_trainer(out_dir, per_device_train_batch_size=1, gradient_accumulation_steps=2, num_mini_batches=2,
-                           learning_rate=0.05, kl_mode="reward", nonfinite_rollback=False)  # fmt: skip
+    trainer = engine_trainer(out_dir, stop_token_id)
     acc = trainer.accelerator
+    rank = acc.process_index
     rollout, rewards = rank_share(rollout_path, acc)
     trainer.setup_optimisation(num_updates=1)
+    record = {"world": acc.num_processes, "deepspeed": trainer.is_deepspeed_enabled, "fsdp_enabled": trainer.is_fsdp_enabled,
+              "fsdp2": is_fsdp2(trainer.model_wrapped)}  # fmt: skip
+    if seed is not None:  # first each rank samples its own prompt, then an evaluation; neither changes the update
+        sampled = sample_alone(trainer, rank, seed)
+        record["sampled"] = {"responses": sampled.responses.tolist(), "response_mask": sampled.response_mask.tolist(),
+                             "logp": sampled.logp.tolist(), "ref_logp": sampled.ref_logp.tolist()}  # fmt: skip
+        record["eval"] = trainer.evaluate_policy()
+        record["steps_sampling"] = len(counts)
     before = full_weights(trainer)
     penalty = trainer.apply_kl(rollout, rewards)
     torch.manual_seed(1)  # the same mini-batch order under every engine
     result = trainer.optimise(rollout, trainer.compute_advantages(rollout, rewards, penalty))
     after = full_weights(trainer)
-    rank = acc.process_index
+    record.update(steps=max(counts.values()), applied=result.applied_steps, kl_value=penalty.metrics["kl/value"],
+                  coef_after=trainer.kl_controller.value)  # fmt: skip
     with open(os.path.join(out_dir, f"engine_rank{rank}.json"), "w") as f:
-        json.dump({"world": acc.num_processes, "deepspeed": trainer.is_deepspeed_enabled,
-                   "steps": max(counts.values()), "applied": result.applied_steps,
-                   "kl_value": penalty.metrics["kl/value"], "coef_after": trainer.kl_controller.value}, f)  # fmt: skip
+        json.dump(record, f)
     if acc.is_main_process:
         torch.save({n: (before[n], after[n]) for n in before}, os.path.join(out_dir, "weights.pt"))
     trainer.shutdown()
 
 
+def run_cli(argv: list[str]) -> int:
+    """`scripts/train.py` with `argv`."""
+    from klppo.cli import cli
+
+    return cli(argv)
+
+
 if __name__ == "__main__":
+    if under_fsdp() and not torch.cuda.is_available():
+        fsdp_on_cpu()
     mode = sys.argv[1]
     if mode == "update":
         run_update(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     elif mode == "train":
         run_train(sys.argv[2])
     elif mode == "engine":
-        run_engine_update(sys.argv[2], sys.argv[3])
+        run_engine_update(sys.argv[2], sys.argv[3], *(int(a) for a in sys.argv[4:6]))
+    elif mode == "cli":
+        sys.exit(run_cli(sys.argv[2:]))
     else:
-        raise SystemExit(f"unknown mode {mode!r}: use 'update', 'train' or 'engine'")
+        raise SystemExit(f"unknown mode {mode!r}: use 'update', 'train', 'engine' or 'cli'")

@@ -8,6 +8,7 @@ the same coefficient at every update (the equilibrium controller, which reads ev
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -26,14 +27,48 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(cmd: list[str], tmp_path) -> None:
+def run(cmd: list[str], tmp_path, timeout: float = 600) -> None:
+    """Run `cmd` (a launcher and its ranks) to success. Past `timeout` seconds (ranks waiting on each other in a
+    collective), the launcher and every process under it are killed and the test fails."""
+    import psutil
+
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(tmp_path))
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        # the ranks first (torchrun starts them outside the launcher's process group), while they are still its children
+        launcher = psutil.Process(proc.pid)
+        for process in [*launcher.children(recursive=True), launcher]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout} s:\n{stdout[-3000:]}\n{stderr[-6000:]}")
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{stdout[-3000:]}\n{stderr[-6000:]}"
 
 
 def torchrun(args: list[str], tmp_path) -> None:
     run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), WORKER, *args], tmp_path)
+
+
+def read_engine_run(out) -> tuple[list[dict], dict]:
+    """What the worker's `engine` mode wrote: each rank's record, and every weight before and after the update."""
+    ranks = [json.loads((out / f"engine_rank{r}.json").read_text()) for r in range(2)]
+    return ranks, torch.load(out / "weights.pt")
+
+
+def update_difference(weights: dict, reference: dict) -> float:
+    """The L2 norm of the difference between two engines' updates (`weights` and `reference`, as the `engine` mode
+    saves them), relative to the reference update's norm. Both must start from the same weights."""
+    assert weights.keys() == reference.keys()
+    diff = ref = 0.0
+    for name, (before, after) in weights.items():
+        ref_before, ref_after = reference[name]
+        torch.testing.assert_close(before, ref_before, rtol=0, atol=0, msg=f"{name} started elsewhere")
+        diff += float(((after - before) - (ref_after - ref_before)).double().pow(2).sum())
+        ref += float((ref_after - ref_before).double().pow(2).sum())
+    assert ref > 0
+    return (diff / ref) ** 0.5
 
 
 @pytest.fixture(scope="module")
