@@ -100,39 +100,3 @@ def heldout_perplexity(
         )
         return math.inf
     return math.exp(mean_nll)
-
-
-@torch.no_grad()
-def evaluate_policy(trainer) -> dict[str, float]:
-    """A `KLPPOTrainer`'s evaluation: `eval/perplexity` of its policy on held-out text (klppo's offline set
-    unless `heldout_texts` were given) and, with eval prompts, `eval/scores`: their mean reward, sampled from
-    a private random stream so that evaluating does not change the training run."""
-    from .kl.reduce import reduce_sum_count
-
-    args, acc = trainer.args, trainer.accelerator
-    trainer.setup_optimisation()  # a sharded policy (ZeRO-3, FSDP) runs inside its engine only
-    if trainer.heldout_texts is None:
-        from .data import load_heldout_texts
-
-        trainer.heldout_texts = load_heldout_texts(max_texts=args.heldout_eval_texts)
-    policy = acc.unwrap_model(trainer.model_wrapped).policy
-    from .ppo.engines import root_unsharded
-
-    with root_unsharded(trainer.model_wrapped):  # the forward enters through the policy, not the FSDP root
-        perplexity = heldout_perplexity(policy, trainer.processing_class, trainer.heldout_texts, accelerator=acc)
-    metrics = {"eval/perplexity": perplexity}
-    prompts = trainer.eval_prompts
-    if prompts is not None and len(prompts) > 0:
-        # up to `local_rollout_batch_size` prompts per rank, dealt round-robin. Every rank samples as many rows as
-        # the first: a sharded policy (FSDP, ZeRO-3) needs every rank in every forward pass, and the rewards'
-        # statistics are reduced over ranks. A rank short of prompts fills up with copies of the first, weighted 0.
-        total = min(len(prompts), args.local_rollout_batch_size * acc.num_processes)
-        rows = [prompts[i] for i in range(acc.process_index, total, acc.num_processes)]
-        per_rank = math.ceil(total / acc.num_processes)
-        weights = [1.0] * len(rows) + [0.0] * (per_rank - len(rows))
-        rows += [prompts[0]] * (per_rank - len(rows))
-        _, rewards = trainer.sample(rows, seed=args.seed + trainer.state.global_step)
-        weights = torch.tensor(weights, dtype=torch.float64, device=rewards.scores.device)
-        score_sum, count = reduce_sum_count((rewards.scores.double() * weights).sum(), weights.sum(), acc)
-        metrics["eval/scores"] = (score_sum / count).item()
-    return metrics

@@ -31,7 +31,8 @@ import torch
 from transformers import DataCollatorWithPadding, GenerationConfig, TrainingArguments
 
 from .kl import GlobalSums
-from .ppo.config import KLPPOConfig, _field_docs
+from .kl.config import doc_metadata, field_docs
+from .ppo.config import KLPPOConfig
 from .ppo.trainer import KLPPOTrainer
 
 logger = logging.getLogger(__name__)
@@ -133,11 +134,11 @@ PPO_CONFIG_DOC = r"""
     `push_to_hub`. With no `kl_target`, the KL coefficient is fixed and `k1` enters the rewards, as in TRL.
 """
 
-_DOCS = _field_docs(PPO_CONFIG_DOC)
+_DOCS = field_docs(PPO_CONFIG_DOC)
 
 
 def _doc(name: str) -> dict:
-    return {"help": _DOCS[name]}
+    return doc_metadata(_DOCS, name)
 
 
 @dataclass
@@ -383,7 +384,7 @@ class PPOTrainer(KLPPOTrainer):
         mask = rollout.response_mask.to(rollout.logp.dtype)
         n_seq, acc = mask.shape[0], self.accelerator
         stats = GlobalSums()
-        stats.add("objective/kl", (penalty.kl * mask).sum(), n_seq)
+        stats.add("objective/kl", (rollout.kl * mask).sum(), n_seq)
         stats.add("objective/entropy", (-rollout.logp * mask).sum(), n_seq)
         eos = (rollout.responses == self.processing_class.eos_token_id) & rollout.response_mask.bool()
         stats.add("val/num_eos_tokens", eos.sum(), 1.0 / acc.num_processes)  # counts add up to 1: a global sum

@@ -719,7 +719,7 @@ def test_kl_guard_ends_an_update_once_the_kl_passes_its_bound(tiny_path, prompts
     good); after a step the KL passes the target within each update."""
     kw = dict(max_steps=2, num_ppo_epochs=2, num_mini_batches=2, kl_target=1.5e-6, kl_controller="fixed")
     guarded = make_trainer(tiny_path, prompts, make_args(tmp_path, kl_guard=True, **kw))
-    assert (guarded.kl_guard.margin, guarded.kl_guard.low_margin) == (0.0, 0.0)  # at the target itself
+    assert type(guarded.kl_guard).lower_at == 1.0 and guarded.kl_guard.upper_on  # at the target itself
     with caplog.at_level("INFO"):
         guarded.train()
     fired = [h["kl/guard_fired"] for h in guarded.state.log_history if "kl/guard_fired" in h]
@@ -796,8 +796,8 @@ def test_the_guard_holds_the_target_by_default_with_the_equilibrium_and_tracking
     with pytest.raises(ValueError, match="kl_guard.*kl_target"):
         make_args(tmp_path, kl_controller="fixed", kl_guard=True)
     guard = make_trainer(tiny_path, prompts, make_args(tmp_path, kl_target=4.0)).kl_guard
-    assert guard.upper_on and guard.lower_on and (guard.target, guard.margin, guard.low_margin) == (4.0, 0.0, 0.0)
-    assert guard.reset_momentum is True
+    assert guard.upper_on and guard.lower_on and (guard.target, guard.lower_at) == (4.0, 1.0)
+    assert guard.clears_momentum is True
     for args in (off, make_args(tmp_path, kl_target=4.0, kl_controller="pid")):
         guard = make_trainer(tiny_path, prompts, args).kl_guard
         assert not guard.upper_on and not guard.lower_on
@@ -876,7 +876,7 @@ def guarded_update(tiny_path, prompts, args, kl_reading="rollout", reset_momentu
     `kl_reading` is passed to `optimise`: a number, None, or "rollout" for the rollout's own reading;
     `reset_momentum` is set on the trainer's guard."""
     trainer = make_trainer(tiny_path, prompts, args)
-    trainer.kl_guard.reset_momentum = reset_momentum
+    trainer.kl_guard.clears_momentum = reset_momentum
     trainer.setup_optimisation(1)
     torch.manual_seed(0)
     rollout = trainer.rollout(trainer.prompt_batch(prompts["prompt"][:8]))
@@ -932,15 +932,18 @@ def test_a_resumed_run_continues_the_tracking_controller_exactly(tiny_path, prom
     """Resumed from checkpoint-1 or checkpoint-2, a run ends with the same full controller state (EMA, integral,
     trend history, hold / armed flags, beta), the same armed state of the guard's low side and the same per-update
     log as the run that was never interrupted. Each trainer's guard has its low bound at a tenth of the target
-    (a `KLGuard` with `low_margin=0.9` in place of the default one), which update 2's reading reaches."""
+    (a `KLGuard` whose `lower_at` is 0.1 in place of the default one), which update 2's reading reaches."""
     from klppo.ppo.guard import KLGuard
+
+    class TenthLowBound(KLGuard):
+        lower_at = 0.1
 
     kw = dict(kl_target=0.02, kl_coef=0.1, kl_target_unit="token", save_strategy="steps", save_steps=1, max_steps=3)
 
     def trainer_in(name, **changes):
         trainer = make_trainer(tiny_path, prompts, make_args(tmp_path, output_dir=str(tmp_path / name), **{**kw, **changes}))
         assert trainer.args.kl_guard is True
-        trainer.kl_guard = KLGuard(trainer.args.kl_target, low_margin=0.9)
+        trainer.kl_guard = TenthLowBound(trainer.args.kl_target)
         return trainer
 
     whole = trainer_in("whole")

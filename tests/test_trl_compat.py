@@ -232,9 +232,9 @@ def test_pretrained_adapter_reference_is_a_frozen_copy_of_it(tiny_path, tmp_path
     batch = trainer.prompt_batch(prompts["prompt"][:4])
     rollout = trainer.rollout(batch)
     torch.testing.assert_close(rollout.logp, rollout.ref_logp, rtol=1e-5, atol=1e-5)
-    trainer.ref_adapter_name = None  # the wrong reference (the base model) is measurably different
+    trainer.scorer.ref_adapter = None  # the wrong reference (the base model) is measurably different
     assert (trainer.score(rollout.sequences()).ref_logp - rollout.logp).abs().max() > 1e-2
-    trainer.ref_adapter_name = "ref"
+    trainer.scorer.ref_adapter = "ref"
     trainer.train()
     assert abs(trainer.state.log_history[0]["kl/k1"]) < 1e-5
     trained = dict(trainer.model.policy.named_parameters())

@@ -69,27 +69,6 @@ def _netrc_has_wandb_login() -> bool:
         return False
 
 
-def record_samples(trainer, prompts: list, rewards) -> None:
-    """Keep up to 4 completions of this update in `trainer.completion_samples` (and log them to wandb as a
-    table), `num_sample_generations` times over the run, on the main process."""
-    args, state = trainer.args, trainer.state
-    n = args.num_sample_generations
-    if n <= 0 or not trainer.is_world_process_zero() or state.global_step % max(1, state.max_steps // n):
-        return
-    rows = [
-        {"step": state.global_step, "prompt": str(p), "completion": c, "score": float(s)}
-        for p, c, s in list(zip(prompts, rewards.completions, rewards.scores.tolist()))[:4]
-    ]
-    trainer.completion_samples.extend(rows)
-    if "wandb" in (args.report_to or []):
-        import wandb
-
-        if wandb.run is not None:
-            import pandas as pd
-
-            wandb.log({"completions": wandb.Table(dataframe=pd.DataFrame(rows))})
-
-
 def now(accelerator) -> float:
     """Wall time, after the accelerator's pending work (CUDA) has finished."""
     if accelerator.device.type == "cuda":

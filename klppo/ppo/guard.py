@@ -61,13 +61,14 @@ class KLGuard:
     Args:
         target: `kl_target` (None: the guard is off).
 
-    Its upper bound is the target; its lower bound too, once armed. A variant changes the class attributes in a
-    subclass registered with `register_kl_guard`: `upper` / `lower` turn a side off, `clears_momentum` keeps the
-    optimizer's momentum when it fires.
+    Its upper bound is the target; its lower bound too (`lower_at` times the target), once armed. A variant changes
+    the class attributes in a subclass registered with `register_kl_guard`: `upper` / `lower` turn a side off,
+    `lower_at` moves the lower bound, `clears_momentum=False` keeps the optimizer's momentum when it fires.
     """
 
     upper = True
     lower = True
+    lower_at = 1.0
     clears_momentum = True
 
     def __init__(self, target: float | None):
@@ -84,7 +85,7 @@ class KLGuard:
 
     def observe(self, reading: float) -> None:
         """A rollout's KL reading (the controller's statistic): the low side arms once one reaches the target."""
-        if self.lower_on and reading >= self.target:
+        if self.lower_on and reading >= self.target * self.lower_at:
             self.low_armed = True
 
     def check(self, kl_sum: float, kl_count: float, kl_rollout: float, reading: float | None) -> str | None:
@@ -105,7 +106,7 @@ class KLGuard:
         now = kl_sum / kl_count if reading is None else reading + change / kl_count
         if self.upper_on and now > self.target and pushed_up:
             return UPPER
-        if self.low_armed and now < self.target and pushed_down:
+        if self.low_armed and now < self.target * self.lower_at and pushed_down:
             return LOWER
         return None
 
@@ -118,9 +119,9 @@ class KLGuard:
         return out
 
     def describe(self, fired: str, steps: int) -> str:
-        side = "passed" if fired == UPPER else "fell below"
-        return (f"KL guard: the KL to the reference {side} kl_target after {steps} optimizer step(s); the rest of "
-                "this update was skipped.")  # fmt: skip
+        side = "passed kl_target" if fired == UPPER else f"fell below {self.lower_at:g} x kl_target"
+        return (f"KL guard: the KL to the reference {side} after {steps} optimizer step(s); the rest of this update "
+                "was skipped.")  # fmt: skip
 
     def state_dict(self) -> dict:
         return {"kl_guard_low_armed": self.low_armed}

@@ -100,9 +100,10 @@ class RolloutScorer:
             else:
                 statistic = plan.estimate(plan.statistic, logp, ref_logp, old_logp=logp, logits=logits,
                                           ref_logits=ref_logits)  # fmt: skip
+            keep, zero = mask.bool(), torch.zeros((), dtype=logp.dtype, device=logp.device)
             out.update(
-                logp=logp, ref_logp=ref_logp, log_ratio=(logp - ref_logp) * mask, kl=kl * mask,
-                kl_clamped=clamped & mask.bool(), statistic_kl=statistic * mask,
+                logp=logp, ref_logp=ref_logp, log_ratio=torch.where(keep, logp - ref_logp, zero),
+                kl=torch.where(keep, kl, zero), kl_clamped=clamped & keep, statistic_kl=torch.where(keep, statistic, zero),
             )  # fmt: skip
         return out
 

@@ -4,7 +4,7 @@ One PPO update (`ppo_update`), each step a public method that returns a typed re
 
 1. sample prompts, generate responses                        `rollout`
 2. truncate at the stop token, build masks                   `rollout`
-3. score: policy / reference log-probs, values               `rollout` (`score`, in `scoring.py`)
+3. score: policy / reference log-probs, values, the KL       `rollout` (`RolloutScorer`, in `scoring.py`)
 4. rewards, missing-EOS penalty                              `compute_rewards`
 5. KL: every estimator logged, the configured one applied    `apply_kl`
 6. controller update from the globally reduced statistic     `apply_kl`
@@ -12,8 +12,10 @@ One PPO update (`ppo_update`), each step a public method that returns a typed re
 8. PPO epochs over mini-batches                              `optimise`
 9. log, evaluate, checkpoint                                 `train`
 
-Every statistic is reduced across ranks as `(sum, count)` (`klppo.kl.GlobalSums`), so each rank logs, and the
-controller sees, the same global value.
+Which KL, from which logits, where it goes, is decided once when the trainer is built (`self.kl_plan`,
+`klppo.ppo.plan`); the rollout carries the log-ratio and the per-token estimates, computed once. Every statistic is
+reduced across ranks as `(sum, count)` (`klppo.kl.GlobalSums`), so each rank logs, and the controller sees, the same
+global value.
 """
 
 from __future__ import annotations
@@ -21,23 +23,26 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
+import shutil
+import time
 from collections import defaultdict
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
 from torch.profiler import record_function
 from transformers import PreTrainedTokenizerBase, Trainer, set_seed
 from transformers.trainer_callback import ProgressCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, rotate_checkpoints
 from trl.models.utils import unwrap_model_for_generation
 
 from ..kl import (
     GlobalSums,
-    check_same_on_all_ranks,
     KLDriftMonitor,
     build_kl_controller,
+    check_same_on_all_ranks,
     estimate_kl,
-    get_kl_estimator_spec,
     global_masked_whiten,
     kl_loss,
     kl_reward,
@@ -46,24 +51,26 @@ from ..kl import (
 )
 from ..kl.reduce import all_reduce_sum
 from ..rewards import combine_rewards, load_reward_funcs, reward_func_name
+from . import checkpoint as ckpt
 from .advantages import gae_advantages, sequence_advantages
 from .build import build_models, check_trainer_inputs, default_learning_rate, load_policy_and_tokenizer, prepare_frozen
-from .callbacks import KLProgressCallback, maybe_offline_wandb, now, record_samples, timed
-from .checkpoint import CheckpointMixin
-from .loop import TrainingLoopMixin
+from .callbacks import KLProgressCallback, maybe_offline_wandb, now, timed
 from .config import KL_LOSS_MIN_ADVANTAGE_STD, KLPPOConfig
-from .engines import root_unsharded
+from .engines import load_full_weights, root_unsharded
 from .guard import LOWER, UPPER, build_kl_guard, reset_momentum
 from .health import NonfiniteGuard, PPOHealthMonitor, TrainingDiverged, policy_outputs_finite, rollout_outputs_finite
 from .losses import ppo_losses
+from .plan import LOGGED_ESTIMATORS, make_kl_plan
 from .rollback import restore_optimisation, snapshot_optimisation
-from .scoring import ScoringMixin
 from .rollout import (
     DIVERGED_SAMPLING,
     StaticCaches,
     collate_prompts,
     ends_with_stop,
+    endless_prompt_batches,
     generate_responses,
+    contiguous_lm_head_input,
+    merged_lora,
     position_ids_from_mask,
     response_logits,
     response_logprobs,
@@ -71,14 +78,13 @@ from .rollout import (
     supports_static_cache,
     truncate_at_stop,
 )
+from .scoring import RolloutScorer
 from .steps import Advantages, KLPenalty, OptimiseResult, PromptBatch, Rewards, Rollout, Sequences
 
 logger = logging.getLogger(__name__)
 
-LOGGED_ESTIMATORS = ("k1", "k2", "k3")  # logged whatever the configured estimator (TRL issue 1161)
 
-
-class KLPPOTrainer(ScoringMixin, TrainingLoopMixin, CheckpointMixin, Trainer):
+class KLPPOTrainer(Trainer):
     """PPO trainer for causal LMs whose centre is KL control.
 
     Args:
@@ -144,13 +150,41 @@ class KLPPOTrainer(ScoringMixin, TrainingLoopMixin, CheckpointMixin, Trainer):
         self.remove_callback(ProgressCallback)
         if not self.args.disable_tqdm:
             self.add_callback(KLProgressCallback())
-        self._init_kl_control()
-        self._place_frozen_models()
-        policy_generation_config = getattr(self.model.policy, "generation_config", None)
+        if self.ref_model is not None:  # frozen models live beside the policy (sharded under ZeRO-3 / FSDP)
+            self.ref_model = prepare_frozen(self.ref_model, self)
+        for fn in self.reward_funcs:
+            if isinstance(getattr(fn, "model", None), nn.Module):
+                fn.model = prepare_frozen(fn.model, self)
+        policy = self.model.policy
         self.stop_token_id, self.suppressed_ids, self.generation_config = sampling_setup(
-            self.args, self.processing_class, policy_generation_config
+            self.args, self.processing_class, getattr(policy, "generation_config", None)
         )
+        self.kl_plan = make_kl_plan(self.args, policy, self._mixed_precision(), self._vocab_size(policy))
+        self.scorer = RolloutScorer(
+            self.kl_plan, self.accelerator, self.ref_model, self.use_adapter_reference, self.ref_adapter_name,
+            self.args.temperature, self.suppressed_ids, self.args.rollout_forward_batch_size, self.args.critic_free,
+        )  # fmt: skip
         self.static_caches = self._static_caches()
+        # the KL controller and the monitors: the state a checkpoint carries beside the weights
+        self.kl_controller = build_kl_controller(args)
+        self.kl_guard = build_kl_guard(args.kl_guard, args.kl_target)
+        self.drift_monitor = KLDriftMonitor(args.kl_target, patience=args.kl_drift_patience) if args.kl_target else None
+        self.health_monitor = PPOHealthMonitor(patience=args.health_patience)
+        self.nonfinite_guard = NonfiniteGuard(args.max_nonfinite_updates)
+        self.completion_samples: list[dict] = []
+        self._unsettled = None  # the last update, until forward passes have shown its policy finite
+        self._checked_rows: Sequences | None = None  # what the check before a save reads
+        logger.info("KL applied in: %s (estimator %s, controller %s, statistic %s in unit: %s)", args.kl_mode,
+                    args.kl_estimator, args.kl_controller, args.kl_statistic, args.kl_target_unit)  # fmt: skip
+
+    def _mixed_precision(self) -> bool:
+        """Whether the arguments or accelerate (`mixed_precision` in an accelerate config file) set mixed precision."""
+        return bool(self.args.bf16 or self.args.fp16 or self.accelerator.mixed_precision != "no")
+
+    @staticmethod
+    def _vocab_size(policy) -> int:
+        config = policy.config
+        return (config.get_text_config() if hasattr(config, "get_text_config") else config).vocab_size
 
     def _static_caches(self) -> StaticCaches | None:
         """The static KV caches of `cache_implementation="static"`, or None (the dynamic cache): also None, with one
@@ -158,7 +192,7 @@ class KLPPOTrainer(ScoringMixin, TrainingLoopMixin, CheckpointMixin, Trainer):
         gathered weights are not the same tensors from one rollout to the next."""
         if self.args.cache_implementation != "static":
             return None
-        policy = self.accelerator.unwrap_model(self.model).policy
+        policy = self.model.policy
         why = None
         if not supports_static_cache(policy):
             why = f"{type(policy).__name__} is not marked as compilable by transformers"
@@ -169,26 +203,10 @@ class KLPPOTrainer(ScoringMixin, TrainingLoopMixin, CheckpointMixin, Trainer):
             return None
         return StaticCaches(policy.config, self.args.max_prompt_length + self.args.response_length)
 
-    def _init_kl_control(self) -> None:
-        args = self.args
-        self.kl_estimator = get_kl_estimator_spec(args.kl_estimator)
-        self.kl_statistic_spec = get_kl_estimator_spec(args.kl_statistic)
-        self.kl_controller = build_kl_controller(args)
-        self.kl_guard = build_kl_guard(args.kl_guard, args.kl_target)
-        self.drift_monitor = KLDriftMonitor(args.kl_target, patience=args.kl_drift_patience) if args.kl_target else None
-        self.health_monitor = PPOHealthMonitor(patience=args.health_patience)
-        self.nonfinite_guard = NonfiniteGuard(args.max_nonfinite_updates)
-        self.completion_samples: list[dict] = []
-        logger.info("KL applied in: %s (estimator %s, controller %s, statistic %s in unit: %s)", args.kl_mode,
-                    args.kl_estimator, args.kl_controller, args.kl_statistic, args.kl_target_unit)  # fmt: skip
-
-    def _place_frozen_models(self) -> None:
-        """Reference and reward models live beside the policy (sharded under ZeRO-3 / FSDP)."""
-        if self.ref_model is not None:
-            self.ref_model = prepare_frozen(self.ref_model, self)
-        for fn in self.reward_funcs:
-            if isinstance(getattr(fn, "model", None), nn.Module):
-                fn.model = prepare_frozen(fn.model, self)
+    @property
+    def logprobs_from_generation(self) -> bool:
+        """Whether the sampling policy's log-probs are read while decoding (`KLPlan.read_while_decoding`)."""
+        return self.kl_plan.read_while_decoding
 
     # ------------------------------------------------------------------ data
     def prompt_batch(self, prompts: list) -> PromptBatch:
@@ -196,125 +214,156 @@ class KLPPOTrainer(ScoringMixin, TrainingLoopMixin, CheckpointMixin, Trainer):
         rows = [p if isinstance(p, dict) else {"prompt": p} for p in prompts]
         return collate_prompts(rows, self.processing_class, self.args.max_prompt_length)
 
+    # ------------------------------------------------------------------ the loop (step 9)
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        """Run the PPO updates. One run per `output_dir`: a second run on the same folder stops at once
+        (`OutputDirInUse`). `resume_from_checkpoint`: a checkpoint folder, or True for the latest complete one."""
+        from .lock import OutputDirLock
+
+        with OutputDirLock(self.args.output_dir, enabled=self.is_world_process_zero() and self.args.should_save):
+            return self._train(resume_from_checkpoint)
+
+    def _train(self, resume_from_checkpoint: str | bool | None) -> TrainOutput:
+        args = self.args
+        self.is_in_train = True
+        num_updates = self.num_updates()
+        self.setup_optimisation(num_updates)
+        self.state.max_steps = num_updates
+        self.state.num_train_epochs = math.ceil(num_updates * self._prompts_per_update() / len(self.train_dataset))
+        self.state.compute_steps(args, num_updates)
+        self.state.is_local_process_zero, self.state.is_world_process_zero = self.is_local_process_zero(), self.is_world_process_zero()
+        checkpoint = ckpt.resolve_resume_target(resume_from_checkpoint, args.output_dir)
+        if checkpoint:
+            self._resume(checkpoint)
+        generations = args.num_generations or 1  # each prompt's responses in consecutive rows, on this rank
+        batches = endless_prompt_batches(
+            self.train_dataset, args.local_prompts_per_rollout,
+            lambda rows: self.prompt_batch([row for row in rows for _ in range(generations)]), self.accelerator,
+            args.seed, skip=self.state.global_step,
+        )  # fmt: skip
+        self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+        start_time, metrics = time.time(), {}
+        while self.state.global_step < num_updates:
+            self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
+            metrics = self.ppo_update(next(batches))
+            self.state.global_step += 1
+            self.state.epoch = self.state.global_step * self._prompts_per_update() / len(self.train_dataset)
+            self.control = self.callback_handler.on_step_end(args, self.state, self.control)
+            self._log_evaluate_save(metrics)
+            if self.control.should_training_stop:
+                break
+        self._settle_last_update()  # the last update's policy, checked before anything samples from or saves it
+        self.control = self.callback_handler.on_train_end(args, self.state, self.control)
+        self.is_in_train = False
+        return TrainOutput(self.state.global_step, metrics.get("loss/policy", float("nan")),
+                           {"train_runtime": time.time() - start_time})  # fmt: skip
+
+    def _prompts_per_update(self) -> int:
+        """Prompts per update, all ranks (each sampled `num_generations` times)."""
+        return self.args.local_prompts_per_rollout * self.accelerator.num_processes
+
+    def _log_evaluate_save(self, metrics: dict) -> None:
+        if self.control.should_evaluate or self.control.should_save:  # check the policy before using it
+            metrics = {**metrics, **(self._settle_last_update() or {})}
+        if self.control.should_log:
+            self.log(dict(metrics))
+        if self.control.should_evaluate:
+            self.log(self.evaluate_policy())
+            self.control.should_evaluate = False
+        if self.control.should_save:
+            self._save_checkpoint(self.model, trial=None)
+            self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+
+    def num_updates(self) -> int:
+        """PPO updates of a whole run: `max_steps`, else `num_train_epochs` over the prompts."""
+        return self.args.num_updates(len(self.train_dataset), self.accelerator.num_processes)
+
+    def setup_optimisation(self, num_updates: int | None = None) -> None:
+        """Create the optimizer and scheduler and wrap the actor-critic for distributed training (once; sampling
+        and evaluation before `train()` call it too, since a ZeRO-3 or FSDP policy only runs inside its engine).
+        The scheduler is not handed to accelerate: it steps once per optimizer step, on every rank."""
+        args = self.args
+        if self.optimizer is None:
+            num_updates = self.num_updates() if num_updates is None else num_updates
+            self.create_optimizer_and_scheduler(num_training_steps=num_updates * args.num_ppo_epochs * args.num_mini_batches)
+            # checkpoints hold every trainable weight in full: ZeRO-3 gathers them when saving, FSDP saves a full
+            # state dict (a sharded one would bypass klppo's checkpoint files)
+            if self.is_deepspeed_enabled:
+                zero = self.accelerator.state.deepspeed_plugin.deepspeed_config.setdefault("zero_optimization", {})
+                zero["stage3_gather_16bit_weights_on_model_save"] = True
+            if self.is_fsdp_enabled:
+                self.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
+            self.model_wrapped, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
+            if self.is_deepspeed_enabled:
+                self.deepspeed = self.model_wrapped
+
+    def shutdown(self) -> None:
+        """End a (distributed) run cleanly; call it last. Waits for every rank, drops the data-parallel
+        wrapper (it holds the process group: left to interpreter exit, gloo can abort the process), finishes
+        trackers and destroys the process group. The unwrapped models (`trainer.model`) stay usable."""
+        acc = self.accelerator
+        acc.wait_for_everyone()
+        self.model_wrapped = self.model
+        self.optimizer = self.lr_scheduler = None
+        acc.free_memory()
+        acc.end_training()
+
+    # ------------------------------------------------------------------ one update
     def ppo_update(self, batch: PromptBatch) -> dict[str, float]:
         """One PPO update on a batch of prompts; returns its logged metrics."""
         timings: dict[str, float] = defaultdict(float)
+        acc = self.accelerator
         lr = self.lr_scheduler.get_last_lr()[0] if self.lr_scheduler is not None else self.args.learning_rate
-        start = now(self.accelerator)
+        start = now(acc)
         rollout = self.rollout(batch, timings)  # steps 1-3
         undone = self._settle_last_update(rollout)
         if undone:  # the last update left non-finite outputs and was undone: sample again from the policy before it
             rollout = self.rollout(batch, timings)
-        with timed(timings, "time/reward", self.accelerator):
+        with timed(timings, "time/reward", acc):
             rewards = self.compute_rewards(rollout)  # step 4
-        with timed(timings, "time/kl", self.accelerator):
+        with timed(timings, "time/kl", acc):
             penalty = self.apply_kl(rollout, rewards)  # steps 5-6
         metrics = {**rewards.metrics, **penalty.metrics, **(undone or {})}
         if not penalty.finite:
             metrics.update(self._record_nonfinite("rollout scores or KL", "no optimizer step was taken"))
         else:
-            with timed(timings, "time/advantages", self.accelerator):
+            with timed(timings, "time/advantages", acc):
                 advantages = self.compute_advantages(rollout, rewards, penalty)  # step 7
             snapshot = None
             if self.rollback_updates:
-                with timed(timings, "time/rollback_snapshot", self.accelerator):
-                    snapshot = snapshot_optimisation(self.accelerator.unwrap_model(self.model_wrapped), self.optimizer, self.lr_scheduler)
-            with timed(timings, "time/optimise", self.accelerator):
-                result = self.optimise(rollout, advantages, kl_reading=penalty.metrics["kl/value"])  # step 8
+                with timed(timings, "time/rollback_snapshot", acc):
+                    snapshot = snapshot_optimisation(acc.unwrap_model(self.model_wrapped), self.optimizer, self.lr_scheduler)
+            with timed(timings, "time/optimise", acc):
+                result = self.optimise(rollout, advantages, kl_reading=penalty.reading)  # step 8
             metrics.update(result.metrics, **advantages.metrics)
-            metrics.update(self._after_optimise(result, snapshot, rollout))
-            self._checked_rows = rollout.sequences()  # what a forward check before a save reads
-        timings["time/update"] = now(self.accelerator) - start
+            metrics.update(self._after_optimise(result, snapshot))
+            self._checked_rows = rollout.sequences()
+        timings["time/update"] = now(acc) - start
         metrics.update(timings, **{"train/nonfinite_skips": float(self.nonfinite_skips), "lr": lr})
         for message in self.health_monitor.update(metrics):
             if self.is_world_process_zero():
                 logger.warning(message)
-        record_samples(self, rollout.prompts, rewards)
+        self._record_samples(rollout.prompts, rewards)
         return metrics
-
-    @functools.cached_property
-    def rollback_updates(self) -> bool:
-        """Whether a non-finite step undoes its whole update: `nonfinite_rollback`, or when that is None, whether
-        the trainable weights (policy and critic) are at most 10% of all weights, as with LoRA and the shared
-        critic, so that the copy it takes is small. Counted over all ranks (FSDP shards the weights), so every rank
-        decides the same. Never under DeepSpeed, whose optimizer state is sharded."""
-        if self.is_deepspeed_enabled:  # sharded optimizer state: DeepSpeed drops a non-finite step itself
-            return False
-        if self.args.nonfinite_rollback is not None:
-            return bool(self.args.nonfinite_rollback)
-        trainable = total = 0
-        for p in self.accelerator.unwrap_model(self.model_wrapped).parameters():
-            n = p.numel()  # the full size, also of an FSDP2 DTensor shard
-            trainable, total = trainable + (n if p.requires_grad else 0), total + n
-        counts = torch.tensor([trainable, total], dtype=torch.float64, device=self.accelerator.device)
-        trainable, total = all_reduce_sum(counts, self.accelerator).tolist()
-        return 10 * trainable <= total
-
-    def _after_optimise(self, result: OptimiseResult, snapshot: dict | None, rollout: Rollout) -> dict[str, float]:
-        """Roll back (or report) an update stopped by a non-finite loss or gradient. An update whose steps went
-        through is checked later, by the forward passes that run anyway (`_settle_last_update`): its `snapshot` is
-        kept until then."""
-        if not result.skipped:
-            self._unsettled = (self.state.global_step + 1, result.applied_steps, snapshot)
-            return {}
-        if snapshot is not None:
-            restore_optimisation(snapshot, self.accelerator.unwrap_model(self.model_wrapped), self.optimizer, self.lr_scheduler)
-            outcome = "the weights and optimizer state were restored to the start of the update"
-        else:
-            self._unsettled = (self.state.global_step + 1, result.applied_steps, None)  # partly applied: check it
-            outcome = f"{result.applied_steps} optimizer step(s) of this update had already been applied"
-        return self._record_nonfinite("the loss or its gradient", outcome)
-
-    def _settle_last_update(self, rollout: Rollout | None = None) -> dict[str, float] | None:
-        """Check the policy that the last update left, with forward passes that run anyway: the next rollout's
-        (`rollout`: its sampling logits, its log-probs and values), which settles it; before a save and at the end
-        of training, a forward pass over the last rollout's sequences. An optimizer step can leave finite weights
-        whose logits overflow on some inputs (a learning rate far too high): the weights alone do not tell.
-        Finite: nothing to do (None). Not finite: the update is undone from its copy, and the metrics of the skip
-        are returned; without a copy training stops (`TrainingDiverged`, nothing saved from then on). Decided alike
-        on every rank."""
-        if getattr(self, "_unsettled", None) is None:
-            return None
-        step, applied, snapshot = self._unsettled
-        if rollout is not None:
-            finite = rollout_outputs_finite(rollout, self.accelerator)
-        else:  # the next rollout checks again
-            finite = policy_outputs_finite(self.model_wrapped, self._checked_rows, self.accelerator,
-                                           self.args.rollout_forward_batch_size)  # fmt: skip
-            if finite:
-                return None
-        self._unsettled = None
-        if finite:
-            self.nonfinite_guard.reset()
-            return None
-        if snapshot is None:
-            self.nonfinite_guard.policy_diverged(step, applied, self.args)
-        restore_optimisation(snapshot, self.accelerator.unwrap_model(self.model_wrapped), self.optimizer, self.lr_scheduler)
-        return self._record_nonfinite(f"the policy's logits or values after update {step}",
-                                      "the weights and optimizer state were restored to the start of that update",
-                                      step=step)  # fmt: skip
 
     # ------------------------------------------------------------------ steps 1-3: rollout
     @torch.no_grad()
     def rollout(self, batch: PromptBatch, timings: dict | None = None) -> Rollout:
-        """Steps 1-3: sample responses, truncate them at the stop token, score them. The sampling policy's
-        log-probs (and a shared critic's values) are read from generation, except for a logits-based KL
-        estimator or statistic, which needs the policy's logits beside the reference's."""
+        """Steps 1-3: sample responses, truncate them at the stop token, score them (`RolloutScorer`). What the
+        plan reads while decoding (the sampled tokens' log-probs, a shared critic's values, the logits a statistic
+        reads) comes from generation; scoring runs the rest."""
         timings = timings if timings is not None else defaultdict(float)
-        acc = self.accelerator
+        acc, plan = self.accelerator, self.kl_plan
         input_ids, attention_mask = batch.input_ids.to(acc.device), batch.attention_mask.to(acc.device)
-        # a logits-based statistic reads the generation's own logits when they fit in `generation_logits_max_mb`
-        keep = self.kl_statistic_spec.needs_logits and self._generation_logits_fit()
-        reuse = self.logprobs_from_generation and not self.kl_estimator.needs_logits and (
-            keep or not self.kl_statistic_spec.needs_logits)  # fmt: skip
         with timed(timings, "time/generation", acc):
             with unwrap_model_for_generation(self.model_wrapped, acc) as unwrapped, \
                     root_unsharded(self.model_wrapped), self._sampling_form(unwrapped.policy):  # fmt: skip
                 generated = generate_responses(
-                    unwrapped.policy, input_ids, attention_mask, self.generation_config, with_logprobs=reuse,
-                    value_head=unwrapped.value_head if reuse else None, keep_logits=keep and reuse,
-                    synced=self.is_fsdp_enabled and acc.num_processes > 1, check_finite=False,
-                    cache=self.static_caches(input_ids.shape[0]) if self.static_caches else None,
+                    unwrapped.policy, input_ids, attention_mask, self.generation_config,
+                    with_logprobs=plan.read_while_decoding,
+                    value_head=unwrapped.value_head if plan.read_while_decoding else None,
+                    keep_logits=plan.keep_generation_logits, synced=self.is_fsdp_enabled and acc.num_processes > 1,
+                    check_finite=False, cache=self.static_caches(input_ids.shape[0]) if self.static_caches else None,
                 )  # fmt: skip
         responses, response_mask = truncate_at_stop(generated.tokens, self.stop_token_id, self.processing_class.pad_token_id)
         sequences = Sequences(
@@ -322,8 +371,22 @@ class KLPPOTrainer(ScoringMixin, TrainingLoopMixin, CheckpointMixin, Trainer):
             attention_mask=torch.cat([attention_mask, response_mask], dim=1), responses=responses,
             response_mask=response_mask, context_length=input_ids.shape[1], sampled_finite=generated.finite,
         )  # fmt: skip
-        return self.score(sequences, logp=generated.logp, values=generated.values, timings=timings,
-                          policy_logits=generated.logits)  # fmt: skip
+        return self.scorer.score(self.model_wrapped, sequences, generated._replace(tokens=responses), timings)
+
+    def score(self, sequences: Sequences, timings: dict | None = None) -> Rollout:
+        """Step 3 alone: the `Rollout` of `sequences` from forward passes only (nothing read while decoding)."""
+        return self.scorer.score(self.model_wrapped, sequences, None, timings)
+
+    @contextmanager
+    def _sampling_form(self, policy):
+        """The policy as it samples: the LM head's input made contiguous (generation's first step); a LoRA adapter
+        merged into copies of the base weights (`merge_adapter_for_generation`), except under DeepSpeed or FSDP,
+        whose sharded parameters are not plain tensors to copy, and with a static cache, whose compiled decoding
+        step keeps reading the same weight tensors."""
+        merge = self.args.merge_adapter_for_generation and not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
+        merge = merge and self.static_caches is None
+        with contiguous_lm_head_input(policy), merged_lora(policy) if merge else nullcontext():
+            yield
 
     # ------------------------------------------------------------------ step 4: rewards
     @torch.no_grad()
@@ -360,66 +423,50 @@ class KLPPOTrainer(ScoringMixin, TrainingLoopMixin, CheckpointMixin, Trainer):
     # ------------------------------------------------------------------ steps 5-6: KL and controller
     @torch.no_grad()
     def apply_kl(self, rollout: Rollout, rewards: Rewards) -> KLPenalty:
-        """Steps 5-6: the configured estimator per token, in the rewards (score at the last response token) when
-        `kl_mode` applies it there; then one controller update from the globally reduced statistic."""
-        args, acc, mask = self.args, self.accelerator, rollout.response_mask
+        """Steps 5-6: the configured estimate in the rewards (score at the last response token) when `kl_mode`
+        applies it there; then one controller update from the globally reduced statistic. Every estimator of
+        `LOGGED_ESTIMATORS` is logged, whatever the configured one."""
+        args, acc, plan, mask = self.args, self.accelerator, self.kl_plan, rollout.response_mask
         stats = GlobalSums()
-        per_seq_count = mask.shape[0] if args.kl_target_unit == "sequence" else mask.sum()
-        for name in LOGGED_ESTIMATORS:
-            values = estimate_kl(name, rollout.logp, rollout.ref_logp, log_ratio_clamp=args.kl_log_ratio_clamp)
+        per_seq_count = mask.shape[0] if plan.unit == "sequence" else mask.sum()
+        for name in LOGGED_ESTIMATORS:  # each estimator's own reading: the log-ratio clamp, no value clamp
+            values = estimate_kl(name, rollout.logp, rollout.ref_logp, log_ratio_clamp=plan.log_ratio_clamp)
             stats.add(f"kl/{name}", (values * mask).sum(), per_seq_count)
-        if rollout.logits_kl is not None:
-            kl, clamped = rollout.logits_kl, torch.zeros_like(mask, dtype=torch.bool)
-        else:
-            kl, clamped = self._estimate_kl(rollout.logp, rollout.ref_logp, rollout.logp, return_clamped=True)
-        stats.add("kl/clamped_frac", (clamped & mask.bool()).sum(), mask.sum())
+        if plan.statistic not in LOGGED_ESTIMATORS:
+            stats.add(f"kl/{plan.statistic}", rollout.statistic_kl.sum(), per_seq_count)
+        stats.add("kl/clamped_frac", rollout.kl_clamped.sum(), mask.sum())
         coef = self.kl_controller.value
-        non_score = kl_reward(kl, mask, coef) if "reward" in args.kl_modes_applied else torch.zeros_like(kl)
+        non_score = kl_reward(rollout.kl, mask, coef) if "reward" in plan.places else torch.zeros_like(rollout.kl)
         per_token = non_score.clone()
         last = mask.sum(dim=1) - 1
         per_token[torch.arange(per_token.shape[0], device=per_token.device), last] += rewards.scores
         stats.add("objective/non_score_reward", non_score.sum(), mask.shape[0])
         stats.add("objective/rlhf_reward", per_token.sum(), mask.shape[0])
         nonfinite, _ = reduce_sum_count((~torch.isfinite(per_token)).sum(), 0, acc)
-        statistic = self._statistic_per_token(rollout, kl)
-        if args.kl_statistic not in LOGGED_ESTIMATORS:
-            stats.add(f"kl/{args.kl_statistic}", (statistic * mask).sum(), per_seq_count)
         metrics = stats.means(acc)
-        value = kl_statistic(statistic, mask, unit=args.kl_target_unit, accelerator=acc).item()
-        finite = math.isfinite(value) and nonfinite.item() == 0
+        reading = kl_statistic(rollout.statistic_kl, mask, unit=plan.unit, accelerator=acc).item()
+        finite = math.isfinite(reading) and nonfinite.item() == 0
         if finite:
             if hasattr(self.kl_controller, "observe_sequences"):
                 self._observe_sequences(rollout, rewards)
-            self._update_controller(value, mask.shape[0] * acc.num_processes)
-        metrics.update({"kl/value": value, "kl/coef": coef, "kl/coef_next": self.kl_controller.value})
+            self._update_controller(reading, mask.shape[0] * acc.num_processes)
+        metrics.update({"kl/value": reading, "kl/coef": coef, "kl/coef_next": self.kl_controller.value})
         if finite and hasattr(self.kl_controller, "metrics"):
             metrics.update(self.kl_controller.metrics())
         if args.kl_target:
-            metrics.update({"kl/target": args.kl_target, "kl/error": (value - args.kl_target) / args.kl_target})
-        return KLPenalty(kl, per_token, coef, finite, metrics)
+            metrics.update({"kl/target": args.kl_target, "kl/error": (reading - args.kl_target) / args.kl_target})
+        return KLPenalty(per_token, coef, reading, finite, metrics)
 
     def _observe_sequences(self, rollout: Rollout, rewards: Rewards) -> None:
         """Give a controller that reads the batch itself every scored sequence's score, summed log-ratio to the
         reference (k1 over its tokens) and length, gathered over all ranks in rank order (the same on every rank).
         Sequences no reward function scored are left out: they get no policy gradient."""
         mask = rollout.response_mask
-        log_ratio = ((rollout.logp - rollout.ref_logp).double() * mask).sum(dim=1)
-        table = torch.stack([rewards.scores.double(), log_ratio, mask.sum(dim=1).double(),
+        table = torch.stack([rewards.scores.double(), rollout.log_ratio.double().sum(dim=1), mask.sum(dim=1).double(),
                              rewards.scorable.double()], dim=1)  # fmt: skip
         table = self.accelerator.gather(table).cpu()
         table = table[table[:, 3] > 0]
-        self.kl_controller.observe_sequences(table[:, 0], table[:, 1], table[:, 2], unit=self.args.kl_target_unit)
-
-    def _statistic_per_token(self, rollout: Rollout, kl: torch.Tensor) -> torch.Tensor:
-        """`kl_statistic` per token: the configured estimator's values when they are the same estimator, else
-        the statistic's own (scored from logits, or from the log-probs)."""
-        args = self.args
-        if args.kl_statistic == args.kl_estimator:
-            return kl
-        if rollout.statistic_kl is not None:
-            return rollout.statistic_kl
-        return estimate_kl(args.kl_statistic, rollout.logp, rollout.ref_logp, old_logp=rollout.logp,
-                           log_ratio_clamp=args.kl_log_ratio_clamp, value_clamp=args.kl_value_clamp)  # fmt: skip
+        self.kl_controller.observe_sequences(table[:, 0], table[:, 1], table[:, 2], unit=self.kl_plan.unit)
 
     def _update_controller(self, statistic: float, n_sequences: int) -> None:
         """Step 6 on every rank alike (the statistic is global); the drift monitor sees the same value, and the
@@ -431,15 +478,6 @@ class KLPPOTrainer(ScoringMixin, TrainingLoopMixin, CheckpointMixin, Trainer):
             message = self.drift_monitor.update(statistic)
             if message and self.is_world_process_zero():
                 logger.warning(message)
-
-    def _estimate_kl(self, logp=None, ref_logp=None, old_logp=None, logits=None, ref_logits=None, return_clamped=False):
-        """The configured estimator with the configured clamps (`klppo.kl.estimate_kl`)."""
-        args = self.args
-        return estimate_kl(
-            args.kl_estimator, logp, ref_logp, old_logp=old_logp, logits=logits, ref_logits=ref_logits,
-            chunk_size=args.full_kl_chunk_size, return_clamped=return_clamped,
-            log_ratio_clamp=args.kl_log_ratio_clamp, value_clamp=args.kl_value_clamp,
-        )  # fmt: skip
 
     # ------------------------------------------------------------------ step 7: advantages
     @torch.no_grad()
@@ -469,15 +507,15 @@ class KLPPOTrainer(ScoringMixin, TrainingLoopMixin, CheckpointMixin, Trainer):
         # (GRPO: each group has its own scale; beta weighs KL against the group-normalised reward, as in TRL)
         rescale = args.kl_loss_scale == "advantage_std" and args.advantage_estimator != "grpo"
         scale = max(std, KL_LOSS_MIN_ADVANTAGE_STD) if rescale else 1.0
-        kl_loss_coef = penalty.coef / scale
-        return Advantages(advantages, returns, kl_loss_coef, {"policy/advantage_std": std})
+        return Advantages(advantages, returns, penalty.coef / scale, {"policy/advantage_std": std})
 
     # ------------------------------------------------------------------ step 8: optimisation
     def optimise(self, rollout: Rollout, advantages: Advantages, kl_reading: float | None = None) -> OptimiseResult:
         """Step 8: `num_ppo_epochs` passes over shuffled mini-batches, one optimizer step each. A non-finite loss
         or gradient drops that step's gradients and, when updates are rolled back (`rollback_updates`), stops the
         update. The KL guard (`klppo.ppo.guard.KLGuard`) ends the update early once the KL to the reference leaves
-        its bounds; `kl_reading` (the rollout's controller statistic) is where its estimate starts."""
+        its bounds; `kl_reading` (the rollout's controller statistic, `KLPenalty.reading`) is where its estimate
+        starts."""
         self.model_wrapped.train()
         n_local, mb_size = rollout.batch_size, self.args.local_mini_batch_size
         if n_local % mb_size:
@@ -525,7 +563,7 @@ class KLPPOTrainer(ScoringMixin, TrainingLoopMixin, CheckpointMixin, Trainer):
                 checks[0] += (~torch.isfinite(loss.detach())).double()
                 checks[1:3] += torch.stack([torch.as_tensor(x, dtype=torch.float64, device=checks.device)
                                             for x in parts["kl/during_update"]])  # a count in sequences is a host int
-                checks[3] += ((rollout.logp[idx].double() - rollout.ref_logp[idx].double()) * rollout.response_mask[idx]).sum()
+                checks[3] += rollout.log_ratio[idx].double().sum()
                 if boundary:  # one collective and host sync per step
                     bad, kl_sum, kl_count, kl_rollout = all_reduce_sum(checks, acc).tolist()
                     fired = self.kl_guard.check(kl_sum, kl_count, kl_rollout, kl_reading) if applied > 0 else None
@@ -584,7 +622,7 @@ class KLPPOTrainer(ScoringMixin, TrainingLoopMixin, CheckpointMixin, Trainer):
     def micro_batch_loss(self, mb: Rollout, advantages: Advantages, idx: torch.Tensor, counts: dict):
         """Loss of one micro-batch `mb` (rows `idx` of the rollout), normalised by the mini-batch's GLOBAL
         counts, and its logging parts `{name: (sum, count)}`."""
-        args = self.args
+        args, plan = self.args, self.kl_plan
         mask, resp = mb.response_mask, mb.responses
         pos = position_ids_from_mask(mb.attention_mask)
         logits, values = self.model_wrapped(
@@ -598,29 +636,88 @@ class KLPPOTrainer(ScoringMixin, TrainingLoopMixin, CheckpointMixin, Trainer):
         share = 1.0 / (args.gradient_accumulation_steps * self.accelerator.num_processes)
         loss, parts = ppo_losses(
             logits, logp, values, mb.logp, mb.values, advantages.advantages[idx], advantages.returns[idx], mask,
-            counts["num_tokens"], args, share,
+            counts["num_tokens"], share, cliprange=args.cliprange, cliprange_value=args.cliprange_value,
+            vf_coef=args.vf_coef,
         )  # fmt: skip
         with torch.no_grad():  # the KL statistic at the current policy, for the guard: k1 importance-weighted
             # by pi / pi_old per token (the tokens were sampled by pi_old)
             k1 = torch.exp(logp.detach() - mb.logp) * (logp.detach() - mb.ref_logp) * mask
-            count = mask.shape[0] if args.kl_target_unit == "sequence" else mask.sum()
+            count = mask.shape[0] if plan.unit == "sequence" else mask.sum()
             parts["kl/during_update"] = (k1.sum(), count)
-        if "loss" in args.kl_modes_applied:
-            kl_term = self._kl_loss_term(mb, logp, logits, advantages.kl_loss_coef, counts)
+        if "loss" in plan.places:  # the configured estimator at the current policy, aggregated per kl_loss_agg_mode
+            ref_logits = None
+            if plan.estimator_needs_logits:
+                with torch.no_grad():
+                    ref_logits = self.scorer.reference_logits(self.model_wrapped, mb)
+            kl = plan.estimate(plan.estimator, logp, mb.ref_logp, old_logp=mb.logp, logits=logits, ref_logits=ref_logits)
+            kl_term = kl_loss(kl, mask, advantages.kl_loss_coef, args.kl_loss_agg_mode, **counts,
+                              norm_len=args.response_length)  # fmt: skip
             loss = loss + kl_term
             parts["loss/kl"] = (kl_term.detach(), share)
         return loss, parts
 
-    def _kl_loss_term(self, mb: Rollout, logp, logits, coef: float, counts: dict) -> torch.Tensor:
-        """The loss-mode KL term: the configured estimator at the current policy, aggregated per `kl_loss_agg_mode`."""
-        if self.kl_estimator.needs_logits:
-            with torch.no_grad():
-                ref_logits = self.reference_logits(mb)
-            kl = self._estimate_kl(logits=logits, ref_logits=ref_logits)
+    # ------------------------------------------------------------------ non-finite values
+    @functools.cached_property
+    def rollback_updates(self) -> bool:
+        """Whether a non-finite step undoes its whole update: `nonfinite_rollback`, or when that is None, whether
+        the trainable weights (policy and critic) are at most 10% of all weights, as with LoRA and the shared
+        critic, so that the copy it takes is small. Counted over all ranks (FSDP shards the weights), so every rank
+        decides the same. Never under DeepSpeed, whose optimizer state is sharded."""
+        if self.is_deepspeed_enabled:  # sharded optimizer state: DeepSpeed drops a non-finite step itself
+            return False
+        if self.args.nonfinite_rollback is not None:
+            return bool(self.args.nonfinite_rollback)
+        trainable = total = 0
+        for p in self.accelerator.unwrap_model(self.model_wrapped).parameters():
+            n = p.numel()  # the full size, also of an FSDP2 DTensor shard
+            trainable, total = trainable + (n if p.requires_grad else 0), total + n
+        counts = torch.tensor([trainable, total], dtype=torch.float64, device=self.accelerator.device)
+        trainable, total = all_reduce_sum(counts, self.accelerator).tolist()
+        return 10 * trainable <= total
+
+    def _after_optimise(self, result: OptimiseResult, snapshot: dict | None) -> dict[str, float]:
+        """Roll back (or report) an update stopped by a non-finite loss or gradient. An update whose steps went
+        through is checked later, by the forward passes that run anyway (`_settle_last_update`): its `snapshot` is
+        kept until then."""
+        if not result.skipped:
+            self._unsettled = (self.state.global_step + 1, result.applied_steps, snapshot)
+            return {}
+        if snapshot is not None:
+            restore_optimisation(snapshot, self.accelerator.unwrap_model(self.model_wrapped), self.optimizer, self.lr_scheduler)
+            outcome = "the weights and optimizer state were restored to the start of the update"
         else:
-            kl = self._estimate_kl(logp, mb.ref_logp, old_logp=mb.logp)
-        mask = mb.response_mask
-        return kl_loss(kl, mask, coef, self.args.kl_loss_agg_mode, **counts, norm_len=self.args.response_length)
+            self._unsettled = (self.state.global_step + 1, result.applied_steps, None)  # partly applied: check it
+            outcome = f"{result.applied_steps} optimizer step(s) of this update had already been applied"
+        return self._record_nonfinite("the loss or its gradient", outcome)
+
+    def _settle_last_update(self, rollout: Rollout | None = None) -> dict[str, float] | None:
+        """Check the policy that the last update left, with forward passes that run anyway: the next rollout's
+        (`rollout`: its sampling logits, its log-probs and values), which settles it; before a save and at the end
+        of training, a forward pass over the last rollout's sequences. An optimizer step can leave finite weights
+        whose logits overflow on some inputs (a learning rate far too high): the weights alone do not tell.
+        Finite: nothing to do (None). Not finite: the update is undone from its copy, and the metrics of the skip
+        are returned; without a copy training stops (`TrainingDiverged`, nothing saved from then on). Decided alike
+        on every rank."""
+        if self._unsettled is None:
+            return None
+        step, applied, snapshot = self._unsettled
+        if rollout is not None:
+            finite = rollout_outputs_finite(rollout, self.accelerator)
+        else:  # the next rollout checks again
+            finite = policy_outputs_finite(self.model_wrapped, self._checked_rows, self.accelerator,
+                                           self.args.rollout_forward_batch_size)  # fmt: skip
+            if finite:
+                return None
+        self._unsettled = None
+        if finite:
+            self.nonfinite_guard.reset()
+            return None
+        if snapshot is None:
+            self.nonfinite_guard.policy_diverged(step, applied, self.args)
+        restore_optimisation(snapshot, self.accelerator.unwrap_model(self.model_wrapped), self.optimizer, self.lr_scheduler)
+        return self._record_nonfinite(f"the policy's logits or values after update {step}",
+                                      "the weights and optimizer state were restored to the start of that update",
+                                      step=step)  # fmt: skip
 
     @property
     def nonfinite_skips(self) -> int:
@@ -631,6 +728,113 @@ class KLPPOTrainer(ScoringMixin, TrainingLoopMixin, CheckpointMixin, Trainer):
         self.optimizer.zero_grad(set_to_none=True)
         step = self.state.global_step + 1 if step is None else step
         return self.nonfinite_guard.record(step, what, outcome, log=self.is_world_process_zero())
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Save the policy (HF format: full model or PEFT adapter), the tokenizer, and every trainable weight of
+        the actor-critic (value head / critic included) for resuming; never weights that are not finite."""
+        output_dir = output_dir or self.args.output_dir
+        self._settle_last_update()
+        if not self._weights_finite():
+            if self.is_world_process_zero():
+                logger.warning("Not saving to %s: the trainable weights are not finite, or training stopped on a "
+                               "diverged policy.", output_dir)  # fmt: skip
+            return
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        state_dict = unwrapped.state_dict() if state_dict is None else state_dict
+        if self.args.should_save:
+            ckpt.save_model_files(output_dir, unwrapped, state_dict, self.processing_class, self.args)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """Write `checkpoint-N` atomically: every file (Trainer's and klppo's) goes into a staging folder that
+        is renamed into place only when complete, so a crash mid-save never leaves a partial `checkpoint-N`."""
+        self._settle_last_update()
+        if not self._weights_finite():
+            if self.is_world_process_zero():
+                logger.warning("Not writing checkpoint %d: the trainable weights are not finite, or training stopped on "
+                               "a diverged policy; the last checkpoint is kept.", self.state.global_step)  # fmt: skip
+            return
+        run_dir = self._get_output_dir(trial)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        staging_root = os.path.join(run_dir, ckpt.STAGING_DIR)
+        staged = os.path.join(staging_root, name)
+        if self.args.should_save and os.path.isdir(staged):
+            shutil.rmtree(staged)  # left by a save that was interrupted
+        self._get_output_dir = lambda trial=None: staging_root  # Trainer writes (and rotates) inside staging
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            del self._get_output_dir
+        if self.args.should_save:
+            ckpt.write_controller_state(staged, self._klppo_state())
+        self.accelerator.wait_for_everyone()  # every rank's files (RNG states) are in place
+        if self.args.should_save:
+            final = os.path.join(run_dir, name)
+            if os.path.isdir(final):
+                shutil.rmtree(final)
+            os.replace(staged, final)
+            shutil.rmtree(staging_root, ignore_errors=True)
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)  # fmt: skip
+        self.accelerator.wait_for_everyone()
+
+    def _weights_finite(self) -> bool:
+        """Whether every trainable weight is finite and training was not stopped on a diverged policy (whose
+        weights can be finite while its logits are not), on every rank (ZeRO-3 holds each weight's shard,
+        `ds_tensor`, on one rank only: the verdict is reduced over ranks, so that every rank decides alike)."""
+        if self.nonfinite_guard.stopped:
+            return False
+        unwrapped = self.accelerator.unwrap_model(self.model_wrapped)
+        # this rank's shard: ZeRO-3's `ds_tensor`, FSDP2's local tensor, else the whole weight
+        shards = [p.to_local() if hasattr(p, "to_local") else getattr(p, "ds_tensor", p)
+                  for p in unwrapped.parameters() if p.requires_grad]  # fmt: skip
+        bad = torch.tensor(float(not all(bool(torch.isfinite(t).all()) for t in shards)), device=self.accelerator.device)
+        return all_reduce_sum(bad, self.accelerator).item() == 0
+
+    def _klppo_state(self) -> dict:
+        """The state a checkpoint carries beside the weights: the KL controller's and the monitors', and the run's
+        settings that resuming compares."""
+        return {
+            "kl_controller": self.kl_controller.state_dict(),
+            "drift_monitor": self.drift_monitor.state_dict() if self.drift_monitor is not None else None,
+            "health_monitor": self.health_monitor.state_dict(),
+            **self.kl_guard.state_dict(),
+            **self.nonfinite_guard.state_dict(),
+            "settings": ckpt.resume_settings(self.args),
+        }
+
+    def latest_checkpoint(self) -> str | None:
+        """The newest complete klppo checkpoint in `output_dir`, or None (`klppo.ppo.checkpoint.latest_checkpoint`)."""
+        return ckpt.latest_checkpoint(self.args.output_dir)
+
+    def _resume(self, checkpoint: str) -> None:
+        """Restore weights, optimizer, scheduler, trainer state, RNG, the KL controller and the monitors."""
+        from transformers.trainer_callback import TrainerState
+
+        state = ckpt.read_controller_state(checkpoint)
+        ckpt.check_resume_settings(state.get("settings"), self.args, log=self.is_world_process_zero())
+        unwrapped = self.accelerator.unwrap_model(self.model_wrapped)
+        weights = ckpt.load_trainable_weights(checkpoint, unwrapped)
+        if self.is_deepspeed_enabled:  # the engine's own checkpoint: sharded weights and optimizer state, exactly
+            from transformers.integrations.deepspeed import deepspeed_load_checkpoint
+
+            deepspeed_load_checkpoint(self.model_wrapped, checkpoint, load_module_strict=False)
+        else:
+            load_full_weights(unwrapped, weights)
+        self._load_optimizer_and_scheduler(checkpoint)
+        self._load_rng_state(checkpoint)
+        max_steps = self.state.max_steps
+        self.state = TrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json"))
+        self.state.max_steps = max_steps
+        self.state.compute_steps(self.args, max_steps)
+        self.kl_controller.load_state_dict(state["kl_controller"])
+        if self.drift_monitor is not None and state.get("drift_monitor"):
+            self.drift_monitor.load_state_dict(state["drift_monitor"])
+        self.health_monitor.load_state_dict(state.get("health_monitor") or {})
+        self.kl_guard.load_state_dict(state)
+        self.nonfinite_guard.load_state_dict(state)
+        logger.info("Resumed from %s at update %d with KL coefficient %.6g", checkpoint, self.state.global_step,
+                    self.kl_controller.value)  # fmt: skip
 
     # ------------------------------------------------------------------ diagnostics
     def sample(self, prompts: list, seed: int | None = None) -> tuple[Rollout, Rewards]:
@@ -647,8 +851,55 @@ class KLPPOTrainer(ScoringMixin, TrainingLoopMixin, CheckpointMixin, Trainer):
             raise TrainingDiverged(DIVERGED_SAMPLING)
         return rollout, self.compute_rewards(rollout)
 
+    @torch.no_grad()
     def evaluate_policy(self) -> dict[str, float]:
-        """`eval/perplexity` of the policy on held-out text and, with `eval_dataset`, `eval/scores`."""
-        from ..evaluation import evaluate_policy
+        """`eval/perplexity` of the policy on held-out text (klppo's offline set unless `heldout_texts` were given)
+        and, with eval prompts, `eval/scores`: their mean reward, sampled from a private random stream so that
+        evaluating does not change the training run."""
+        from ..data import load_heldout_texts
+        from ..evaluation import heldout_perplexity
 
-        return evaluate_policy(self)
+        args, acc = self.args, self.accelerator
+        self.setup_optimisation()  # a sharded policy (ZeRO-3, FSDP) runs inside its engine only
+        if self.heldout_texts is None:
+            self.heldout_texts = load_heldout_texts(max_texts=args.heldout_eval_texts)
+        policy = acc.unwrap_model(self.model_wrapped).policy
+        with root_unsharded(self.model_wrapped):  # the forward enters through the policy, not the FSDP root
+            metrics = {"eval/perplexity": heldout_perplexity(policy, self.processing_class, self.heldout_texts, accelerator=acc)}
+        prompts = self.eval_prompts
+        if prompts is not None and len(prompts) > 0:
+            # up to `local_rollout_batch_size` prompts per rank, dealt round-robin. Every rank samples as many rows as
+            # the first: a sharded policy (FSDP, ZeRO-3) needs every rank in every forward pass, and the rewards'
+            # statistics are reduced over ranks. A rank short of prompts fills up with copies of the first, weighted 0.
+            total = min(len(prompts), args.local_rollout_batch_size * acc.num_processes)
+            rows = [prompts[i] for i in range(acc.process_index, total, acc.num_processes)]
+            per_rank = math.ceil(total / acc.num_processes)
+            weights = [1.0] * len(rows) + [0.0] * (per_rank - len(rows))
+            rows += [prompts[0]] * (per_rank - len(rows))
+            _, rewards = self.sample(rows, seed=args.seed + self.state.global_step)
+            weights = torch.tensor(weights, dtype=torch.float64, device=rewards.scores.device)
+            score_sum, count = reduce_sum_count((rewards.scores.double() * weights).sum(), weights.sum(), acc)
+            metrics["eval/scores"] = (score_sum / count).item()
+        return metrics
+
+    def _record_samples(self, prompts: list, rewards: Rewards) -> None:
+        """Keep up to 4 completions of this update in `completion_samples` (and log them to wandb as a table),
+        `num_sample_generations` times over the run, on the main process."""
+        from ..rewards.text import completion_text
+
+        args, state = self.args, self.state
+        n = args.num_sample_generations
+        if n <= 0 or not self.is_world_process_zero() or state.global_step % max(1, state.max_steps // n):
+            return
+        rows = [
+            {"step": state.global_step, "prompt": completion_text(p), "completion": c, "score": float(s)}
+            for p, c, s in list(zip(prompts, rewards.completions, rewards.scores.tolist()))[:4]
+        ]
+        self.completion_samples.extend(rows)
+        if "wandb" in (args.report_to or []):
+            import wandb
+
+            if wandb.run is not None:
+                import pandas as pd
+
+                wandb.log({"completions": wandb.Table(dataframe=pd.DataFrame(rows))})
