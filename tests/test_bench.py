@@ -268,10 +268,14 @@ def test_first_update_and_gpu_memory_are_reported_apart(bench, tmp_path):
     assert "| first update (s; a warm-up update, not in the median) | 10 | 20 | 0.5 |" in text
     assert "| GPU peak allocated (MB, torch.cuda.max_memory_allocated) | 1,000 | 4,000 | 0.25 |" in text
     assert "bfloat16 on cuda" in text and "SmolLM2-360M's shape" in text
+    report["failures"] = {"a": "bench_peer.py failed (exit 1): CUDA out of memory"}  # --keep-going's record
+    assert "### Workload a: failed" in bench.markdown(report)
     (tmp_path / "r.json").write_text(json.dumps(report))
     rows = bench.combine([tmp_path / "r.json"], tmp_path)["rows"]
     assert rows[0]["throughput klppo/peer"] == 2.0 and rows[0]["memory klppo/peer"] == 0.25
-    assert "| random-360m | bfloat16 | b | 2 | 4 | 2 | 10 | 20 | 1,000 | 4,000 | 0.25 |" in (tmp_path / "summary.md").read_text()
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| random-360m | bfloat16 | b | 2 | 4 | 2 | 10 | 20 | 1,000 | 4,000 | 0.25 |" in summary
+    assert "Failed: `r.json` workload a" in summary
 
 
 def test_saved_cpu_reports_still_render(bench):
