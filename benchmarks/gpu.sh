@@ -12,7 +12,8 @@
 #
 # Environment: PYTHON (default python3, the interpreter both sides use), KLPPO_BENCH_WHEELS (default .whl),
 # KLPPO_BENCH_ASSETS (default .bench-assets), KLPPO_BENCH_TARGETS (default a new temporary folder),
-# KLPPO_BENCH_BUDGET_S (default 440: no step starts with under 60 s left, and a step is stopped at the end),
+# KLPPO_BENCH_BUDGET_S (default 440: no step starts with under KLPPO_BENCH_MIN_STEP_S, default 60, seconds left,
+# and a step still running at the end is stopped, its finished workloads kept),
 # KLPPO_BENCH_KL_MEMORY=1 (also the full-vocabulary KL memory check, in the last step).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,6 +32,7 @@ PY=${PYTHON:-python3}
 WHEELS=${KLPPO_BENCH_WHEELS:-.whl}
 ASSETS=${KLPPO_BENCH_ASSETS:-.bench-assets}
 BUDGET=${KLPPO_BENCH_BUDGET_S:-440}
+MIN_STEP=${KLPPO_BENCH_MIN_STEP_S:-60}
 KL=--no-kl-memory
 [ "${KLPPO_BENCH_KL_MEMORY:-0}" = 1 ] && KL=
 temp_dir() { if [ "$dry" = 1 ]; then echo "/tmp/$1-XXXXXX"; else mktemp -d "/tmp/$1-XXXXXX"; fi; }
@@ -73,8 +75,8 @@ run_bench() {
 }
 
 if [ "$dry" = 1 ]; then
-  echo "$PY -m pip install --no-index --no-deps --find-links $WHEELS --target $TARGETS/klppo ${KLPPO_WHEELS[*]}"
-  echo "$PY -m pip install --no-index --no-deps --find-links $WHEELS --target $TARGETS/peer ${PEER_WHEELS[*]}"
+  echo "$PY -m pip install --no-compile --no-index --no-deps --find-links $WHEELS --target $TARGETS/klppo ${KLPPO_WHEELS[*]}"
+  echo "$PY -m pip install --no-compile --no-index --no-deps --find-links $WHEELS --target $TARGETS/peer ${PEER_WHEELS[*]}"
   for step in "${STEPS[@]}"; do
     echo "PYTHONPATH=$KLPPO_PATH $PY benchmarks/bench.py ${COMMON[*]} --assets $ASSETS --peer-python $PY" \
       "--peer-pythonpath $PEER_PATH --out $OUTDIR --name ${step%%|*} ${step#*|}"
@@ -91,9 +93,9 @@ if [ ! -f "$ASSETS/bench-assets.json" ]; then
     "'python benchmarks/bench.py --export-assets $ASSETS' and bring the folder along" >&2
   exit 1
 fi
-"$PY" -m pip install --quiet --no-index --no-deps --find-links "$WHEELS" --target "$TARGETS/klppo" \
+"$PY" -m pip install --quiet --no-compile --no-index --no-deps --find-links "$WHEELS" --target "$TARGETS/klppo" \
   "${KLPPO_WHEELS[@]}" || exit 1
-"$PY" -m pip install --quiet --no-index --no-deps --find-links "$WHEELS" --target "$TARGETS/peer" \
+"$PY" -m pip install --quiet --no-compile --no-index --no-deps --find-links "$WHEELS" --target "$TARGETS/peer" \
   "${PEER_WHEELS[@]}" || exit 1
 export TRL_EXPERIMENTAL_SILENCE=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 PYTHONPATH="$KLPPO_PATH" "$PY" -c "import torch, transformers, trl, datasets, klppo, peft, accelerate; \
@@ -108,7 +110,7 @@ status=0
 for step in "${STEPS[@]}"; do
   name=${step%%|*}
   left=$((BUDGET - SECONDS))
-  if [ "$left" -lt 60 ]; then
+  if [ "$left" -lt "$MIN_STEP" ]; then
     echo "[gpu.sh] step $name skipped: ${left}s of the ${BUDGET}s budget left"
     status=1
     continue
