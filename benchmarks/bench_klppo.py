@@ -44,6 +44,8 @@ from bench_workload import (  # this script's folder is on sys.path
     memory_record,
     peak_rss_mb,
     repeated_prompts,
+    resolve_device,
+    synchronize,
     timing_record,
     versions,
     workload_settings,
@@ -82,11 +84,14 @@ def train(args) -> dict:
     from klppo.models import load_tokenizer
 
     transformers.logging.set_verbosity_error()
+    resolve_device(args)
     torch.manual_seed(args.seed)
     rss_start = peak_rss_mb()
+    setup_start = time.perf_counter()
     tokenizer = load_tokenizer(args.model_path)
     trainer, critic = build_trainer(args, tokenizer)
-    wall = UpdateClock()
+    setup_s = time.perf_counter() - setup_start
+    wall = UpdateClock(args)
     trainer.add_callback(wall)
     profiler = UpdateProfiler(args.warmup) if args.profile else None
     if profiler is not None:
@@ -115,10 +120,10 @@ def train(args) -> dict:
         "implementation": "klppo.KLPPOTrainer",
         "workload": args.workload,
         "layout": layout,
-        **timing_record(args, per_update, "time/update_wall"),
+        **timing_record(args, per_update, "time/update_wall", setup_s),
         "kl_share": statistics.median(u.get("time/kl", 0.0) / u["time/update"] for u in measured),
         "generated_length": [h.get("objective/response_length") for h in logs],
-        **memory_record(rss_start, rss_setup),
+        **memory_record(args, rss_start, rss_setup),
         "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
         "settings": workload_settings(args, lora=args.workload == "b", kl_estimator="k1", kl_controller="fixed", critic=critic),
         "versions": versions(),
@@ -126,15 +131,19 @@ def train(args) -> dict:
 
 
 class UpdateClock(TrainerCallback):
-    """Wall time of each PPO update, between `on_step_end` callbacks (the first from `on_train_begin`)."""
+    """Wall time of each PPO update, between `on_step_end` callbacks (the first from `on_train_begin`); on a GPU
+    each boundary waits for the queued kernels first."""
 
-    def __init__(self):
+    def __init__(self, args):
+        self.args = args
         self.seconds: list[float] = []
 
     def on_train_begin(self, *a, **k):
+        synchronize(self.args)
         self.last = time.perf_counter()
 
     def on_step_end(self, *a, **k):
+        synchronize(self.args)
         now = time.perf_counter()
         self.seconds.append(now - self.last)
         self.last = now
@@ -197,7 +206,7 @@ def build_trainer(args, tokenizer):
         kl_coef=args.kl_coef, kl_estimator="k1", kl_controller="fixed", critic=critic,
         max_steps=args.warmup + args.updates, stop_token=None, missing_eos_penalty=None, logging_steps=1,
         save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True, num_sample_generations=0,
-        use_cpu=not torch.cuda.is_available(), seed=args.seed,
+        use_cpu=args.device == "cpu", bf16=args.dtype == "bfloat16", seed=args.seed,
     )  # fmt: skip
     dataset = Dataset.from_dict({"prompt": repeated_prompts(args)})
     trainer = KLPPOTrainer(model=load_causal_lm(args), args=config, processing_class=tokenizer, train_dataset=dataset, **kwargs)
@@ -210,7 +219,7 @@ def kl_memory(args) -> dict:
 
     from klppo.kl import full_kl
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(resolve_device(args))
 
     def run(positions: int):
         torch.manual_seed(0)
@@ -267,6 +276,7 @@ def parse_args(argv=None):
     mem.add_argument("--positions", type=int, default=64)
     mem.add_argument("--vocab", type=int, default=49152)
     mem.add_argument("--chunk-size", type=int, default=4)
+    mem.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     mem.add_argument("--out", default=None)
     return parser.parse_args(argv)
 

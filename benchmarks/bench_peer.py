@@ -1,11 +1,15 @@
 """The peer side of `benchmarks/bench.py`: TRL 1.12's `trl.experimental.ppo.PPOTrainer`, timed.
 
-Runs inside the peer's own virtual environment (trl==1.12.0, the last TRL with a PPO trainer) and
-imports nothing from klppo. `benchmarks/bench.py` creates that environment and calls this script; to
-run it by hand:
+Runs inside the peer's own environment (trl==1.12.0, the last TRL with a PPO trainer: the peer venv,
+or the interpreter and PYTHONPATH given to `bench.py` by `--peer-python`/`--peer-pythonpath`) and
+imports nothing from klppo. `benchmarks/bench.py` calls this script; to run it by hand:
 
     ~/.cache/klppo/bench-peer-venv/bin/python benchmarks/bench_peer.py \
-        --model-path MODEL_DIR --prompts prompts.json --workload a --warmup 1 --updates 3
+        --model-path MODEL_DIR --prompts prompts.json --workload a --warmup 1 --updates 3 \
+        [--dtype bfloat16] [--device cuda]
+
+`--dtype bfloat16` loads every model in bf16 and sets `PPOConfig(bf16=True)`, as TRL 1.12's PPO
+examples do with `--dtype bfloat16 --bf16`.
 
 It trains `warmup + updates` PPO updates and prints one JSON object (also written to `--out`):
 per-update wall times and phase times, their medians over the measured updates, tokens per second
@@ -59,6 +63,8 @@ from bench_workload import (  # this script's folder is on sys.path
     memory_record,
     peak_rss_mb,
     repeated_prompts,
+    resolve_device,
+    synchronize,
     timing_record,
     versions,
     workload_settings,
@@ -74,7 +80,8 @@ def parse_args(argv=None):
 class PhaseClock:
     """Accumulates wall time per phase for the current update; `end_update` closes one."""
 
-    def __init__(self):
+    def __init__(self, args):
+        self.args = args
         self.updates: list[dict] = []
         self.phases: dict[str, float] = defaultdict(float)
         self.update_start = None
@@ -89,9 +96,11 @@ class PhaseClock:
         self.phases[name] += seconds
 
     def start(self):
+        synchronize(self.args)
         self.update_start = time.perf_counter()
 
     def end_update(self):
+        synchronize(self.args)  # on a GPU: the update's queued kernels are part of it
         now = time.perf_counter()
         record = dict(self.phases)
         record["time/update"] = now - self.update_start
@@ -184,13 +193,16 @@ def main(argv=None):
     from transformers import AutoTokenizer
 
     transformers.logging.set_verbosity_error()
+    resolve_device(args)
     torch.manual_seed(args.seed)
     rss_start = peak_rss_mb()
+    setup_start = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(args.model_path, padding_side="left")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    clock = PhaseClock()
+    clock = PhaseClock(args)
     trainer = build_trainer(args, tokenizer, clock)
+    setup_s = time.perf_counter() - setup_start
     rss_setup = peak_rss_mb()
     trainer.train()
     layout = (
@@ -203,9 +215,9 @@ def main(argv=None):
         "implementation": f"trl {trl.__version__} trl.experimental.ppo.PPOTrainer",
         "workload": args.workload,
         "layout": layout,
-        **timing_record(args, clock.updates, "time/update"),
+        **timing_record(args, clock.updates, "time/update", setup_s),
         "generated_length": [u["generated_length"] for u in clock.updates],
-        **memory_record(rss_start, rss_setup),
+        **memory_record(args, rss_start, rss_setup),
         "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
         "settings": workload_settings(args, lora=args.workload == "b"),
         "versions": versions(),
@@ -229,8 +241,8 @@ def build_trainer(args, tokenizer, clock: PhaseClock):
         gradient_accumulation_steps=1, num_mini_batches=args.num_mini_batches, num_ppo_epochs=args.num_ppo_epochs,
         response_length=args.response_length, temperature=args.temperature, learning_rate=args.learning_rate,
         kl_coef=args.kl_coef, total_episodes=len(prompts), stop_token=None, missing_eos_penalty=None,
-        num_sample_generations=0, bf16=False, fp16=False, logging_steps=1, save_strategy="no", report_to=[],
-        disable_tqdm=True, seed=args.seed,
+        num_sample_generations=0, bf16=args.dtype == "bfloat16", fp16=False, logging_steps=1, save_strategy="no",
+        report_to=[], disable_tqdm=True, use_cpu=args.device == "cpu", seed=args.seed,
     )  # fmt: skip
     install_timers(ppo_module, clock, reward_model)
 

@@ -24,8 +24,37 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--lora-r", type=int, default=16)
     parser.add_argument("--lora-alpha", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32",
+                        help="dtype every model is loaded in; bfloat16 also sets the trainer's `bf16` flag")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     parser.add_argument("--out", default=None, help="also write the JSON here")
     return parser
+
+
+DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
+
+
+def torch_dtype(args):
+    import torch
+
+    return getattr(torch, DTYPES[args.dtype])
+
+
+def resolve_device(args) -> str:
+    """`args.device`, or cuda when a GPU is visible and cpu otherwise (set on `args` too)."""
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    return args.device
+
+
+def synchronize(args) -> None:
+    """Wait for the GPU's queued work (a no-op on the CPU): update boundaries are then exact on both sides."""
+    if args.device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
 
 
 def peak_rss_mb() -> float:
@@ -44,7 +73,8 @@ def workload_settings(args, lora: bool, **extra) -> dict:
         "learning_rate": args.learning_rate,
         "kl_coef": args.kl_coef,
         **extra,
-        "dtype": "float32",
+        "dtype": args.dtype,
+        "device": args.device,
         "lora": {"r": args.lora_r, "alpha": args.lora_alpha} if lora else None,
     }
 
@@ -63,15 +93,14 @@ def load_causal_lm(args):
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch_dtype(args))
 
 
 def load_scalar_head(args, pad_token_id: int):
     """A sequence-classification model with one output built from the base (TRL's value / reward layout)."""
-    import torch
     from transformers import AutoModelForSequenceClassification
 
-    model = AutoModelForSequenceClassification.from_pretrained(args.model_path, num_labels=1, dtype=torch.float32)
+    model = AutoModelForSequenceClassification.from_pretrained(args.model_path, num_labels=1, dtype=torch_dtype(args))
     model.config.pad_token_id = pad_token_id
     return model
 
@@ -87,24 +116,36 @@ def lora_config(args):
 
 
 def versions() -> dict:
+    import importlib.metadata
     import platform
 
     import torch
     import transformers
     import trl
 
+    found = {}
+    for name in ("accelerate", "peft", "datasets"):
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "trl": trl.__version__,
+        **found,
         "torch_threads": torch.get_num_threads(),
+        "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
 
 
-def timing_record(args, per_update: list[dict], wall_key: str) -> dict:
+def timing_record(args, per_update: list[dict], wall_key: str, setup_s: float) -> dict:
     """The timing fields both runners report: per-phase medians over the measured updates (after
-    `warmup`), the median wall time per update and tokens per second from it."""
+    `warmup`), the median wall time per update and tokens per second from it; apart from them, the
+    setup (loading the models, building the trainer) and the first update, which pays for lazy
+    initialisation (CUDA kernels chosen and compiled, memory pools grown) and is a warm-up update
+    whenever `warmup >= 1`."""
     import statistics
 
     measured = per_update[args.warmup :]
@@ -114,6 +155,8 @@ def timing_record(args, per_update: list[dict], wall_key: str) -> dict:
     return {
         "warmup": args.warmup,
         "updates": args.updates,
+        "setup_s": setup_s,
+        "first_update_s": per_update[0][wall_key] if per_update else None,
         "time_per_update_s": seconds,
         "phases_s": phases,
         "tokens_per_s": args.batch_size * args.response_length / seconds,
@@ -123,14 +166,18 @@ def timing_record(args, per_update: list[dict], wall_key: str) -> dict:
     }
 
 
-def memory_record(rss_start: float, rss_setup: float) -> dict:
+def memory_record(args, rss_start: float, rss_setup: float) -> dict:
+    """Peak RSS, and on a GPU the peak of the memory torch allocated and of what its caching allocator
+    reserved from the driver (the figure `nvidia-smi` would show, less the CUDA context), over the whole run."""
     import torch
 
+    cuda = args.device == "cuda"
     return {
         "peak_rss_mb": peak_rss_mb(),
         "rss_at_start_mb": rss_start,
         "rss_after_setup_mb": rss_setup,
-        "cuda_peak_mb": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
+        "cuda_peak_allocated_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
+        "cuda_peak_reserved_mb": torch.cuda.max_memory_reserved() / 2**20 if cuda else None,
     }
 
 
