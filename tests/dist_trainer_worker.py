@@ -20,10 +20,9 @@ import sys
 import torch
 from datasets import Dataset
 
-
 from klppo import KLPPOTrainer
 from klppo.models import TINY_MODEL, resolve_model_path
-from helpers import klppo_config
+from klppo.testing import klppo_config
 
 
 def length_reward(prompts, completions, completion_ids=None, **kwargs):

@@ -1,5 +1,5 @@
 """Known-answer convergence tests: `trainer.train()` on bandits whose KL-regularised optimum is known in
-closed form, measured exactly from the trained policy's logits (see `tests/bandit.py`).
+closed form, measured exactly from the trained policy's logits (see `klppo.testing.bandit`).
 
 Tolerances come from the noise measured on these runs (3 seeds each unless said; CPU, torch 2.13):
 
@@ -20,7 +20,8 @@ import math
 import pytest
 import torch
 
-from bandit import (
+from klppo.models import TINY_MODEL, resolve_model_path
+from klppo.testing.bandit import (
     bandit_trainer,
     coefficient_for_target,
     forward_kl_optimum,
@@ -29,7 +30,6 @@ from bandit import (
     tilted,
     two_token_kl_to_optimum,
 )
-from klppo.models import TINY_MODEL, resolve_model_path
 
 pytestmark = pytest.mark.slow
 BETA = 0.5
