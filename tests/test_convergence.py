@@ -149,7 +149,7 @@ def test_fixed_length_responses_never_train_the_suppressed_end_token(tiny_path, 
     assert kl(end["logp"], end["ref"]) < 1.0
 
 
-# The speed grid's corners (`research/controller_grid.py`): the slowest plant (lr 3e-4, one optimizer step per update,
+# The speed grid's corners (`lab/controller_grid.py`): the slowest plant (lr 3e-4, one optimizer step per update,
 # 32 sequences, 400 updates: the guard cannot act) and the fastest (lr 3e-3, 4 steps of 32 out of 128, 120 updates).
 CORNERS = {
     "slow": dict(learning_rate=3e-4, per_device_train_batch_size=32, num_mini_batches=1, max_steps=400),
