@@ -15,6 +15,8 @@ import os
 
 from klppo.report import metric_series
 
+DPI = 110
+
 
 def find_state(path: str) -> str:
     if os.path.isfile(path):
@@ -49,28 +51,23 @@ def panel_series(history: list[dict], key: str, summary: dict) -> list[tuple[int
     return series
 
 
-def main(argv=None) -> str:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run", help="output_dir, a checkpoint folder or a trainer_state.json")
-    parser.add_argument("--out", default=None, help="PNG path (default: <run>/klppo_run.png)")
-    args = parser.parse_args(argv)
+PANELS = (
+    ("kl/value", "KL statistic"),
+    ("kl/coef", "KL coefficient"),
+    ("objective/scores", "reward"),
+    ("eval/perplexity", "held-out perplexity"),
+)
+
+
+def draw(history: list[dict], summary: dict):
+    """The figure: one panel per entry of `PANELS`, over PPO updates; the KL panel shades the target +-20%."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    state_path = find_state(args.run)
-    with open(state_path) as f:
-        history = json.load(f)["log_history"]
-    summary = find_summary(state_path)
-    panels = [
-        ("kl/value", "KL statistic"),
-        ("kl/coef", "KL coefficient"),
-        ("objective/scores", "reward"),
-        ("eval/perplexity", "held-out perplexity"),
-    ]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
-    for ax, (key, title) in zip(axes, panels):
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(4 * len(PANELS), 3.2))
+    for ax, (key, title) in zip(axes, PANELS):
         series = panel_series(history, key, summary)
         if series:
             ax.plot(*zip(*series), marker="." if len(series) < 40 else None)
@@ -82,8 +79,23 @@ def main(argv=None) -> str:
         ax.set_title(title)
         ax.set_xlabel("PPO update")
     fig.tight_layout()
+    return fig
+
+
+def main(argv=None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run", help="output_dir, a checkpoint folder or a trainer_state.json")
+    parser.add_argument("--out", default=None, help="PNG path (default: <run>/klppo_run.png)")
+    args = parser.parse_args(argv)
+    state_path = find_state(args.run)
+    with open(state_path) as f:
+        history = json.load(f)["log_history"]
+    fig = draw(history, find_summary(state_path))
     out = args.out or os.path.join(os.path.dirname(state_path), "klppo_run.png")
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=DPI)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
     print(out)
     return out
 

@@ -27,11 +27,10 @@ import sys
 import torch
 from datasets import Dataset
 
-
 from klppo import KLPPOTrainer
 from klppo.models import TINY_MODEL, resolve_model_path
 from klppo.ppo.engines import is_fsdp2
-from helpers import klppo_config
+from klppo.testing import klppo_config
 
 
 def length_reward(prompts, completions, completion_ids=None, **kwargs):

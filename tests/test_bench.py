@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.lab  # the benchmarks' code, beside the lab's: not part of the installed package
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # time/score_policy and time/score_value may be 0: generation gives the old log-probs (and a shared
 # critic's values), so those forward passes are skipped.

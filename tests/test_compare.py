@@ -1,27 +1,24 @@
-"""scripts/compare.py: the metrics on a hand-made record, and `--quick` end to end on the tiny model."""
+"""lab/compare.py: the metrics on a hand-made record, the arms of the shipped comparisons, and `--quick` end to end
+on the tiny model (runs in the process pool, resumed)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "scripts", "compare.py")
+from lab import compare
+
+pytestmark = pytest.mark.lab
+
+ROOT = Path(__file__).resolve().parents[1]
 PLOTS = ("reward.png", "kl.png", "coef.png", "perplexity.png", "eval_reward.png")
-
-
-def load_compare():
-    spec = importlib.util.spec_from_file_location("klppo_compare_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def fake_record(kl_values, scores, ppl=(10.0, 12.0), coef_final=0.3):
@@ -40,7 +37,6 @@ def fake_record(kl_values, scores, ppl=(10.0, 12.0), coef_final=0.3):
 
 
 def test_run_metrics_by_hand():
-    compare = load_compare()
     # target 4, band 20% = [3.2, 4.8]; second half = the last 3 of 6 updates
     record = fake_record([0.0, 2.0, 4.0, 4.4, 8.0, 3.0], [0.0, 0.1, 0.2, 0.3, 0.4, 0.5])
     m = compare.run_metrics(record, target=4.0, band=0.2, window=2)
@@ -55,10 +51,14 @@ def test_run_metrics_by_hand():
     record = fake_record([4.0, float("nan"), 4.0, 4.0], [0.0] * 4)
     m = compare.run_metrics(record, target=4.0, band=0.2, window=2)
     assert m["tracking_error"] == 0.0 and m["in_band_all"] == 1.0
+    # the whole run's figures count every finite reading, the first half's too
+    record = fake_record([0.0, 4.0, 4.0, 4.0], [0.0] * 4)
+    m = compare.run_metrics(record, target=4.0, band=0.2, window=2)
+    assert m["tracking_error_all"] == pytest.approx(0.25) and m["in_band_all"] == pytest.approx(0.75)
+    assert m["tracking_error"] == 0.0
 
 
 def test_spread():
-    compare = load_compare()
     s = compare.spread([1.0, 3.0, float("nan")])
     assert s == {"mean": 2.0, "std": pytest.approx(math.sqrt(2.0)), "min": 1.0, "max": 3.0, "n": 2}
     assert compare.spread([float("nan")])["mean"] is None
@@ -68,7 +68,6 @@ def test_an_arms_mapping_reaches_the_parser_as_json(tmp_path):
     """An arm's `kl_controller_kwargs` is passed to train.py's parser as JSON, which KLPPOConfig reads back."""
     from klppo.cli import parse
 
-    compare = load_compare()
     base, spec = compare.load_experiment(None, quick=True)
     assert base["kl_controller_kwargs"] is None  # tiny.yaml's adaptive constants are not the fixed arm's
     config = tmp_path / "base.yaml"
@@ -87,27 +86,53 @@ def test_an_arms_mapping_reaches_the_parser_as_json(tmp_path):
 def test_every_arm_of_the_shipped_comparisons_parses(tmp_path, name):
     """Each arm of a shipped comparison is valid for train.py's parser over its base experiment (what `compare.py`
     checks before it runs anything), without loading models."""
-    from pathlib import Path
-
     from klppo.cli import parse
 
-    compare = load_compare()
-    base, spec = compare.load_experiment(Path(ROOT) / "configs" / name, quick=False)
+    base, spec = compare.load_experiment(ROOT / "lab" / "configs" / name, quick=False)
     config = tmp_path / "base.yaml"
     config.write_text(yaml.safe_dump(base))
     resolved = {}
     for arm, fields in spec["arms"].items():
-        _, args, _ = parse(compare.train_argv(config, fields, 0, str(tmp_path / arm)))
+        _, args, _ = parse(compare.train_argv(config, compare.arm_overrides(base, fields), 0, str(tmp_path / arm)))
         resolved[arm] = (args.kl_controller, args.kl_guard)
     assert resolved["equilibrium"] == ("equilibrium", True)
     assert resolved["tracking"] == ("tracking", True) and resolved["tracking-no-guard"] == ("tracking", False)
     assert resolved["adaptive"] == ("adaptive", False)
+    if "tracking-detached-critic" in spec["arms"]:
+        _, args, _ = parse(compare.train_argv(config, spec["arms"]["tracking-detached-critic"], 0, str(tmp_path / "d")))
+        assert args.shared_critic_detach is True
+
+
+def test_an_arms_experimental_settings_are_added_to_the_base_experiments(tmp_path):
+    """An arm's `experimental` mapping reaches the parser merged with the base experiment's, not in its place."""
+    from klppo.cli import parse
+
+    base, _ = compare.load_experiment(None, quick=True)
+    base["experimental"] = {"kl_statistic": "k3"}
+    config = tmp_path / "base.yaml"
+    config.write_text(yaml.safe_dump(base))
+    fields = {"kl_controller": "tracking", "kl_target": 1.0, "experimental": {"kl_guard": False}}
+    _, args, _ = parse(compare.train_argv(config, compare.arm_overrides(base, fields), 0, str(tmp_path / "out")))
+    assert (args.kl_statistic, args.kl_guard) == ("k3", False)
+    assert compare.arm_overrides({}, fields) == fields
+
+
+def test_a_failing_run_is_reported_with_its_log_and_leaves_no_record(tmp_path):
+    """A run that raises in its pool process is reported failed, its traceback in its log; the others go on."""
+    job = {"name": "broken-seed0", "arm": "broken", "seed": 0, "fields": {}, "fingerprint": "x", "threads": 1,
+           "record": str(tmp_path / "runs" / "broken-seed0.json"),
+           "argv": ["--config", str(tmp_path / "no-such-config.yaml"), "--output_dir", str(tmp_path / "out")]}
+    failed = compare.run_all([job], 1, tmp_path)
+    assert [(j["name"], "no-such-config" in reason) for j, reason in failed] == [("broken-seed0", True)]
+    assert "Traceback" in (tmp_path / "logs" / "broken-seed0.log").read_text()
+    assert not (tmp_path / "runs" / "broken-seed0.json").exists()
 
 
 def run_quick(out) -> subprocess.CompletedProcess:
+    """`python -m lab.compare --quick` from the repository root, as the docstring shows it."""
     env = {**os.environ, "WANDB_MODE": "disabled"}
     return subprocess.run(
-        [sys.executable, SCRIPT, "--quick", "--out", str(out)],
+        [sys.executable, "-m", "lab.compare", "--quick", "--out", str(out)],
         capture_output=True, text=True, timeout=600, env=env, cwd=ROOT,
     )
 
@@ -117,6 +142,7 @@ def test_quick_end_to_end_and_resume(tmp_path, capsys):
     out = tmp_path / "compare"
     proc = run_quick(out)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.stdout.count("started ") == 2 and "FAILED" not in proc.stdout
 
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["arms"]) == {"fixed-0.05", "adaptive"}
@@ -136,12 +162,17 @@ def test_quick_end_to_end_and_resume(tmp_path, capsys):
     assert [e["step"] for e in record["evals"]] == [0, 1, 2]  # step 0 included
     assert all(math.isfinite(u["kl/coef"]) for u in record["updates"])
     assert record["kl_controller"] == "adaptive"
+    # each run wrote its own log, from its own process
+    for arm in ("fixed-0.05", "adaptive"):
+        assert (out / "logs" / f"{arm}-seed0.log").is_file()
+    invocations = json.loads((out / "invocations.json").read_text())
+    assert invocations[-1]["runs_trained"] == 2 and invocations[-1]["command"].startswith("python -m lab.compare")
 
     # findings written into summary.md survive; finished runs are not trained again
     text = (out / "summary.md").read_text().replace("(not written yet)", "hand-written reading")
     (out / "summary.md").write_text(text)
     mtime = (out / "runs" / "adaptive-seed0.json").stat().st_mtime_ns
-    assert load_compare().main(["--quick", "--out", str(out)]) == 0  # in process: nothing left to train
+    assert compare.main(["--quick", "--out", str(out)]) == 0  # in process: nothing left to train
     stdout = capsys.readouterr().out
     assert "already done" in stdout and "started" not in stdout
     assert (out / "runs" / "adaptive-seed0.json").stat().st_mtime_ns == mtime

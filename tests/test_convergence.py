@@ -1,5 +1,5 @@
 """Known-answer convergence tests: `trainer.train()` on bandits whose KL-regularised optimum is known in
-closed form, measured exactly from the trained policy's logits (see `tests/bandit.py`).
+closed form, measured exactly from the trained policy's logits (see `klppo.testing.bandit`).
 
 Tolerances come from the noise measured on these runs (3 seeds each unless said; CPU, torch 2.13):
 
@@ -20,7 +20,8 @@ import math
 import pytest
 import torch
 
-from bandit import (
+from klppo.models import TINY_MODEL, resolve_model_path
+from klppo.testing.bandit import (
     bandit_trainer,
     coefficient_for_target,
     forward_kl_optimum,
@@ -29,7 +30,6 @@ from bandit import (
     tilted,
     two_token_kl_to_optimum,
 )
-from klppo.models import TINY_MODEL, resolve_model_path
 
 pytestmark = pytest.mark.slow
 BETA = 0.5
@@ -149,7 +149,7 @@ def test_fixed_length_responses_never_train_the_suppressed_end_token(tiny_path, 
     assert kl(end["logp"], end["ref"]) < 1.0
 
 
-# The speed grid's corners (`research/controller_grid.py`): the slowest plant (lr 3e-4, one optimizer step per update,
+# The speed grid's corners (`lab/controller_grid.py`): the slowest plant (lr 3e-4, one optimizer step per update,
 # 32 sequences, 400 updates: the guard cannot act) and the fastest (lr 3e-3, 4 steps of 32 out of 128, 120 updates).
 CORNERS = {
     "slow": dict(learning_rate=3e-4, per_device_train_batch_size=32, num_mini_batches=1, max_steps=400),

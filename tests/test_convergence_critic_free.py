@@ -1,4 +1,4 @@
-"""Known answers for the critic-free advantage estimators on the one-token bandit (`tests/bandit.py`): 16 prompts
+"""Known answers for the critic-free advantage estimators on the one-token bandit (`klppo.testing.bandit`): 16 prompts
 x 4 responses per update, no critic, measured exactly from the trained policy's logits.
 
 Measured (CPU, torch 2.13, seeds 0-2, the settings of the PPO tests in `test_convergence.py`):
@@ -25,8 +25,8 @@ import math
 import pytest
 import torch
 
-from bandit import bandit_trainer, coefficient_for_target, kl, one_token_state, tilted
 from klppo.models import TINY_MODEL, resolve_model_path
+from klppo.testing.bandit import bandit_trainer, coefficient_for_target, kl, one_token_state, tilted
 
 pytestmark = pytest.mark.slow
 BETA = 0.5

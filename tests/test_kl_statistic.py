@@ -7,13 +7,12 @@ import copy
 
 import pytest
 import torch
-
-from bandit import PROMPT, bandit_trainer, kl, policy_and_reference
 from datasets import Dataset
 
 from klppo import KLPPOConfig, KLPPOTrainer
 from klppo.models import TINY_MODEL, resolve_model_path
-from helpers import klppo_config
+from klppo.testing import klppo_config
+from klppo.testing.bandit import PROMPT, bandit_trainer, kl, policy_and_reference
 
 
 @pytest.fixture(scope="module")

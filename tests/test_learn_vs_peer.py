@@ -6,6 +6,8 @@ import os
 
 import pytest
 
+pytestmark = pytest.mark.lab  # the benchmarks' code, beside the lab's: not part of the installed package
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

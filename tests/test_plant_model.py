@@ -1,24 +1,16 @@
-"""research/plant_model.py: the fit recovers a known first-order plant, and the simulation's floors and orders."""
+"""lab/plant_model.py: the fit recovers a known first-order plant, and the simulation's floors and orders."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import os
 
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "research", "plant_model.py")
+from lab import plant_model as pm
 
-
-def load_plant_model():
-    spec = importlib.util.spec_from_file_location("klppo_plant_model_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+pytestmark = pytest.mark.lab
 
 
 def synthetic_runs(tmp_path, a, b, c, sigma, runs=40, updates=36, seed=0):
@@ -36,7 +28,6 @@ def synthetic_runs(tmp_path, a, b, c, sigma, runs=40, updates=36, seed=0):
 
 
 def test_the_fit_recovers_a_known_plant(tmp_path):
-    pm = load_plant_model()
     a, b, c, sigma = -0.8, -0.25, -0.3, 0.2
     model = pm.fit(pm.load_series(synthetic_runs(tmp_path, a, b, c, sigma)), start=2)
     for name, true in (("a", a), ("b", b), ("c", c)):
@@ -50,7 +41,6 @@ def test_the_fit_recovers_a_known_plant(tmp_path):
 def test_floors_and_the_order_of_the_controller_update():
     """The floor of a log-normal deviation is its exact mean |exp(x) - 1|; setting beta from the same update's
     reading (one update of delay) tracks at least as well as klppo's order on the same plant and noise."""
-    pm = load_plant_model()
     sd = 0.3
     f = pm.floor(sd, 0.2)
     # E|exp(x) - 1| for x ~ N(0, sd^2): exact, from the log-normal's partial moments

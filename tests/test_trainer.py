@@ -15,7 +15,7 @@ from klppo import KLPPOConfig, KLPPOTrainer
 from klppo.kl import kl_estimators
 from klppo.models import TINY_MODEL, resolve_model_path
 from klppo.ppo.steps import Advantages
-from helpers import klppo_config
+from klppo.testing import klppo_config
 
 LOGGED_METRICS = [
     "kl/coef", "kl/value", "kl/k1", "kl/k2", "kl/k3", "kl/clamped_frac",

@@ -506,13 +506,12 @@ class TrackingKLController(_LogSpaceController):
       meanwhile is the proportional term, which undoes itself as the KL rises. A KL that levels off
       below the target, or creeps toward it too slowly to arrive within the window, is held back too
       hard: the integral then falls at ``startup_rate`` times its gain, and stops falling again as
-      soon as the KL is on course. (A test of "rising" alone held beta for a whole run on a reward
-      whose KL crept up by about 0.05 nats per update while 2 nats below the target.) Nor does a KL still
-      short of the target raise beta before it first arrives: the proportional term's cut shrinks as the KL
-      rises, and the integral takes over what it gives back. (Without this, on a reward whose KL answers beta
-      steeply, the fading cut raised beta by a fifth while the KL climbed from 2 to 2.9 nats toward a target
-      of 4, and the KL fell back and arrived 20 updates later.) After the KL has first come near the
-      target, the integral acts at full gain both ways.
+      soon as the KL is on course (a test of "rising" alone can hold beta for a whole run on a KL that
+      creeps up far below the target). Nor does a KL still short of the target raise beta before it first
+      arrives: the proportional term's cut shrinks as the KL rises, and the integral takes over what it gives
+      back (else, where the KL answers beta steeply, the fading cut raises beta while the KL climbs, and the
+      KL falls back and arrives later). After the KL has first come near the target, the integral acts at
+      full gain both ways. The runs behind both rules are in `docs/results.md`.
     - The error is taken on the predicted KL: beta rises while the KL is still climbing toward an
       overshoot, before it happens. Only a rise counts (derivative on rising KL only, as Stooke et
       al.): a falling KL does not cut beta early.
@@ -522,10 +521,9 @@ class TrackingKLController(_LogSpaceController):
       by at most ``exp(kp + ki)``).
     - The proportional term damps; the integral removes the steady-state error.
 
-    An ablation on the one-token bandit's speed grid (``k2`` in the loss, seeds not used to build the controller;
-    ``results/controller_grid/``) removed what did not beat noise: an EMA of the reading, and an exception that
-    let a raw reading near the target end the no-rise rule before the EMA did. The start-up hold, the lookahead
-    and the anti-windup stayed.
+    An ablation on the one-token bandit's speed grid (``k2`` in the loss) removed what did not beat noise: an EMA
+    of the reading, and an exception that let a raw reading near the target end the no-rise rule before the EMA
+    did. The start-up hold, the lookahead and the anti-windup stayed (`docs/results.md`, ``results/controller_grid/``).
 
     Beta acts on the KL two readings after the one that set it, and each update moves the KL by an amount
     beta does not decide, so no setting of these gains holds the KL much tighter than a fixed beta near the
@@ -677,14 +675,12 @@ class EquilibriumKLController(_LogSpaceController):
     times ``(kl / target) ** approach_power`` (``kl`` the update's statistic; a statistic at or below 0 gives
     ``coef_min``). A policy still far from the target is held back less, so the KL arrives sooner than at beta*
     itself; the factor is 1 at the target, and from the first reading at or above it on the coefficient is the
-    equilibrium one alone, so the fixed point is untouched. ``approach_power=0`` turns it off. Measured on the
-    one-token bandit's speed grid (`results/controller_grid/`): in the slowest cells, where beta* itself brings
-    the KL to the target only near the end of the run, the second-half tracking error falls from 0.38 to 0.25;
-    the power trades that against beta's second-half mean, which the approach keeps below beta* (0.81 beta* at
-    0.75, 0.61 at 2). It costs where the policy is fast: +0.04 in the grid's fastest cells (lr 3e-3, four steps per
-    update) and +0.10 ± 0.04 on the default task at LoRA lr 5e-4 (seeds 1-3, `docs/results.md`), where the KL arrives
-    no sooner and overshoots while beta sits near ``coef_min`` (on fresh seeds 4-6 at that rate the tracking error
-    is 0.089 ± 0.011 with it).
+    equilibrium one alone, so the fixed point is untouched. ``approach_power=0`` turns it off. It helps where the
+    policy is slow, where beta* itself would bring the KL to the target only near the end of a run; a higher power
+    brings the KL sooner and keeps beta's second-half mean further below beta*. It can cost where the policy is
+    fast: the KL arrives no sooner, and overshoots while beta sits near ``coef_min``. The measurements, on the
+    one-token bandit's speed grid and on the default task, are in `docs/results.md` ("The equilibrium
+    controller").
     """
 
     def __init__(self, kl_coef: float, target: float, coef_min: float = 1e-4, coef_max: float = 10.0,

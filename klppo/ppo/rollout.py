@@ -181,8 +181,8 @@ def make_generation_config(args, tokenizer, stop_token_id: int | None, suppresse
 @contextmanager
 def contiguous_lm_head_input(model):
     """Make the input of `model`'s LM head contiguous inside the block. Generation's first step runs the head on
-    `hidden_states[:, -1:]`, a strided view that matmul takes down its batched path: 3-4x the time of the same
-    product on a contiguous copy on CPU (SmolLM2, 8 prompts, 49,152-token vocabulary). The logits are the same."""
+    `hidden_states[:, -1:]`, a strided view that matmul takes down its slower batched path (on CPU: timings in
+    `docs/results.md`, "Speed and memory"). The logits are the same."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None:
         yield
@@ -261,7 +261,7 @@ def sample_categorical(probs: torch.Tensor, block: int = 256, generator: torch.G
     token inside it. Exact up to float64 rounding of the cumulative sums, and never a token of probability 0.
 
     The same distribution as `torch.multinomial(probs, 1)`, which on CPU draws an exponential variate for every
-    entry: 12-14 ms per decoding step for 8 x 49,152 probabilities on one thread, against 1 ms here. One uniform
+    entry, a far larger cost per decoding step (timings in `docs/results.md`, "Speed and memory"). One uniform
     variate per row is taken from `generator` (torch's default generator when None), so seeded runs repeat.
     """
     rows, vocab = probs.shape
@@ -495,10 +495,10 @@ def response_positions(response_length: int, length: int, device) -> torch.Tenso
     which predicts past the response.
 
     An index tensor rather than an int: for an int, transformers' causal LMs run their LM head on
-    `hidden_states[:, -n:]`, a strided view that matmul cannot fold into one matrix product; it takes a batched
-    path that cost 1.5-1.8x the LM head's forward and backward time on CPU (SmolLM2, 8 x 25 positions,
-    49,152-token vocabulary). And the logits are exactly the response's, so no slice of them has to be
-    differentiated (a slice's backward fills a zero gradient of the whole logits tensor first).
+    `hidden_states[:, -n:]`, a strided view that matmul cannot fold into one matrix product; it takes a slower
+    batched path (on CPU: timings in `docs/results.md`, "Speed and memory"). And the logits are exactly the
+    response's, so no slice of them has to be differentiated (a slice's backward fills a zero gradient of the
+    whole logits tensor first).
     """
     if length <= response_length:
         raise ValueError(f"{length} positions cannot hold a prompt and a response of {response_length} tokens.")

@@ -1,6 +1,6 @@
 """Reward at equal KL: a controlled arm against the fixed-beta frontier, seed by seed.
 
-    python scripts/frontier.py --arm results/compare_default_startup_confirm/summary.json:tracking-two-sided \
+    python -m lab.frontier --arm results/compare_default_startup_confirm/summary.json:tracking-two-sided \
         --fixed results/compare_default_confirm/summary.json:fixed-0.035,fixed-0.06 \
         results/compare_default_fixed008_confirm/summary.json:fixed-0.08
 
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
+
+from klppo.kl.tracking import mean_and_standard_error
 
 
 def per_seed(spec: str) -> dict[str, dict[str, dict]]:
@@ -61,9 +61,11 @@ def main(argv=None) -> None:
         shown = ", ".join(f"{k:.2f} nats: {r:.3f}" for k, r in sorted(points))
         print(f"seed {seed}: {name} KL {kl_of(m):.2f}, reward {m['final_reward']:.3f}; fixed ({shown}) -> "
               f"{at:.3f} at equal KL; difference {diffs[-1]:+.3f}")  # fmt: skip
-    if diffs:
-        se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
-        print(f"{name} minus fixed at equal KL: {statistics.fmean(diffs):+.3f} +- {se:.3f} (SE, {len(diffs)} seeds)")
+    if len(diffs) == 1:
+        print(f"{name} minus fixed at equal KL: {diffs[0]:+.3f} (1 seed: no standard error)")
+    elif diffs:
+        mean, se = mean_and_standard_error(diffs)
+        print(f"{name} minus fixed at equal KL: {mean:+.3f} +- {se:.3f} (SE, {len(diffs)} seeds)")
 
 
 if __name__ == "__main__":

@@ -2,12 +2,12 @@
 for ablations: until the KL first reaches the target, beta is the equilibrium coefficient times
 ``(projected / target) ** approach_power`` with ``projected = kl + max(kl - previous, 0)`` (the reading plus its
 last rise), and the first reading applies no factor. The guard is on by default only for the built-in
-controllers' names, so the commands set it:
+controllers' names, so the commands set it (from the repository root):
 
-    PYTHONPATH=tests python research/controller_grid.py --plugin approach_projected \\
-        --config '{"kl_controller": "equilibrium_projected", "kl_guard": true}' --seeds 11 12 --out ...
-    python research/default_task_lr.py --plugin approach_projected --lrs 5e-4 --seeds 4 5 6 --out ... \\
-        -- --kl_controller equilibrium_projected --kl_guard true
+    python -m lab.controller_grid --plugin approach_projected \\
+        --config '{"kl_controller": "equilibrium_projected", "experimental": {"kl_guard": true}}' --seeds 11 12 --out ...
+    python -m lab.default_task_lr --plugin approach_projected --lrs 5e-4 --seeds 4 5 6 --out ... \\
+        -- --kl_controller equilibrium_projected --experimental '{"kl_guard": true}'
 """
 
 from klppo.kl.controllers import EquilibriumKLController, _log, register_kl_controller

@@ -1,10 +1,11 @@
 """Compare KL controllers on one task: every arm x seed is a separate PPO run in its own process.
 
-    python scripts/compare.py --config configs/compare_default.yaml --seeds 0 1 2 --parallel 2 --out results/compare_default
-    python scripts/compare.py --quick --out /tmp/compare-quick     # tiny model, 2 arms, 1 seed, 2 updates
-    python scripts/compare.py --config ... --out ... --summarize   # redo summary and plots from the runs
+    python -m lab.compare --config lab/configs/compare_default.yaml --seeds 0 1 2 --parallel 2 --out results/compare_default
+    python -m lab.compare --quick --out /tmp/compare-quick     # tiny model, 2 arms, 1 seed, 2 updates
+    python -m lab.compare --config ... --out ... --summarize   # redo summary and plots from the runs
 
-The YAML is an ordinary `scripts/train.py` experiment plus one block of its own, `compare:`:
+(from the repository root). The YAML is an ordinary `scripts/train.py` experiment plus one block of its own,
+`compare:`:
 
     compare:
       band: 0.2            # "within target" means |KL - target| <= band * target
@@ -12,11 +13,13 @@ The YAML is an ordinary `scripts/train.py` experiment plus one block of its own,
       arms:                # name -> fields that replace the base experiment's (usually KL fields)
         fixed-0.02: {kl_controller: fixed, kl_coef: 0.02}
         adaptive: {kl_controller: adaptive, kl_coef: 0.05, kl_controller_kwargs: {horizon: 32}}
+        no-guard: {kl_controller: tracking, experimental: {kl_guard: false}}
 
 Everything outside `compare:` goes through `scripts/train.py`'s parser (TrlParser over ScriptArguments,
 KLPPOConfig and ModelConfig), so it is validated exactly as a training run would be, and every arm's
 fields are passed to that parser as command-line overrides (a mapping, such as `kl_controller_kwargs`, as
-JSON). The arms therefore share the prompts, the
+JSON). An arm's `experimental` settings are added to the base experiment's, not put in their place. The arms
+therefore share the prompts, the
 reward, the number of updates and the seeds; only their own fields differ. Fixed-coefficient arms have no
 target of their own: they are measured against the experiment's `kl_target`, like the controlled arms.
 
@@ -34,7 +37,10 @@ Scheduling: on the 2-core machine this was written for, two runs at a time with 
 finished the same pair of 6-update SmolLM2 runs in 114 s and 182 s (two measurements) against 212 s and
 217 s for one run at a time with two threads (generation is latency bound and scales poorly with threads;
 process start-up and evaluation overlap). Hence the default `--parallel 2` with `cores / parallel`
-threads per run. Runs with the same seed and arm give the same numbers in either mode.
+threads per run. Runs with the same seed and arm give the same numbers in either mode. Each run is a fresh
+process of a `concurrent.futures.ProcessPoolExecutor` (spawned, one run per process), its output in its log. A
+run that fails leaves no record and is trained again by the next invocation; a process that dies outright
+(killed, out of memory) fails the runs still waiting too.
 
 summary.md keeps the text between its `<!-- findings -->` and `<!-- /findings -->` markers when it is
 regenerated, so the written reading of the numbers survives a re-run of the tables.
@@ -43,22 +49,30 @@ regenerated, so the written reading of the numbers survives a re-run of the tabl
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
+import multiprocessing
 import os
 import platform
 import shlex
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
+import traceback
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import yaml
 
 from klppo.cli import build_trainer, parse
+from klppo.kl.tracking import tracking_stats
+from klppo.utils import write_json as _write_json_atomic
+
+from lab.tracking import whole_run_stats
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -119,7 +133,7 @@ def load_experiment(config: Path | None, quick: bool) -> tuple[dict, dict]:
         base.update(QUICK_OVERRIDES)
         spec = QUICK_SPEC
     if not spec or not spec.get("arms"):
-        raise SystemExit(f"error: {path} has no `compare: arms:` block; see the docstring of scripts/compare.py.")
+        raise SystemExit(f"error: {path} has no `compare: arms:` block; see the docstring of lab/compare.py.")
     for name, fields in spec["arms"].items():
         if not isinstance(fields, dict) or not fields:
             raise SystemExit(f"error: arm {name!r} must map field names to values, e.g. {{kl_controller: pid}}.")
@@ -128,6 +142,14 @@ def load_experiment(config: Path | None, quick: bool) -> tuple[dict, dict]:
     spec.setdefault("band", 0.2)
     spec.setdefault("final_window", 5)
     return base, spec
+
+
+def arm_overrides(base: dict, fields: dict) -> dict:
+    """An arm's fields as command-line overrides of `base`: its `experimental` settings added to the base's (a
+    command-line mapping replaces the YAML's whole)."""
+    if isinstance(fields.get("experimental"), dict) and isinstance(base.get("experimental"), dict):
+        return {**fields, "experimental": {**base["experimental"], **fields["experimental"]}}
+    return fields
 
 
 def cli_value(value) -> str:
@@ -167,7 +189,7 @@ def fingerprint(base: dict, fields: dict, seed: int, resolved: dict) -> str:
 
 # ---------------------------------------------------------------------------- one run (child process)
 def run_worker(job: dict) -> None:
-    """Train one (arm, seed) and write its record. Runs in a child process of its own."""
+    """Train one (arm, seed) and write its record. Runs in a process of its own (`run_logged`)."""
     import torch
 
     torch.set_num_threads(job["threads"])
@@ -216,13 +238,9 @@ def run_worker(job: dict) -> None:
 
 
 def write_json(path: Path, data) -> None:
-    """Atomic write (a crash never leaves a half-written record that would count as finished)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1, default=_json_default)
-        f.write("\n")
-    os.replace(tmp, path)
+    """`klppo.utils.write_json`: atomic, so a crash never leaves a half-written record that would count as
+    finished."""
+    _write_json_atomic(path, data, indent=1, default=_json_default)
 
 
 def _json_default(obj):
@@ -245,39 +263,73 @@ def record_is_done(path: Path, fp: str) -> bool:
     return bool(record.get("complete"))
 
 
-def run_all(jobs: list[dict], parallel: int, out: Path) -> list[tuple[dict, int]]:
-    """Run the child processes, `parallel` at a time; returns the failed (job, returncode) pairs."""
-    pending, running, failed = list(jobs), [], []
+def run_logged(job: dict, log: str) -> None:
+    """One run in a worker process of the pool, from the repository root: its stdout and stderr (the C
+    libraries' too) go to `log`; a failure is written there in full and reaches the parent as a `RuntimeError`
+    naming it."""
+    os.chdir(ROOT)
+    with open(log, "w") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+    try:
+        run_worker(job)
+    except (Exception, SystemExit) as err:
+        traceback.print_exc()
+        sys.stderr.flush()
+        raise RuntimeError(f"{type(err).__name__}: {err}"[:2000]) from None
+    finally:
+        sys.stdout.flush()
+
+
+@contextlib.contextmanager
+def _child_environment(threads: int):
+    """The environment the pool's processes start with (they are spawned while it holds): `threads` OpenMP / MKL
+    threads, no tokenizer threads, no wandb, unbuffered output."""
+    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
+           "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def run_all(jobs: list[dict], parallel: int, out: Path) -> list[tuple[dict, str]]:
+    """Train the jobs, `parallel` at a time, each in a fresh process; returns the failed (job, reason) pairs."""
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    while pending or running:
-        while pending and len(running) < parallel:
-            job = pending.pop(0)
-            env = {
-                **os.environ,
-                "OMP_NUM_THREADS": str(job["threads"]),
-                "MKL_NUM_THREADS": str(job["threads"]),
-                "TOKENIZERS_PARALLELISM": "false",
-                "WANDB_MODE": "disabled",
-                "PYTHONUNBUFFERED": "1",
-            }
-            log = open(out / "logs" / f"{job['name']}.log", "w")
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(job)]
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
-            running.append((job, proc, log, time.time()))
-            print(f"  started {job['name']} (pid {proc.pid}, {job['threads']} thread(s))", flush=True)
-        time.sleep(1.0)
-        still = []
-        for job, proc, log, t0 in running:
-            rc = proc.poll()
-            if rc is None:
-                still.append((job, proc, log, t0))
-                continue
-            log.close()
-            status = "done" if rc == 0 else f"FAILED (exit {rc}, see logs/{job['name']}.log)"
-            print(f"  {job['name']}: {status} in {time.time() - t0:.0f} s", flush=True)
-            if rc != 0:
-                failed.append((job, rc))
-        running = still
+    failed: list[tuple[dict, str]] = []
+    pending = list(jobs)
+    one_run_each = {"max_tasks_per_child": 1} if sys.version_info >= (3, 11) else {}
+    context = multiprocessing.get_context("spawn")  # with one run per process (3.11+): no state carried between runs
+    with _child_environment(jobs[0]["threads"] if jobs else 1), \
+            ProcessPoolExecutor(parallel, mp_context=context, **one_run_each) as pool:  # fmt: skip
+        running = {}
+        while pending or running:
+            while pending and len(running) < parallel:
+                job = pending.pop(0)
+                try:
+                    future = pool.submit(run_logged, job, str(out / "logs" / f"{job['name']}.log"))
+                except BrokenProcessPool as err:
+                    failed += [(j, f"not started: {err}") for j in [job, *pending]]
+                    pending = []
+                    break
+                running[future] = (job, time.time())
+                print(f"  started {job['name']} ({job['threads']} thread(s))", flush=True)
+            if not running:
+                break
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in done:
+                job, t0 = running.pop(future)
+                err = future.exception()
+                status = "done" if err is None else f"FAILED ({err}; see logs/{job['name']}.log)"
+                print(f"  {job['name']}: {status} in {time.time() - t0:.0f} s", flush=True)
+                if err is not None:
+                    failed.append((job, str(err)))
     return failed
 
 
@@ -291,17 +343,18 @@ def _mean(values) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def run_metrics(record: dict, target: float, band: float, window: int) -> dict:
-    """Comparison metrics of one run. Tracking is measured against the experiment's target for every arm."""
-    ups = record["updates"]
-    n = len(ups)
-    kl = [u.get("kl/value", float("nan")) for u in ups]
-    second = kl[n // 2 :]  # the second half of the updates (the later half when n is odd)
-    k1 = [u.get("kl/k1", float("nan")) for u in ups]  # k1 is logged by every run: arms of any statistic compare
+def _readings(values) -> list[float]:
+    return [float("nan") if v is None else float(v) for v in values]
 
-    def in_band(values):
-        values = _finite(values)
-        return sum(abs(v - target) <= band * target for v in values) / len(values) if values else float("nan")
+
+def run_metrics(record: dict, target: float, band: float, window: int) -> dict:
+    """Comparison metrics of one run. Tracking is measured against the experiment's target for every arm
+    (`klppo.kl.tracking`: the second half of the updates, and the whole run)."""
+    ups = record["updates"]
+    kl = _readings(u.get("kl/value") for u in ups)
+    k1 = _readings(u.get("kl/k1") for u in ups)  # k1 is logged by every run: arms of any statistic compare
+    second, whole = tracking_stats(kl, target, band), whole_run_stats(kl, target, band)
+    second_k1 = tracking_stats(k1, target, band)
 
     evals = record["evals"]
     ppl0, ppl1 = evals[0].get("eval/perplexity"), evals[-1].get("eval/perplexity")
@@ -310,13 +363,13 @@ def run_metrics(record: dict, target: float, band: float, window: int) -> dict:
         "initial_reward": _mean(u.get("objective/scores") for u in ups[:window]),
         "final_kl": _mean(kl[-window:]),
         "max_kl": max(_finite(kl), default=float("nan")),
-        "tracking_error": _mean(abs(v - target) / target for v in _finite(second)),
-        "tracking_error_all": _mean(abs(v - target) / target for v in _finite(kl)),
-        "in_band_second_half": in_band(second),
-        "in_band_all": in_band(kl),
+        "tracking_error": second.error,
+        "tracking_error_all": whole.error,
+        "in_band_second_half": second.in_band,
+        "in_band_all": whole.in_band,
         "final_kl_k1": _mean(k1[-window:]),
-        "tracking_error_k1": _mean(abs(v - target) / target for v in _finite(k1[n // 2 :])),
-        "in_band_second_half_k1": in_band(k1[n // 2 :]),
+        "tracking_error_k1": second_k1.error,
+        "in_band_second_half_k1": second_k1.in_band,
         "perplexity_initial": ppl0,
         "perplexity_final": ppl1,
         "perplexity_change_pct": 100.0 * (ppl1 - ppl0) / ppl0 if ppl0 and ppl1 is not None else float("nan"),
@@ -582,16 +635,12 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads per run (default: cores / parallel)")
     parser.add_argument("--quick", action="store_true", help="tiny model, 2 arms, 1 seed, 2 updates (tests)")
     parser.add_argument("--summarize", action="store_true", help="only rebuild summary and plots from the runs")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker:
-        run_worker(json.loads(args.worker))
-        return 0
     if args.out is None or (args.config is None and not args.quick):
         parser.error("--out and one of --config / --quick are required")
 
     start = time.time()
-    command = " ".join(shlex.quote(a) for a in ["python", "scripts/compare.py", *(argv if argv is not None else sys.argv[1:])])
+    command = " ".join(shlex.quote(a) for a in ["python", "-m", "lab.compare", *(argv if argv is not None else sys.argv[1:])])
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     base, spec = load_experiment(args.config, args.quick)
@@ -614,7 +663,8 @@ def main(argv=None) -> int:
     parsed = {}
     for arm in arm_names:
         try:
-            parsed[arm] = parse(train_argv(base_config, spec["arms"][arm], seeds[0], str(work / "check")))
+            parsed[arm] = parse(train_argv(base_config, arm_overrides(base, spec["arms"][arm]), seeds[0],
+                                           str(work / "check")))
         except (ValueError, TypeError) as err:
             print(f"error: arm {arm!r}: {err}", file=sys.stderr)
             return 2
@@ -636,7 +686,7 @@ def main(argv=None) -> int:
                 continue
             jobs.append({
                 "name": name, "arm": arm, "seed": seed, "fields": fields, "fingerprint": fp, "threads": threads,
-                "record": str(record), "argv": train_argv(base_config, fields, seed, str(work / name)),
+                "record": str(record), "argv": train_argv(base_config, arm_overrides(base, fields), seed, str(work / name)),
             })
     failed = []
     if jobs and not args.summarize:
@@ -701,9 +751,10 @@ def main(argv=None) -> int:
     write_markdown(summary, out)
     print((out / "summary.md").read_text(), flush=True)
     if failed:
-        for job, rc in failed:
-            log = (out / "logs" / f"{job['name']}.log").read_text()
-            print(f"\n{job['name']} failed (exit {rc}); end of its log:\n{log[-3000:]}", file=sys.stderr)
+        for job, reason in failed:
+            log_path = out / "logs" / f"{job['name']}.log"
+            log = log_path.read_text() if log_path.is_file() else ""
+            print(f"\n{job['name']} failed ({reason}); end of its log:\n{log[-3000:]}", file=sys.stderr)
         return 1
     return 0
 

@@ -1,5 +1,6 @@
-"""The tiny job on one GPU under each engine (`run.sh`): final weights against plain accelerate, each resume
-against the uninterrupted run, finite logits from the saved policy. Usage: `python check_engines.py RUNS/tiny`."""
+"""The tiny job on one GPU under each engine (`lab/gpu_engines/run.sh`): final weights against plain accelerate,
+each resume against the uninterrupted run, finite logits from the saved policy. Usage, from the repository root:
+`python -m lab.gpu_engines.check_engines RUNS/tiny`."""
 import json
 import os
 import sys

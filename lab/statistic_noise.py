@@ -1,6 +1,6 @@
 """How noisy is a KL reading? `k1` against `full` on the same samples.
 
-    python research/statistic_noise.py --temperatures 0.7 0.5 --out results/kl_statistic_noise/smollm2.json
+    python -m lab.statistic_noise --temperatures 0.7 0.5 --out results/kl_statistic_noise/smollm2.json
 
 The reference is SmolLM2-135M-Instruct (the embedded offline model) at temperature 1; the policy is the same
 model at a lower temperature, a distribution that differs from the reference at every position. For 64 of the

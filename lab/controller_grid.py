@@ -1,30 +1,33 @@
-"""The KL controller across plant speeds: the one-token bandit of `tests/bandit.py`, whose equilibrium beta* is known
-in closed form, trained with a KL target from beta*/5 and from 5 beta* at every combination of learning rate,
-optimizer steps per update and batch size.
+"""The KL controller across plant speeds: the one-token bandit of `klppo.testing.bandit`, whose equilibrium beta*
+is known in closed form, trained with a KL target from beta*/5 and from 5 beta* at every combination of learning
+rate, optimizer steps per update and batch size. From the repository root:
 
-    PYTHONPATH=tests python research/controller_grid.py --seeds 1 2 3 --out results/controller_grid/grid.jsonl
-    PYTHONPATH=tests python research/controller_grid.py --table results/controller_grid/grid.jsonl
-    PYTHONPATH=tests python research/controller_grid.py --overview shipped=a.jsonl no-guard=b.jsonl --paired
-    PYTHONPATH=tests python research/controller_grid.py --envelope tiny_fixed_beta.jsonl
+    python -m lab.controller_grid --seeds 1 2 3 --out results/controller_grid/grid.jsonl
+    python -m lab.controller_grid --table results/controller_grid/grid.jsonl
+    python -m lab.controller_grid --overview shipped=a.jsonl no-guard=b.jsonl --paired
+    python -m lab.controller_grid --envelope tiny_fixed_beta.jsonl
 
 Each run is one line of JSON: the cell, the seed, and per update the exact KL of the sampling policy (the `full`
 statistic of a one-token response) and beta. The table gives, per cell, the second-half tracking error
 (mean |KL - target| / target), the peak KL over the target, and the second half's geometric-mean beta over beta*,
-as mean and standard error over seeds. `--kwargs` sets `kl_controller_kwargs` (JSON), `--config` any other
-`KLPPOConfig` field (JSON), for ablations; `--plugin` imports a module that registers a controller of its own;
-`--updates` runs every cell for that many updates instead of `updates_for(lr)`.
+as mean and standard error over seeds (`klppo.kl.tracking`). `--kwargs` sets `kl_controller_kwargs` (JSON),
+`--config` any other `KLPPOConfig` field (JSON; the experimental settings under `experimental`, e.g.
+`'{"experimental": {"kl_guard": false}}'`, added to the grid's own `kl_statistic: full`), for ablations;
+`--plugin` imports a module that registers a controller or a guard of its own (`lab.controller_ablations`, or a
+module of the lab by its short name); `--updates` runs every cell for that many updates instead of `updates_for(lr)`.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import itertools
 import json
 import math
 import multiprocessing
 import tempfile
 from pathlib import Path
+
+from klppo.kl.tracking import mean_and_standard_error, tracking_stats
 
 STARTS = (0.2, 5.0)
 LEARNING_RATES = (3e-4, 1e-3, 3e-3)
@@ -44,12 +47,13 @@ def run_cell(job: dict) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from bandit import bandit_trainer, kl, one_token_state, tilted
-
     from klppo.models import TINY_MODEL, resolve_model_path
+    from klppo.testing.bandit import bandit_trainer, kl, one_token_state, tilted
 
-    if job.get("plugin"):  # a module that registers a controller of its own
-        importlib.import_module(job["plugin"])
+    from lab import import_plugin
+
+    if job.get("plugin"):  # a module that registers a controller or a guard of its own
+        import_plugin(job["plugin"])
     tiny = resolve_model_path(TINY_MODEL)
     with tempfile.TemporaryDirectory() as tmp:
         state = one_token_state(bandit_trainer(tiny, Path(tmp), max_steps=1))
@@ -59,13 +63,15 @@ def run_cell(job: dict) -> dict:
             kl_coef=job["start"] * BETA_STAR, max_steps=job.get("updates") or updates_for(job["lr"]),
             learning_rate=job["lr"],
             per_device_train_batch_size=batch // steps, num_mini_batches=steps, rollout_forward_batch_size=batch,
-            seed=job["seed"], kl_statistic="full",
+            seed=job["seed"],
         )
         if not job.get("fixed"):  # fixed jobs start at beta* (`cells((1.0,))`) and keep it
             overrides.update(kl_target=target)
             if job.get("kwargs"):
                 overrides.update(kl_controller_kwargs=job["kwargs"])
-        overrides.update(job.get("config") or {})
+        config = dict(job.get("config") or {})
+        overrides.update(experimental={"kl_statistic": "full", **(config.pop("experimental", None) or {})})
+        overrides.update(config)  # experimental settings named flat here are added to the mapping (`klppo_config`)
         trainer = bandit_trainer(tiny, Path(tmp), **overrides)
         trainer.train()
     logs = [h for h in trainer.state.log_history if "kl/coef" in h]
@@ -74,14 +80,13 @@ def run_cell(job: dict) -> dict:
 
 
 def summarise(run: dict) -> dict:
-    kls, betas, target = run["kl"], run["beta"], run["target"]
-    half = len(kls) // 2
-    second = kls[half:]
-    logs = [math.log(b) for b in betas[half:]]
+    kls, betas = run["kl"], run["beta"]
+    stats = tracking_stats(kls, run["target"])
+    logs = [math.log(b) for b in betas[len(kls) // 2 :]]
     return {
-        "tracking_error": sum(abs(k - target) for k in second) / len(second) / target,
-        "in_band": sum(abs(k - target) <= 0.2 * target for k in second) / len(second),
-        "peak": max(kls) / target,
+        "tracking_error": stats.error,
+        "in_band": stats.in_band,
+        "peak": stats.peak_ratio,
         "beta_ratio": math.exp(sum(logs) / len(logs)) / run["beta_star"],
     }
 
@@ -89,13 +94,6 @@ def summarise(run: dict) -> dict:
 def cells(starts=STARTS):
     return [dict(start=s, lr=lr, steps=k, batch=b)
             for s, lr, k, b in itertools.product(starts, LEARNING_RATES, STEPS_PER_UPDATE, BATCHES)]
-
-
-def _mean_se(values):
-    n = len(values)
-    mean = sum(values) / n
-    se = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n) if n > 1 else float("nan")
-    return mean, se
 
 
 def passes(s: dict) -> bool:
@@ -118,8 +116,8 @@ def table(runs: list[dict]) -> str:
         n_pass += ok
         cols = []
         for name in ("tracking_error", "in_band", "peak", "beta_ratio"):
-            mean, se = _mean_se([r[name] for r in rows])
-            cols.append(f"{mean:.2f} ± {se:.2f}" if math.isfinite(se) else f"{mean:.2f}")
+            mean, se = mean_and_standard_error([r[name] for r in rows])
+            cols.append(f"{mean:.2f} ± {se:.2f}" if len(rows) > 1 else f"{mean:.2f}")
         start = {0.2: "beta*/5", 5.0: "5 beta*", 1.0: "beta* (fixed)"}.get(key[0], f"{key[0]:g} beta*")
         lines.append(f"| {start} | {key[1]:g} | {key[2]} | {key[3]} | {len(rows)} | " + " | ".join(cols)
                      + f" | {'yes' if ok else '**no**'} |")
@@ -164,7 +162,7 @@ def paired(named: dict[str, list[dict]]) -> str:
         keys = sorted(set(runs) & set(base))
         cols = []
         for metric in ("tracking_error", "in_band"):
-            mean, se = _mean_se([runs[k][metric] - base[k][metric] for k in keys])
+            mean, se = mean_and_standard_error([runs[k][metric] - base[k][metric] for k in keys])
             cols.append(f"{mean:+.3f} ± {se:.3f}")
         lines.append(f"| {name} | {len(keys)} | " + " | ".join(cols) + " |")
     return "\n".join(lines) + "\n"
@@ -194,11 +192,12 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--out", type=Path)
     parser.add_argument("--kwargs", type=json.loads, default=None, help="kl_controller_kwargs, as JSON")
-    parser.add_argument("--config", type=json.loads, default=None, help="other KLPPOConfig fields, as JSON")
+    parser.add_argument("--config", type=json.loads, default=None,
+                        help="other KLPPOConfig fields, as JSON (experimental settings under `experimental`)")
     parser.add_argument("--fixed", action="store_true", help="fixed beta* instead of a target (the reference)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--updates", type=int, default=None, help="updates per run (default: updates_for(lr))")
-    parser.add_argument("--plugin", help="import this module first (one that registers a controller)")
+    parser.add_argument("--plugin", help="import this module first (one that registers a controller or a guard)")
     parser.add_argument("--only", type=json.loads, default=None, help="run only the cells matching this JSON")
     parser.add_argument("--table", type=Path, nargs="+", help="print the table of finished grid files and exit")
     parser.add_argument("--overview", nargs="+", metavar="NAME=FILE[,FILE]",

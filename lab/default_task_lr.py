@@ -1,14 +1,15 @@
 """The default job (`configs/default.yaml`) at several LoRA learning rates and seeds: does the KL hold its target?
 
-    python research/default_task_lr.py --lrs 1e-4 2.5e-4 5e-4 --seeds 1 2 3 --out results/default_task_lr
-    python research/default_task_lr.py --table --out results/default_task_lr
+    python -m lab.default_task_lr --lrs 1e-4 2.5e-4 5e-4 --seeds 1 2 3 --out results/default_task_lr
+    python -m lab.default_task_lr --table --out results/default_task_lr
 
-Each run is `scripts/train.py --config configs/default.yaml` with `--learning_rate`, `--seed` and any further
-flags given after `--`, one after another, one thread each (`--plugin M` imports `research/M.py` first, for a
-controller of its own); its `trainer_state.json` and `summary.json` are kept
-under `--out/lr<lr>_seed<seed>/`. The table gives, per learning rate, the second-half tracking error (mean
+(from the repository root). Each run is `scripts/train.py --config configs/default.yaml` with `--learning_rate`,
+`--seed` and any further flags given after `--` (an experimental setting as `--experimental '{"kl_guard": true}'`),
+one after another, one thread each (`--plugin M` imports the lab's module `M`, or any module, first, for a
+controller or a guard of its own); its `trainer_state.json` and `summary.json` are kept under
+`--out/lr<lr>_seed<seed>/`. The table gives, per learning rate, the second-half tracking error (mean
 |KL - target| / target), the share of second-half updates within +-20% of the target, the peak KL over the
-target and the second half's geometric-mean beta, as mean and standard error over seeds.
+target (`klppo.kl.tracking`) and the second half's geometric-mean beta, as mean and standard error over seeds.
 """
 
 from __future__ import annotations
@@ -23,12 +24,15 @@ import sys
 import tempfile
 from pathlib import Path
 
+from klppo.kl.tracking import mean_and_standard_error, tracking_stats
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-# runs scripts/train.py after importing a module of research/ that registers a controller of its own
-_WITH_PLUGIN = ("import importlib, runpy, sys; sys.path.insert(0, sys.argv[1]); importlib.import_module(sys.argv[2]); "
-                "sys.argv = sys.argv[3:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+# runs scripts/train.py (from the repository root, so that `lab` imports) after importing a module that registers
+# a controller or a guard of its own
+_WITH_PLUGIN = ("import runpy, sys; from lab import import_plugin; import_plugin(sys.argv[1]); "
+                "sys.argv = sys.argv[2:]; runpy.run_path(sys.argv[0], run_name='__main__')")
 
 
 def run(lr: str, seed: int, out: Path, extra: list[str], plugin: str | None = None) -> None:
@@ -40,7 +44,7 @@ def run(lr: str, seed: int, out: Path, extra: list[str], plugin: str | None = No
                "--learning_rate", lr, "--seed", str(seed), "--output_dir", tmp, "--report_to", "none",
                "--save_strategy", "no", *extra]
         if plugin:
-            cmd = [sys.executable, "-c", _WITH_PLUGIN, str(ROOT / "research"), plugin, *cmd[1:]]
+            cmd = [sys.executable, "-c", _WITH_PLUGIN, plugin, *cmd[1:]]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         with open(out / f"lr{lr}_seed{seed}.log", "w") as log:
             subprocess.run(cmd, check=True, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -52,14 +56,12 @@ def run(lr: str, seed: int, out: Path, extra: list[str], plugin: str | None = No
 def summarise(folder: Path) -> dict:
     history = json.loads((folder / "trainer_state.json").read_text())["log_history"]
     logs = [h for h in history if "kl/value" in h]
-    target = logs[0]["kl/target"]
     kls = [h["kl/value"] for h in logs]
-    second = kls[len(kls) // 2:]
+    stats = tracking_stats(kls, logs[0]["kl/target"])
     betas = [h["kl/coef"] for h in logs][len(kls) // 2:]
     verdict = json.loads((folder / "summary.json").read_text())["verdict"]
-    return {"tracking_error": sum(abs(k - target) for k in second) / len(second) / target,
-            "in_band": sum(abs(k - target) <= 0.2 * target for k in second) / len(second),
-            "peak": max(kls) / target, "beta": math.exp(sum(map(math.log, betas)) / len(betas)),
+    return {"tracking_error": stats.error, "in_band": stats.in_band,
+            "peak": stats.peak_ratio, "beta": math.exp(sum(map(math.log, betas)) / len(betas)),
             "passed": bool(verdict["learned"] and verdict["kl_held"] and verdict["perplexity_kept"]),
             "reward_rise": verdict["reward_rise"]}
 
@@ -77,9 +79,7 @@ def table(out: Path, seeds: list[int]) -> str:
         rows = groups[lr]
         cols = []
         for name in ("tracking_error", "in_band", "peak", "beta", "reward_rise"):
-            vals = [r[name] for r in rows]
-            mean = sum(vals) / len(vals)
-            se = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1) / len(vals)) if len(vals) > 1 else 0
+            mean, se = mean_and_standard_error(r[name] for r in rows)
             cols.append(f"{mean:.3g} ± {se:.2g}")
         passed = sum(r["passed"] for r in rows)
         lines.append(f"| {lr} | {len(rows)} | " + " | ".join(cols) + f" | {passed}/{len(rows)} |")
@@ -93,7 +93,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--table", action="store_true",
                         help="print the table of the finished runs of --seeds in --out and exit")
-    parser.add_argument("--plugin", help="a module of research/ to import first (one that registers a controller)")
+    parser.add_argument("--plugin", help="a module to import first, the lab's by its short name (one that registers "
+                                         "a controller or a guard)")
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != "--"]
     if not args.table:

@@ -23,7 +23,7 @@ import torch
 from datasets import Dataset
 
 from klppo import KLPPOTrainer
-from helpers import klppo_config
+from klppo.testing import klppo_config
 
 PROMPT = "The day was"
 MODULUS = 4  # reward 1 for token ids divisible by 4: about a quarter of the reference's mass

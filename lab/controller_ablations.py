@@ -1,5 +1,6 @@
-"""Ablations of the equilibrium and tracking controllers, registered as controllers of their own for
-`controller_grid.py --plugin`.
+"""Ablations of the equilibrium and tracking controllers and of the KL guard, registered as controllers and
+guards of their own for `python -m lab.controller_grid --plugin lab.controller_ablations` (or `--plugin
+controller_ablations`).
 
 - `equilibrium_full_step`: no effective-sample-size gain; log beta goes straight to the batch's estimate.
 - `equilibrium_ema`: a constant gain of 0.3 (an EMA of the estimate) instead of the effective sample size.
@@ -14,15 +15,20 @@ the reading and the start-up rule's exception (a raw reading near the target end
 EMA does) were ablated the same way and removed (`results/controller_grid/README.md`); their plug-in and constant
 are in the git history.
 
-The guard is ablated through a setting, `--config '{"kl_guard": false}'`, and its pieces by the plug-ins
-`ablate_guard_low_side` and `ablate_guard_momentum_reset`. (A bound on one update's change of log beta, 1, was
-ablated and removed: the same cells within bounds and the same mean tracking error on seed 3, and it never bound on
-the default task.)
+The guard is ablated through a setting, `--config '{"experimental": {"kl_guard": false}}'`, and its pieces by
+the guards registered here, selected the same way:
+
+- `no_low_side` (`{"kl_guard": "no_low_side"}`): the guard without its low side;
+- `keeps_momentum` (`{"kl_guard": "keeps_momentum"}`): the optimizer's momentum is kept when it fires.
+
+(A bound on one update's change of log beta, 1, was ablated and removed: the same cells within bounds and the same
+mean tracking error on seed 3, and it never bound on the default task.)
 """
 
 from __future__ import annotations
 
 from klppo.kl.controllers import EquilibriumKLController, TrackingKLController, register_kl_controller
+from klppo.ppo.guard import KLGuard, register_kl_guard
 
 
 class _ConstantGain(EquilibriumKLController):
@@ -50,15 +56,18 @@ class Ema(_ConstantGain):
     gain = 0.3
 
 
-def guard_without(**change):
-    """Build the trainer's KL guard with one piece changed (`low_margin=inf`: no low side; `reset_momentum=False`:
-    the optimizer's momentum kept when it fires)."""
-    import functools
+@register_kl_guard("no_low_side")
+class GuardWithoutLowSide(KLGuard):
+    """klppo's guard with its upper side only."""
 
-    import klppo.ppo.trainer as trainer_module
-    from klppo.ppo.guard import KLGuard
+    lower = False
 
-    trainer_module.KLGuard = functools.partial(KLGuard, **change)
+
+@register_kl_guard("keeps_momentum")
+class GuardKeepingMomentum(KLGuard):
+    """klppo's guard, leaving the optimizer's momentum as it is when it fires."""
+
+    clears_momentum = False
 
 
 @register_kl_controller("tracking_no_startup")

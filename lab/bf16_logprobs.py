@@ -1,6 +1,6 @@
 """How far the log-probs read from generation (KV cache) are from a recomputed forward pass, per dtype.
 
-    python research/bf16_logprobs.py --out results/bf16_logprobs
+    python -m lab.bf16_logprobs --out results/bf16_logprobs
 
 klppo can read the sampling policy's log-probs from `generate`'s own logits instead of a second forward pass. That
 is exact only if the cached and uncached paths compute the same logits. This script samples responses from the
@@ -23,15 +23,22 @@ from klppo.data import load_prompt_dataset
 from klppo.models import OFFLINE_DEFAULT_MODEL, load_causal_lm, load_tokenizer, resolve_model_path
 
 
+class GenerationLogprobsTrainer(KLPPOTrainer):
+    """Reads the sampling policy's log-probs from generation whatever the dtype (klppo does only in float32), to
+    compare them with a forward pass."""
+
+    logprobs_from_generation = True
+
+
 def measure(dtype: str, prompts: list[str], response_length: int, seed: int) -> dict:
     path = resolve_model_path(OFFLINE_DEFAULT_MODEL)
     args = KLPPOConfig(output_dir="/tmp/klppo-bf16-logprobs", use_cpu=True, report_to="none", response_length=response_length,
                        per_device_train_batch_size=len(prompts), kl_coef=0.05,
                        seed=seed, disable_tqdm=True)  # fmt: skip
-    trainer = KLPPOTrainer(model=load_causal_lm(path, dtype=dtype), args=args, processing_class=load_tokenizer(path),
-                           reward_funcs=lambda prompts, completions, **kw: [0.0] * len(prompts),
-                           train_dataset=Dataset.from_dict({"prompt": prompts}))  # fmt: skip
-    trainer.logprobs_from_generation = True  # read from generation, whatever the dtype, to compare
+    trainer = GenerationLogprobsTrainer(model=load_causal_lm(path, dtype=dtype), args=args,
+                                        processing_class=load_tokenizer(path),
+                                        reward_funcs=lambda prompts, completions, **kw: [0.0] * len(prompts),
+                                        train_dataset=Dataset.from_dict({"prompt": prompts}))  # fmt: skip
     torch.manual_seed(seed)
     rollout = trainer.rollout(trainer.prompt_batch(prompts))
     rescored = trainer.score(rollout.sequences())

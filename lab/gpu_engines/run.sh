@@ -1,8 +1,9 @@
 #!/bin/bash
-# klppo on one GPU under each engine that accelerate launches (run from the repository root, in an environment with
+# klppo on one GPU under each engine that accelerate launches (run from the repository root as
+# `bash lab/gpu_engines/run.sh [RUNS]`, default RUNS results/gpu_engines/runs, in an environment with
 # klppo and a CUDA build of torch): the default job (SmolLM2 + LoRA, bf16) under plain accelerate, FSDP2 and
 # DeepSpeed ZeRO-3, side by side; the tiny job in float32 under plain accelerate, FSDP2, ZeRO-2 and ZeRO-3, each
-# resumed from its checkpoint-2; the tiny job with LoRA in bf16 under FSDP2 and ZeRO-3. Then check_engines.py.
+# resumed from its checkpoint-2; the tiny job with LoRA in bf16 under FSDP2 and ZeRO-3. Then lab.gpu_engines.check_engines.
 set -u
 export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled
 R=${1:-results/gpu_engines/runs}; mkdir -p $R/default $R/tiny
@@ -29,4 +30,4 @@ p=29630; for e in single_gpu fsdp deepspeed_zero2 deepspeed_zero3; do
     $TJ --output_dir $R/tiny/$e-resumed --resume_from_checkpoint $R/tiny/$e/checkpoint-2 > $R/tiny/$e-resumed.log 2>&1 &
   p=$((p+1)); done
 wait
-python results/gpu_engines/check_engines.py $R/tiny > $R/tiny/check.json
+python -m lab.gpu_engines.check_engines $R/tiny > $R/tiny/check.json

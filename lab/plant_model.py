@@ -1,10 +1,11 @@
 """How well can any beta controller hold the KL? A plant model fitted to compare runs, and the floor it implies.
 
-    python research/plant_model.py --runs 'OUT/runs/*.json' --target 4 --out plant_model.json
+    python -m lab.plant_model --runs 'OUT/runs/*.json' --target 4 --out plant_model.json
 
-where OUT is a `scripts/compare.py` results folder that kept its per-update run records (`runs/`).
+(from the repository root) where OUT is a `lab/compare.py` results folder that kept its per-update run records
+(`runs/`).
 
-Each run record of `scripts/compare.py` holds, per update t, the coefficient beta_t that update used and the KL
+Each run record of `lab/compare.py` holds, per update t, the coefficient beta_t that update used and the KL
 its rollout read (the controller's statistic, `kl/full` where logged, else `kl/k1`). From update `--start` on
 (once the policy has left the reference), the model is a first-order lag in log space:
 
@@ -49,6 +50,8 @@ import sys
 import numpy as np
 
 from klppo.kl.controllers import TrackingKLController
+from klppo.kl.tracking import tracking_stats
+from lab.tracking import whole_run_stats
 
 
 def load_series(patterns: list[str]) -> list[tuple[str, np.ndarray, np.ndarray]]:
@@ -93,10 +96,10 @@ def fit(series, start: int) -> dict:
 
 
 def floor(sd: float, band: float, n: int = 200_000) -> dict:
+    """Tracking error and share in band of `n` readings `target * exp(x)`, x ~ N(0, sd^2) (a stationary KL)."""
     x = np.random.default_rng(0).standard_normal(n) * sd
-    ratio = np.exp(x)
-    return {"sd_log": sd, "tracking_error": float(np.mean(np.abs(ratio - 1))),
-            "in_band": float(np.mean(np.abs(ratio - 1) <= band))}
+    stats = whole_run_stats(np.exp(x).tolist(), 1.0, band)
+    return {"sd_log": sd, "tracking_error": stats.error, "in_band": stats.in_band}
 
 
 def simulate(model: dict, target: float, settings: dict, guard, updates: int, seed: int, mini_batches: int,
@@ -136,9 +139,8 @@ def simulate(model: dict, target: float, settings: dict, guard, updates: int, se
                     break
             steps.append(taken)
             x = now + taken * change
-    half = np.array(kls[updates // 2 :])
-    err = np.abs(half / target - 1)
-    return float(err.mean()), float(np.mean(err <= band)), float(np.mean(steps)) if steps else 1.0
+    stats = tracking_stats(kls, target, band)
+    return stats.error, stats.in_band, float(np.mean(steps)) if steps else 1.0
 
 
 SETTINGS = {
@@ -247,7 +249,7 @@ def main(argv=None) -> None:
                       + ("  (shipped gains)" if r in shipped else ""))
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        report = {"command": "python research/plant_model.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        report = {"command": "python -m lab.plant_model " + " ".join(argv if argv is not None else sys.argv[1:]),
                   "model": model, "floors": floors, "simulated": sims, "grid": swept,
                   "settings": {k: v for k, v in vars(args).items() if k not in ("runs", "out")}, "runs": args.runs}
         with open(args.out, "w") as fh:

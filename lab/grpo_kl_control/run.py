@@ -1,7 +1,8 @@
 """TRL's GRPOTrainer on the default sentiment task (SmolLM2-135M-Instruct, offline), with a fixed beta or with
-klppo's tracking controller (`add_kl_control`). One run per call; writes `<out>/summary.json`.
+klppo's tracking controller (`add_kl_control`). One run per call; writes `<out>/summary.json`. From the
+repository root:
 
-    python results/grpo_kl_control/run.py --mode tracking --seed 0 --out results/grpo_kl_control/runs/tracking-0
+    python -m lab.grpo_kl_control.run --mode tracking --seed 0 --out results/grpo_kl_control/runs/tracking-0
 """
 
 import argparse
@@ -17,6 +18,7 @@ from trl import GRPOConfig, GRPOTrainer
 from klppo.data import load_heldout_texts, offline_prompts
 from klppo.evaluation import heldout_perplexity
 from klppo.integrations.trl import add_kl_control
+from klppo.kl.tracking import tracking_stats
 from klppo.models import OFFLINE_DEFAULT_MODEL, resolve_model_path
 from klppo.rewards.sentiment import positive_sentiment_reward
 
@@ -68,14 +70,13 @@ def main():
     ppl_after = heldout_perplexity(trainer.model, tok, texts)
     logs = [h for h in trainer.state.log_history if "kl" in h and "reward" in h]
     kls = [h["kl"] for h in logs]
-    half = kls[len(kls) // 2:]
-    errors = [abs(k / a.kl_target - 1) for k in half]
+    tracking = tracking_stats(kls, a.kl_target)
     rewards = [h["reward"] for h in logs]
     summary = dict(
         mode=a.mode, kwargs=a.kwargs, seed=a.seed, steps=a.steps, batch=a.batch, beta0=a.beta, kl_target=a.kl_target, lr=a.lr,
         reward_first5=sum(rewards[:5]) / 5, reward_last5=sum(rewards[-5:]) / 5,
-        kl_second_half_mean=sum(half) / len(half), tracking_error=sum(errors) / len(errors),
-        in_band=sum(e <= 0.2 for e in errors) / len(errors), ppl_before=ppl_before, ppl_after=ppl_after,
+        kl_second_half_mean=tracking.mean_ratio * a.kl_target, tracking_error=tracking.error,
+        in_band=tracking.in_band, ppl_before=ppl_before, ppl_after=ppl_after,
         seconds_per_update=seconds / a.steps, device=str(trainer.args.device), kl=kls, reward=rewards,
         beta=[h.get("kl/coef", a.beta) for h in logs],
     )

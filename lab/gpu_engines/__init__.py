@@ -1,0 +1,1 @@
+"""klppo on one GPU under each engine accelerate launches (`results/gpu_engines/`)."""

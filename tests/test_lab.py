@@ -1,0 +1,127 @@
+"""The lab's runners on hand-made runs (no training): the guard variants of the ablations, chosen through
+`experimental`; the controller grid's, the default-task sweep's and the GRPO runs' tracking figures; the reward at
+equal KL of `lab.frontier`."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from klppo import KLPPOConfig
+from klppo.ppo.guard import LOWER, UPPER, KLGuard, build_kl_guard, kl_guards
+from lab import controller_grid, default_task_lr, frontier, import_plugin
+from lab.grpo_kl_control import summarize as grpo_summary
+
+pytestmark = pytest.mark.lab
+
+
+# ---------------------------------------------------------------------------- guard variants
+def guard_config(tmp_path, kl_guard) -> KLPPOConfig:
+    return KLPPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, kl_controller="tracking",
+                       kl_target=1.0, experimental={"kl_guard": kl_guard})
+
+
+def test_a_plugin_is_imported_once_under_its_lab_name():
+    ablations = import_plugin("controller_ablations")
+    assert ablations.__name__ == "lab.controller_ablations"
+    assert import_plugin("lab.controller_ablations") is ablations  # registering twice would raise
+    assert {"no_low_side", "keeps_momentum"} <= set(kl_guards())
+
+
+def test_the_guard_variants_change_one_piece_each(tmp_path):
+    """`no_low_side` never fires below the target; `keeps_momentum` fires as the default guard does but leaves the
+    optimizer's momentum; both are chosen through `experimental`, as klppo's own guard is."""
+    import_plugin("controller_ablations")
+    guards = {name: build_kl_guard(guard_config(tmp_path, name).kl_guard, 1.0)
+              for name in ("default", "no_low_side", "keeps_momentum")}
+    for guard in guards.values():
+        guard.observe(1.5)  # a reading at the target arms the low side (where there is one)
+    # 8 tokens, their KL 0.6 at the rollout and 0.4 now: the update pushed the KL further below the target
+    below = dict(kl_sum=0.4, kl_count=8.0, kl_rollout=0.6, reading=0.7)
+    above = dict(kl_sum=0.9, kl_count=8.0, kl_rollout=0.6, reading=1.1)
+    assert [guards[n].check(**below) for n in guards] == [LOWER, None, LOWER]
+    assert [guards[n].check(**above) for n in guards] == [UPPER, UPPER, UPPER]
+    assert [guards[n].clears_momentum for n in guards] == [True, True, False]
+    assert "kl/guard_low_fired" not in guards["no_low_side"].metrics(None)
+    assert type(guards["default"]) is KLGuard
+
+
+def test_the_trainer_runs_the_guard_that_experimental_names(tmp_path):
+    from klppo.models import TINY_MODEL, resolve_model_path
+    from klppo.testing.bandit import bandit_trainer
+
+    ablations = import_plugin("controller_ablations")
+    trainer = bandit_trainer(resolve_model_path(TINY_MODEL), tmp_path, max_steps=1, kl_target=0.5,
+                             kl_controller="tracking", experimental={"kl_guard": "keeps_momentum"})
+    assert type(trainer.kl_guard) is ablations.GuardKeepingMomentum
+
+
+# ---------------------------------------------------------------------------- controller grid
+def grid_run(kls, betas, seed=1, lr=1e-3):
+    return {"start": 0.2, "lr": lr, "steps": 1, "batch": 32, "seed": seed, "target": 2.0, "beta_star": 0.5,
+            "kl": kls, "beta": betas}
+
+
+def test_the_grid_summary_of_one_run_by_hand():
+    # second half: 2.0, 3.0 -> errors 0 and 0.5; in band 1 of 2; peak 4.0 / 2; beta 0.5 and 2.0 -> geo-mean 1.0
+    s = controller_grid.summarise(grid_run([0.5, 4.0, 2.0, 3.0], [0.1, 0.1, 0.5, 2.0]))
+    assert s == {"tracking_error": pytest.approx(0.25), "in_band": 0.5, "peak": 2.0, "beta_ratio": pytest.approx(2.0)}
+    assert not controller_grid.passes(s)  # beta 2x beta*
+    assert controller_grid.passes({**s, "beta_ratio": 1.2})
+
+
+def test_the_grid_table_and_the_paired_difference():
+    good = [grid_run([1.0, 2.0, 2.0, 2.2], [0.5] * 4, seed=k) for k in (1, 2)]
+    bad = [grid_run([1.0, 2.0, 2.0, 3.0], [0.5] * 4, seed=k) for k in (1, 2)]
+    table = controller_grid.table(good)
+    assert "| beta*/5 | 0.001 | 1 | 32 | 2 | 0.05 ± 0.00 |" in table and "1 of 1 cells" in table
+    paired = controller_grid.paired({"good": good, "bad": bad})
+    assert "| bad | 2 | +0.200 ± 0.000 | -0.500 ± 0.000 |" in paired
+
+
+# ---------------------------------------------------------------------------- default task across learning rates
+def write_default_run(folder, kls, betas, passed=True):
+    folder.mkdir(parents=True)
+    history = [{"step": i + 1, "kl/value": k, "kl/coef": b, "kl/target": 4.0} for i, (k, b) in enumerate(zip(kls, betas))]
+    (folder / "trainer_state.json").write_text(json.dumps({"log_history": history}))
+    verdict = {"learned": passed, "kl_held": True, "perplexity_kept": True, "reward_rise": 0.2}
+    (folder / "summary.json").write_text(json.dumps({"verdict": verdict}))
+
+
+def test_the_default_task_table_by_hand(tmp_path):
+    write_default_run(tmp_path / "lr5e-4_seed1", [1.0, 4.0, 4.0, 5.0], [0.1, 0.1, 0.05, 0.2])
+    write_default_run(tmp_path / "lr5e-4_seed2", [1.0, 4.0, 4.0, 4.0], [0.1, 0.1, 0.1, 0.1], passed=False)
+    s = default_task_lr.summarise(tmp_path / "lr5e-4_seed1")
+    assert s["tracking_error"] == pytest.approx(0.125) and s["in_band"] == 0.5 and s["peak"] == 1.25
+    assert s["beta"] == pytest.approx(0.1) and s["passed"]
+    table = default_task_lr.table(tmp_path, [1, 2])
+    assert "| 5e-4 | 2 | 0.0625 ± 0.062 | 0.75 ± 0.25 |" in table and table.rstrip().endswith("| 1/2 |")
+    assert "| 5e-4 | 1 |" in default_task_lr.table(tmp_path, [1])
+
+
+# ---------------------------------------------------------------------------- GRPO runs
+def test_a_grpo_runs_row_against_the_target():
+    summary = {"kl": [0.0, 0.06, 0.03, 0.033], "reward_last5": 0.1, "ppl_before": 10.0, "ppl_after": 11.0,
+               "beta": [0.5, 0.6], "seconds_per_update": 1.0}
+    r = grpo_summary.row(summary)
+    assert r["tracking_error"] == pytest.approx(0.05) and r["in_band"] == 1.0
+    assert r["kl_half"] == pytest.approx(0.0315) and r["ppl_change"] == pytest.approx(0.1) and r["beta_end"] == 0.6
+
+
+# ---------------------------------------------------------------------------- reward at equal KL
+def test_the_fixed_frontier_is_read_at_the_controlled_arms_kl(tmp_path, capsys):
+    assert frontier.reward_at([(2.0, 0.2), (4.0, 0.4)], 3.0) == pytest.approx(0.3)
+    assert frontier.reward_at([(2.0, 0.2), (4.0, 0.4)], 5.0) == pytest.approx(0.5)  # extended past the end
+    per_seed = {"fixed-a": {"1": {"final_kl_k1": 2.0, "final_reward": 0.2}, "2": {"final_kl_k1": 2.0, "final_reward": 0.1}},
+                "fixed-b": {"1": {"final_kl_k1": 4.0, "final_reward": 0.4}, "2": {"final_kl_k1": 4.0, "final_reward": 0.3}},
+                "tracking": {"1": {"final_kl_k1": 3.0, "final_reward": 0.35}, "2": {"final_kl": 3.0, "final_kl_k1": None,
+                                                                                "final_reward": 0.25}}}
+    path = tmp_path / "summary.json"
+    path.write_text(json.dumps({"arms": {arm: {"per_seed": seeds} for arm, seeds in per_seed.items()}}))
+    frontier.main(["--arm", f"{path}:tracking", "--fixed", f"{path}:fixed-a,fixed-b"])
+    out = capsys.readouterr().out
+    # seed 1: 0.35 - 0.3 = +0.05; seed 2: 0.25 - 0.2 = +0.05 (its KL read from final_kl)
+    assert "tracking minus fixed at equal KL: +0.050 +- 0.000 (SE, 2 seeds)" in out
+    assert math.isclose(float(out.split("difference ")[1].split()[0]), 0.05)
