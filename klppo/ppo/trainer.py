@@ -135,9 +135,13 @@ class KLPPOTrainer(Trainer):
             model, given_path, args, ref_model, value_model, peft_config, self.reward_funcs,
             ref_adapter_name=getattr(args, "ref_adapter_name", None),
         )  # fmt: skip
-        if args.activation_checkpointing:
-            actor_critic.activation_checkpointing_enable(args.activation_checkpointing_kwargs)
-            args.activation_checkpointing = args.gradient_checkpointing = False  # done; not for Trainer to redo
+        # transformers >= 5.20 names it activation checkpointing; earlier versions have only the gradient_* fields
+        if getattr(args, "activation_checkpointing", False) or args.gradient_checkpointing:
+            kwargs = getattr(args, "activation_checkpointing_kwargs", None) or args.gradient_checkpointing_kwargs
+            actor_critic.activation_checkpointing_enable(kwargs)
+            args.gradient_checkpointing = False  # done; not for Trainer to redo
+            if hasattr(args, "activation_checkpointing"):
+                args.activation_checkpointing = False
         self.heldout_texts, self.eval_prompts = heldout_texts, eval_dataset
         # Trainer insists on an eval_dataset when eval_strategy is set; evaluation here is held-out perplexity
         # (+ eval prompts when given), so a one-row placeholder satisfies that check.
