@@ -1,6 +1,6 @@
 """The `scripts/train.py` command (its docstring shows how to launch it): a YAML experiment parsed into
 `ScriptArguments`, `KLPPOConfig` and TRL's `ModelConfig` (`--config` sets defaults, command-line flags override
-them, an unknown key is an error), the trainer built from them, and the run summary. `compare.py` and tests
+them, an unknown key is an error), the trainer built from them, and the run summary. `lab/compare.py` and tests
 reuse `parse` and `build_trainer`.
 """
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from .kl.tracking import mean_and_standard_error, tracking_stats
+from .rewards.text import completion_text
 
 
 def metric_series(log_history: list[dict], key: str) -> list[tuple[int, float]]:
@@ -122,7 +123,7 @@ def run_summary(trainer, before: dict, after: dict) -> dict:
         "coef_trajectory": [v for _, v in coef] + [trainer.kl_controller.value],
         "perplexity_before": before.get("perplexity"),
         "perplexity_after": after.get("perplexity"),
-        "prompts": [str(p) for p in before.get("prompts", [])],
+        "prompts": [completion_text(p) for p in before.get("prompts", [])],  # a conversation: its last message
         "samples_before": before.get("samples", []),
         "samples_after": after.get("samples", []),
     }

@@ -205,3 +205,22 @@ def test_a_wrong_reward_result_is_one_paragraph(tmp_path, capsys, returned):
     stderr = capsys.readouterr().err
     assert code == 2 and stderr.count("error:") == 1, stderr[-4000:]
     assert "Reward function 'bad' returned" in stderr
+
+
+def test_a_prompt_file_smaller_than_a_rollout_batch_is_cycled_and_summarised_as_text(tmp_path, capsys):
+    """A JSONL of 3 conversational prompts with a rollout of 8 sequences: the prompts are cycled (no error), and the
+    summary shows each prompt's text, not a Python list of messages."""
+    from klppo.cli import cli
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"Tell me about {w}."}]}) + "\n"
+                               for w in ("rain", "bread", "trains")))  # fmt: skip
+    code = cli(["--config", TINY, "--output_dir", str(tmp_path / "out"), "--dataset_name", str(prompts),
+                "--dataset_test_split", "None", "--per_device_train_batch_size", "8", "--max_steps", "1",
+                "--disable_tqdm", "true"])  # fmt: skip
+    out = capsys.readouterr()
+    assert code == 0, out.err[-4000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["updates"] == 1
+    assert summary["prompts"] and all(p.startswith("Tell me about ") for p in summary["prompts"])
+    assert "'role'" not in out.out

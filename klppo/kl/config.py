@@ -134,6 +134,13 @@ class KLControlConfig:
         return (self._reads_sequences() and self._undiscounted() and self.kl_value_clamp is None
                 and follows_sequence_tilt(self.kl_mode, self.kl_estimator))  # fmt: skip
 
+    def default_controller(self) -> str:
+        """`kl_controller=None`: with a `kl_target`, `"equilibrium"` where its optimum is the one trained (`k1` in
+        the reward) and `"tracking"` for any other KL; without one, `"fixed"`."""
+        if self.kl_target is None:
+            return "fixed"
+        return "equilibrium" if self.optimises_sequence_tilt() else "tracking"
+
     def validate_kl_control(self) -> None:
         """Check every KL field, naming the valid choices and the fix; resolve `kl_controller=None` (the one
         automatic choice here) and parse `kl_controller_kwargs` given as JSON."""
@@ -149,7 +156,7 @@ class KLControlConfig:
             raise ValueError(f"`kl_value_clamp` must be > 0 or None (off), got {self.kl_value_clamp}.")
         tilt = self.optimises_sequence_tilt()
         if self.kl_controller is None:
-            self.kl_controller = "fixed" if self.kl_target is None else "equilibrium" if tilt else "tracking"
+            self.kl_controller = self.default_controller()
         if self.kl_controller not in kl_controllers():
             raise choice_error("kl_controller", self.kl_controller, kl_controllers())
         if hasattr(get_kl_controller(self.kl_controller), "observe_sequences") and not tilt:

@@ -9,7 +9,7 @@ from torch import nn
 from trl.trainer.utils import disable_dropout_in_model
 
 from ..models import ensure_pad_token, load_causal_lm, load_tokenizer
-from .config import DEFAULT_FULL_LEARNING_RATE, DEFAULT_LORA_LEARNING_RATE, KLPPOConfig
+from .config import KLPPOConfig
 from .value import ActorCritic, CriticModel, ValueHead, hidden_size_of
 
 logger = logging.getLogger(__name__)
@@ -51,13 +51,6 @@ def load_policy_and_tokenizer(model, processing_class=None):
     ensure_pad_token(processing_class, path or "the policy")
     processing_class.padding_side = "left"
     return model, path or None, processing_class
-
-
-def default_learning_rate(model, peft_config=None) -> float:
-    """The learning rate used when none is set: LoRA's (a `peft_config`, or a model that is already a PEFT
-    model) or full fine-tuning's."""
-    lora = peft_config is not None or hasattr(model, "peft_config")
-    return DEFAULT_LORA_LEARNING_RATE if lora else DEFAULT_FULL_LEARNING_RATE
 
 
 def build_models(model, given_path: str | None, args: KLPPOConfig, ref_model, value_model, peft_config, reward_funcs,

@@ -46,9 +46,9 @@ EXPERIMENTAL_DOC = r"""
             Estimator of the controller statistic `kl/value`, the KL that `kl_target` names and the controller
             reads; any `kl_estimator` name. It only measures: the KL in the reward or the loss stays
             `kl_estimator`. `"full"` sums the exact KL over the vocabulary at each sampled position: the same
-            expectation as `k1`'s sum (the chain rule of KL), without `k1`'s per-token sampling noise (1.6-3x less
-            noise in a reading of 32 sequences of 12 tokens; `docs/kl.md`, "The KL statistic"). It costs one policy forward
-            pass per update when the generation's logits exceed `generation_logits_max_mb`. `None`: `"full"` when a
+            expectation as `k1`'s sum (the chain rule of KL), without `k1`'s per-token sampling noise (measured in
+            `docs/kl.md`, "The KL statistic"). It costs one policy forward pass per update when the generation's
+            logits exceed `generation_logits_max_mb`. `None`: `"full"` when a
             `kl_target` is set, else `kl_estimator`.
         kl_guard (`bool`, `str` or `None`, *optional*, defaults to `None`: on with `equilibrium` and `tracking`, else off):
             An early stop on the KL to the reference inside one update, as CleanRL's `target_kl` is on the KL to the
@@ -85,7 +85,7 @@ EXPERIMENTAL_DOC = r"""
         generation_logits_max_mb (`float`, *optional*, defaults to `1024`):
             A logits-based `kl_statistic` reads the policy's logits from generation (no scoring pass) when a
             rollout's response logits, `sequences x response_length x vocabulary` float32 values per process,
-            fit in this many MiB (the default job: 75 MiB); above it, one policy forward per update scores them
+            fit in this many MiB; above it, one policy forward per update scores them
             in chunks of `rollout_forward_batch_size` sequences.
 
         merge_adapter_for_generation (`bool`, *optional*, defaults to `True`):
@@ -112,7 +112,7 @@ EXPERIMENTAL_DOC = r"""
             hold those weights once more and Adam's two moments (3x the trainable weights); the log then says
             how many optimizer steps of the skipped update had already been applied, and a policy left with
             non-finite logits stops training (`TrainingDiverged`, nothing saved from it). `True` or `False`
-            forces it (on the command line `--nonfinite_rollback true` or `false`).
+            forces it.
         health_patience (`int`, *optional*, defaults to `3`):
             Warn, naming the fix, when `policy/approxkl` (> 0.02), `policy/clipfrac` (> 0.2), `policy/entropy`
             (< half its first value) or `val/clipfrac` (> 0.5) stays outside its healthy range for this many
@@ -237,11 +237,8 @@ KLPPO_CONFIG_DOC = r"""
         > Optimisation
 
         learning_rate (`float` or `None`, *optional*, defaults to `None`):
-            Peak learning rate. `None`: 5e-4 when the policy is trained through a LoRA adapter (measured on the
-            default job: `policy/approxkl` <= 0.007 at 32 sequences per update), 3e-5 for full fine-tuning (measured
-            on the default job with `use_peft: false`: 3e-6 and 1e-5 barely moved the policy in 36 updates, 3e-5
-            raised the reward by 4.7-10.8 standard errors on 3 seeds with `policy/approxkl` <= 0.0025, 1e-4 gave
-            back its early reward gains).
+            Peak learning rate. `None`: 5e-4 when the policy is trained through a LoRA adapter, 3e-5 for full
+            fine-tuning (both measured on the default job: `docs/results.md`).
 
         > Diagnostics
 
@@ -309,11 +306,11 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
 
     def __post_init__(self):
         self._experimental = self._parse_experimental()
+        self._resolve_automatic()
         self.validate_kl_control()
-        self._resolve_experimental()
+        self._validate_experimental()
         self._validate_ppo_fields()
         self._deepspeed_settings()
-        self._resolve_training_arguments()
         TrainingArguments.__post_init__(self)
         self._warn_biased_gradient()
 
@@ -340,22 +337,51 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
         self.experimental = given or None
         return ExperimentalSettings(**given)
 
-    def _resolve_experimental(self) -> None:
-        """Validate the experimental settings and resolve their automatic values (`kl_statistic`, `kl_guard`)."""
+    def _resolve_automatic(self) -> None:
+        """Every setting left unset for klppo to choose, chosen here (the model-dependent `learning_rate` in
+        `resolve_learning_rate`), recorded in `self.automatic` and logged once."""
+        from dataclasses import replace
+
+        chosen = {}
+        if self.kl_controller is None:
+            self.kl_controller = chosen["kl_controller"] = self.default_controller()
+        x = self._experimental
+        statistic, guard = x.kl_statistic, x.kl_guard
+        if statistic is None:  # the exact KL over the vocabulary, when a controller reads it
+            statistic = chosen["kl_statistic"] = "full" if self.kl_target is not None else self.kl_estimator
+        if guard is None:  # on with klppo's own controllers, so that the published ones behave as published
+            guard = chosen["kl_guard"] = self.kl_controller in ("equilibrium", "tracking") and self.kl_target is not None
+        self._experimental = replace(x, kl_statistic=statistic, kl_guard=guard)
+        if self.num_generations is None:
+            self.num_generations = chosen["num_generations"] = (
+                1 if self.advantage_estimator == "gae" else CRITIC_FREE_DEFAULT_GENERATIONS
+            )
+        if self.ddp_find_unused_parameters is None:  # every trainable parameter takes part in each PPO loss
+            self.ddp_find_unused_parameters = chosen["ddp_find_unused_parameters"] = False
+        self.automatic = chosen
+        if chosen:
+            logger.info("Settings chosen by klppo: %s", ", ".join(f"{k}={v!r}" for k, v in chosen.items()))
+
+    def resolve_learning_rate(self, lora: bool) -> None:
+        """`learning_rate=None`: 5e-4 when the policy trains through a LoRA adapter, 3e-5 for full fine-tuning (both
+        measured on the default job, `docs/results.md`); recorded in `self.automatic` and logged."""
+        if self.learning_rate is None:
+            self.learning_rate = DEFAULT_LORA_LEARNING_RATE if lora else DEFAULT_FULL_LEARNING_RATE
+            self.automatic["learning_rate"] = self.learning_rate
+            logger.info("Settings chosen by klppo: learning_rate=%g (%s)", self.learning_rate,
+                        "LoRA" if lora else "full fine-tuning")  # fmt: skip
+
+    def _validate_experimental(self) -> None:
+        """Check the experimental settings, naming the valid values and the fix."""
         from .guard import kl_guards
 
         x = self._experimental
-        statistic = x.kl_statistic
-        if statistic is None:
-            statistic = "full" if self.kl_target is not None else self.kl_estimator
-        if statistic not in kl_estimators():
-            raise _choice_error("kl_statistic", statistic, kl_estimators())
+        if x.kl_statistic not in kl_estimators():
+            raise _choice_error("kl_statistic", x.kl_statistic, kl_estimators())
         guard = x.kl_guard
-        if guard is None:
-            guard = self.kl_controller in ("equilibrium", "tracking") and self.kl_target is not None
-        elif isinstance(guard, str) and guard not in kl_guards():
+        if isinstance(guard, str) and guard not in kl_guards():
             raise _choice_error("kl_guard", guard, (True, False, *kl_guards()))
-        elif not isinstance(guard, (bool, str)):
+        if not isinstance(guard, (bool, str)):
             raise ValueError(
                 f"`kl_guard` must be true, false, a registered guard's name or unset (on with the equilibrium and "
                 f"tracking controllers), got {guard!r}."
@@ -380,15 +406,6 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
                 raise ValueError(f"`{name}` must be true or false, got {getattr(x, name)!r}.")
         if x.nonfinite_rollback is not None and not isinstance(x.nonfinite_rollback, bool):
             raise ValueError(f"`nonfinite_rollback` must be true, false or unset, got {x.nonfinite_rollback!r}.")
-        from dataclasses import replace
-
-        self._experimental = replace(x, kl_statistic=statistic, kl_guard=guard)
-
-    def _resolve_training_arguments(self) -> None:
-        """klppo's defaults for TrainingArguments fields it reads differently: DDP need not search for unused
-        parameters (every trainable parameter takes part in each PPO loss)."""
-        if self.ddp_find_unused_parameters is None:
-            self.ddp_find_unused_parameters = False
 
     # ------------------------------------------------------------------ experimental settings, resolved
     @property
@@ -513,8 +530,6 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
     def _validate_advantage_fields(self) -> None:
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
             raise _choice_error("advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS)
-        if self.num_generations is None:
-            self.num_generations = 1 if self.advantage_estimator == "gae" else CRITIC_FREE_DEFAULT_GENERATIONS
         if self.num_generations < 1 or (self.critic_free and self.num_generations < 2):
             least = 2 if self.critic_free else 1
             raise ValueError(

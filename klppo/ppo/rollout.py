@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import inspect
 from collections import Counter
 from contextlib import contextmanager, nullcontext
@@ -18,6 +19,8 @@ from ..rewards.text import is_conversational
 from .health import TrainingDiverged
 from .steps import PromptBatch
 from .value import last_hidden_states
+
+logger = logging.getLogger(__name__)
 
 
 def collate_prompts(features: list[dict], tokenizer, max_prompt_length: int | None) -> PromptBatch:
@@ -48,18 +51,19 @@ def collate_prompts(features: list[dict], tokenizer, max_prompt_length: int | No
 
 def endless_prompt_batches(dataset, batch_size: int, collate, accelerator, seed: int, skip: int = 0):
     """Endless rollout batches of prompts for this rank, reshuffled each pass (seeded); the first `skip`
-    batches are skipped (a resumed run continues where the checkpoint stopped)."""
+    batches are skipped (a resumed run continues where the checkpoint stopped). A prompt set smaller than one
+    global rollout batch is cycled: each pass holds it as many times as one batch needs."""
+    global_batch = batch_size * accelerator.num_processes
+    if len(dataset) < global_batch:
+        repeats = -(-global_batch // len(dataset))
+        logger.info("The prompt set (%d prompts) is smaller than one rollout batch of all processes (%d): each pass "
+                    "over it holds every prompt %d times.", len(dataset), global_batch, repeats)  # fmt: skip
+        dataset = dataset.select([i % len(dataset) for i in range(repeats * len(dataset))])
     loader = DataLoader(
         dataset, batch_size=batch_size, shuffle=True, drop_last=True, collate_fn=collate,
         generator=torch.Generator().manual_seed(seed),
     )  # fmt: skip
     loader = accelerator.prepare_data_loader(loader)
-    if len(loader) == 0:
-        raise ValueError(
-            f"The prompt set ({len(dataset)} prompts) is smaller than one global rollout batch "
-            f"({batch_size * accelerator.num_processes}). Lower "
-            "per_device_train_batch_size / gradient_accumulation_steps / num_mini_batches or add prompts."
-        )
     seen, epoch = 0, 0
     while True:
         if hasattr(loader, "set_epoch"):

@@ -53,7 +53,7 @@ from ..kl.reduce import all_reduce_sum
 from ..rewards import combine_rewards, load_reward_funcs, reward_func_name
 from . import checkpoint as ckpt
 from .advantages import gae_advantages, sequence_advantages
-from .build import build_models, check_trainer_inputs, default_learning_rate, load_policy_and_tokenizer, prepare_frozen
+from .build import build_models, check_trainer_inputs, load_policy_and_tokenizer, prepare_frozen
 from .callbacks import KLProgressCallback, maybe_offline_wandb, now, timed
 from .config import KL_LOSS_MIN_ADVANTAGE_STD, KLPPOConfig
 from .engines import load_full_weights, root_unsharded
@@ -128,9 +128,7 @@ class KLPPOTrainer(Trainer):
         specs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         self.reward_funcs, self.reward_weights = load_reward_funcs(specs, args.reward_weights, policy_tokenizer=processing_class)
         self.reward_func_names = [reward_func_name(f) for f in self.reward_funcs]
-        if args.learning_rate is None:
-            args.learning_rate = default_learning_rate(model, peft_config)
-            logger.info("learning_rate not set: %g (the default for this kind of fine-tuning)", args.learning_rate)
+        args.resolve_learning_rate(lora=peft_config is not None or hasattr(model, "peft_config"))
         actor_critic, self.ref_model, self.use_adapter_reference, self.ref_adapter_name = build_models(
             model, given_path, args, ref_model, value_model, peft_config, self.reward_funcs,
             ref_adapter_name=getattr(args, "ref_adapter_name", None),
