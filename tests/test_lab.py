@@ -17,6 +17,24 @@ from lab.grpo_kl_control import summarize as grpo_summary
 pytestmark = pytest.mark.lab
 
 
+@pytest.fixture(autouse=True)
+def registries_as_they_were():
+    """What a test's plug-in registers (controllers, guards) is unregistered after it, and the plug-in forgotten, so
+    that the other tests of the same process see klppo's own registries."""
+    import sys
+
+    from klppo.kl import kl_controllers, unregister_kl_controller
+    from klppo.ppo.guard import unregister_kl_guard
+
+    controllers, guards = set(kl_controllers()), set(kl_guards())
+    yield
+    for name in set(kl_controllers()) - controllers:
+        unregister_kl_controller(name)
+    for name in set(kl_guards()) - guards:
+        unregister_kl_guard(name)
+    sys.modules.pop("lab.controller_ablations", None)
+
+
 # ---------------------------------------------------------------------------- guard variants
 def guard_config(tmp_path, kl_guard) -> KLPPOConfig:
     return KLPPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, kl_controller="tracking",

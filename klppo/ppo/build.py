@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import warnings
 
 from torch import nn
 from trl.trainer.utils import disable_dropout_in_model
@@ -85,7 +86,9 @@ def build_models(model, given_path: str | None, args: KLPPOConfig, ref_model, va
                 "adapter); to train a new adapter on top, merge the old one first (`model.merge_and_unload()`)."
             )
         use_adapter_reference = ref_model is None
-        model = get_peft_model(model, peft_config)
+        with warnings.catch_warnings():  # peft reads the name transformers 5.20 deprecated; not the user's setting
+            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+            model = get_peft_model(model, peft_config)
     elif ref_model is None and hasattr(model, "peft_config"):
         use_adapter_reference = True
         ref_adapter_name = reference_adapter(model, ref_adapter_name)
