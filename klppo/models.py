@@ -148,24 +148,35 @@ def smollm2_gguf_folder() -> str:
     return locations[0]
 
 
+def _read_gguf(load):
+    try:
+        return load(smollm2_gguf_folder(), gguf_file=SMOLLM2_GGUF)
+    except ImportError as err:
+        raise ModuleNotFoundError(
+            f"Reading {SMOLLM2_GGUF} needs the `gguf` package ({err}). Install it: `{SMOLLM2_INSTALL}`."
+        ) from err
+
+
+def load_smollm2_tokenizer():
+    """SmolLM2-135M-Instruct's tokenizer, straight from the GGUF file (a few seconds; no weights read)."""
+    from transformers import AutoTokenizer
+
+    return _read_gguf(AutoTokenizer.from_pretrained)
+
+
 def load_smollm2_from_gguf():
     """Load SmolLM2-135M-Instruct (model, tokenizer) straight from the GGUF file (slow: ~20 s).
 
     The model is dequantised to fp32 but still marked as GGUF-quantised; use
     ``resolve_model_path(OFFLINE_DEFAULT_MODEL)`` for a normal, fast-loading folder.
     """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import functools
 
-    folder = smollm2_gguf_folder()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
-    except ImportError as err:
-        raise ModuleNotFoundError(
-            f"Reading {SMOLLM2_GGUF} needs the `gguf` package ({err}). Install it: `{SMOLLM2_INSTALL}`."
-        ) from err
-    return model, tokenizer
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = _read_gguf(functools.partial(AutoModelForCausalLM.from_pretrained, dtype=torch.float32))
+    return model, load_smollm2_tokenizer()
 
 
 def _build_smollm2(target: Path) -> None:

@@ -220,9 +220,10 @@ KLPPO_CONFIG_DOC = r"""
             `stop_token="eos"` or `stop_token_id`).
         reward_weights (`list[float]` or `None`, *optional*, defaults to `None`):
             Weights of the reward functions (default: all 1).
-        rollout_forward_batch_size (`int`, *optional*, defaults to `16`):
-            Sequences per forward chunk when scoring rollouts: full-vocabulary logits never exist for more than
-            this many sequences at once.
+        rollout_forward_batch_size (`int` or `None`, *optional*, defaults to `None`):
+            Sequences per forward chunk when scoring rollouts (generation samples the whole rollout in one call):
+            full-vocabulary logits never exist for more than this many sequences at once. `None`: 64 on a GPU (as
+            TRL's PPO), 16 on a CPU.
         max_prompt_length (`int` or `None`, *optional*, defaults to `256`):
             Prompts are truncated (from the left) to this many tokens.
         cache_implementation (`str` or `None`, *optional*, defaults to `None`):
@@ -293,7 +294,7 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
     stop_token_id: int | None = field(default=None, metadata=_doc("stop_token_id"))
     missing_eos_penalty: float | None = field(default=None, metadata=_doc("missing_eos_penalty"))
     reward_weights: list[float] | None = field(default=None, metadata=_doc("reward_weights"))
-    rollout_forward_batch_size: int = field(default=16, metadata=_doc("rollout_forward_batch_size"))
+    rollout_forward_batch_size: int | None = field(default=None, metadata=_doc("rollout_forward_batch_size"))
     max_prompt_length: int | None = field(default=256, metadata=_doc("max_prompt_length"))
     cache_implementation: str | None = field(default=None, metadata=_doc("cache_implementation"))
 
@@ -356,6 +357,11 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
             self.num_generations = chosen["num_generations"] = (
                 1 if self.advantage_estimator == "gae" else CRITIC_FREE_DEFAULT_GENERATIONS
             )
+        if self.rollout_forward_batch_size is None:  # a GPU scores larger chunks faster; a CPU keeps memory small
+            import torch
+
+            on_gpu = torch.cuda.is_available() and not self.use_cpu
+            self.rollout_forward_batch_size = chosen["rollout_forward_batch_size"] = 64 if on_gpu else 16
         if self.ddp_find_unused_parameters is None:  # every trainable parameter takes part in each PPO loss
             self.ddp_find_unused_parameters = chosen["ddp_find_unused_parameters"] = False
         self.automatic = chosen
