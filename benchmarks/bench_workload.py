@@ -90,7 +90,6 @@ def repeated_prompts(args) -> list[str]:
 
 
 def load_causal_lm(args):
-    import torch
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch_dtype(args))
