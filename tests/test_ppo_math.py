@@ -128,3 +128,20 @@ def test_truncate_at_stop_by_hand():
     # no stop token (fixed-length responses): nothing is cut
     kept, full = truncate_at_stop(responses, stop_token_id=None, pad_token_id=0)
     assert torch.equal(kept, responses) and full.tolist() == [[1] * 4] * 4
+
+
+def test_explained_variance_is_one_minus_the_residual_share_of_the_returns_variance():
+    """Returns 1, 2, 3, 4 (variance 1.25) on the masked tokens; values 1, 2, 3, 3: residuals 0, 0, 0, 1 (variance
+    0.1875): 1 - 0.1875 / 1.25 = 0.85. Perfect values give 1; the returns' mean gives 0; a token outside the mask
+    counts for nothing, whatever it holds."""
+    import math
+
+    from klppo.kl.reduce import explained_variance
+
+    returns = torch.tensor([[1.0, 2.0, 9.0], [3.0, 4.0, float("nan")]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
+    values = torch.tensor([[1.0, 2.0, -5.0], [3.0, 3.0, 7.0]])
+    assert explained_variance(returns, values, mask) == pytest.approx(0.85)
+    assert explained_variance(returns, returns.nan_to_num(), mask) == pytest.approx(1.0)
+    assert explained_variance(returns, torch.full_like(returns, 2.5), mask) == pytest.approx(0.0, abs=1e-12)
+    assert math.isnan(explained_variance(torch.ones(2, 3), torch.zeros(2, 3), torch.ones(2, 3)))

@@ -197,6 +197,10 @@ class KLController:
     def _hparams(self) -> dict:
         return {}
 
+    def reference_reset(self) -> None:
+        """The reference has become the current policy (`ref_reset_steps`): the KL starts again from 0. A controller
+        whose state integrates past readings restarts it here; beta itself carries over."""
+
     def _dynamic_state(self) -> dict:
         return {}
 
@@ -427,6 +431,9 @@ class PIDKLController(_LogSpaceController):
         return dict(target=self.target, kp=self.kp, ki=self.ki, kd=self.kd, coef_min=self.coef_min,
                     coef_max=self.coef_max, integral_limit=self.integral_limit, error_clip=self.error_clip)
 
+    def reference_reset(self) -> None:
+        self.log_beta0, self.integral, self.prev_error = _log(self._value), 0.0, None
+
     def _dynamic_state(self) -> dict:
         return {"log_beta0": self.log_beta0, "integral": self.integral, "prev_error": self.prev_error}
 
@@ -628,6 +635,12 @@ class TrackingKLController(_LogSpaceController):
         return dict(target=self.target, kp=self.kp, ki=self.ki, lookahead=self.lookahead, window=self.window,
                     arm_fraction=self.arm_fraction, startup_rate=self.startup_rate, coef_min=self.coef_min,
                     coef_max=self.coef_max)
+
+    def reference_reset(self) -> None:
+        """The climb from 0 again: the start-up hold re-arms, the window and the integral start from the current
+        beta."""
+        self.log_beta0, self.integral = _log(self._value), 0.0
+        self.readings, self.slope, self.armed, self.holding, self.predicted = [], 0.0, False, True, None
 
     def _dynamic_state(self) -> dict:
         return {"log_beta0": self.log_beta0, "integral": self.integral, "readings": list(self.readings),

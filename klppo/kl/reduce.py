@@ -134,6 +134,22 @@ def _masked(values: torch.Tensor, mask: torch.Tensor):
     return torch.where(keep, v, torch.zeros((), dtype=torch.float64, device=v.device)), keep.to(torch.float64)
 
 
+def explained_variance(returns: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, accelerator=None) -> float:
+    """``1 - Var(returns - values) / Var(returns)`` over every masked token of every rank (``[B, T]`` each): 1 when
+    the values predict the returns exactly, 0 when they do no better than the returns' mean, below 0 when worse;
+    NaN when the returns do not vary. One collective."""
+    r, keep = _masked(returns, mask)
+    e = r - _masked(values, mask)[0]
+    n, sr, srr, se, see = all_reduce_sum(
+        torch.stack([keep.sum(), r.sum(), (r * r).sum(), e.sum(), (e * e).sum()]), accelerator
+    ).tolist()
+    if n <= 0:
+        return float("nan")
+    var_returns = srr / n - (sr / n) ** 2
+    var_error = see / n - (se / n) ** 2
+    return 1.0 - var_error / var_returns if var_returns > 1e-12 else float("nan")
+
+
 def global_masked_mean(values: torch.Tensor, mask: torch.Tensor, accelerator=None) -> torch.Tensor:
     """Mean of ``values`` over every masked token of every rank. ``[B, T] -> []`` (float64).
 

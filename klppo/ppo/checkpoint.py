@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 CONTROLLER_STATE_NAME = "kl_controller.json"
 TRAINABLE_STATE_NAME = "klppo_trainable.safetensors"
+REFERENCE_NAME = "klppo_reference.safetensors"  # after a reference reset: the reference's tensors now and at first
 VALUE_MODEL_DIR = "value_model"  # a separate critic, saved beside the policy
 STAGING_DIR = ".checkpoint-staging"
 # settings compared on resume: refused if changed / combined with the saved state / ignored for it
@@ -74,16 +75,23 @@ def resolve_resume_target(resume_from_checkpoint: str | bool | None, output_dir:
     return resume_from_checkpoint or None
 
 
-def save_model_files(output_dir: str, actor_critic, state_dict: dict, tokenizer, args) -> None:
+def save_model_files(output_dir: str, actor_critic, state_dict: dict, tokenizer, args, merged: bool = False) -> None:
     """The policy in Hugging Face format (the full model, or a PEFT policy's trained adapter only: not the frozen
-    copy that serves as the reference), a separate critic in `value_model/`, every trainable weight of the
-    actor-critic for resuming, the tokenizer and `training_args.bin`."""
+    copy that serves as the reference; with `merged`, a PEFT policy with its adapter merged, whole), a separate
+    critic in `value_model/`, every trainable weight of the actor-critic for resuming, the tokenizer and
+    `training_args.bin`."""
+    import copy
+
     from safetensors.torch import save_file
 
     os.makedirs(output_dir, exist_ok=True)
-    policy_sd = {k[len("policy.") :]: v for k, v in state_dict.items() if k.startswith("policy.")}
-    adapters = {"selected_adapters": [actor_critic.policy.active_adapter]} if hasattr(actor_critic.policy, "peft_config") else {}
-    actor_critic.policy.save_pretrained(output_dir, state_dict=policy_sd, **adapters)
+    if merged:
+        copy.deepcopy(actor_critic.policy).merge_and_unload().save_pretrained(output_dir)
+    else:
+        policy_sd = {k[len("policy.") :]: v for k, v in state_dict.items() if k.startswith("policy.")}
+        peft = hasattr(actor_critic.policy, "peft_config")
+        adapters = {"selected_adapters": [actor_critic.policy.active_adapter]} if peft else {}
+        actor_critic.policy.save_pretrained(output_dir, state_dict=policy_sd, **adapters)
     if actor_critic.critic is not None:  # loadable on its own (`value_model=<folder>`)
         critic_sd = {k[len("critic.") :]: v for k, v in state_dict.items() if k.startswith("critic.")}
         actor_critic.critic.save_pretrained(os.path.join(output_dir, VALUE_MODEL_DIR), state_dict=critic_sd)
@@ -147,3 +155,28 @@ def load_trainable_weights(checkpoint: str, actor_critic) -> dict:
     if missing:
         raise ValueError(f"Checkpoint {checkpoint} lacks trainable weights: {sorted(missing)[:5]}...")
     return weights
+
+
+def save_reference(folder: str, current: dict, initial: dict) -> None:
+    """After a reference reset: the reference's tensors (`klppo.ppo.reference.reference_tensors`) as they are and as
+    they were before the first reset, in one file."""
+    from safetensors.torch import save_file
+
+    tensors = {f"current.{k}": v.detach().cpu().contiguous() for k, v in current.items()}
+    tensors.update({f"initial.{k}": v.detach().cpu().contiguous() for k, v in initial.items()})
+    save_file(tensors, os.path.join(folder, REFERENCE_NAME))
+
+
+def load_reference(checkpoint: str) -> tuple[dict, dict]:
+    """`(current, initial)` reference tensors that `save_reference` wrote."""
+    from safetensors.torch import load_file
+
+    path = os.path.join(checkpoint, REFERENCE_NAME)
+    if not os.path.isfile(path):
+        raise ValueError(f"{checkpoint} records reference resets but has no {REFERENCE_NAME}.")
+    tensors = load_file(path, device="cpu")
+    split = {"current": {}, "initial": {}}
+    for key, value in tensors.items():
+        which, name = key.split(".", 1)
+        split[which][name] = value
+    return split["current"], split["initial"]

@@ -119,6 +119,9 @@ EXPERIMENTAL_DOC = r"""
             consecutive updates (`klppo.ppo.health`).
         max_nonfinite_updates (`int`, *optional*, defaults to `3`):
             Updates with a non-finite loss or KL are skipped; this many in a row abort training.
+        ref_reset_optimizer (`bool`, *optional*, defaults to `True`):
+            With `ref_reset_steps`: clear the optimizer's state (Adam's moments and step counts) at each reset, as
+            ProRL does; False keeps it.
 
 """
 
@@ -142,6 +145,7 @@ class ExperimentalSettings:
     nonfinite_rollback: bool | None = None
     health_patience: int = 3
     max_nonfinite_updates: int = 3
+    ref_reset_optimizer: bool = True
 
 
 EXPERIMENTAL_KEYS = tuple(f.name for f in fields(ExperimentalSettings))
@@ -200,6 +204,20 @@ KLPPO_CONFIG_DOC = r"""
         critic (`str`, *optional*, defaults to `"separate"`):
             `"separate"`: a value model of its own (initialised per `critic_init`); `"shared"`: a value head on
             the policy backbone, one forward pass for both.
+        critic_warmup_steps (`int`, *optional*, defaults to `0`):
+            The first this many updates train only the critic, on their rollouts: no policy step (a shared critic's
+            value head then reads the trunk's output detached, so the policy does not change at all), and the KL
+            controller does not move. A fresh value head gives advantages that are mostly its own error (verl's
+            `critic_warmup`, OpenRLHF's `freezing_steps`). Needs a critic (advantage_estimator="gae"); not under
+            DeepSpeed, whose optimizer steps every weight it holds.
+        ref_reset_steps (`int`, *optional*, defaults to `0`):
+            Every this many updates, the reference becomes the current policy (ProRL, arXiv 2505.24864): a frozen
+            copy takes the policy's weights; with LoRA and the adapter-disabled reference, the adapter is merged into
+            the base weights and a new one starts; a pre-trained adapter's frozen copy takes the adapter's weights.
+            The optimizer's state is cleared with it (experimental `ref_reset_optimizer`), the KL controller is told
+            (a PI controller's integral and start-up hold start again; the equilibrium controller needs nothing),
+            and `kl/value` is then the KL to the new reference while `kl/initial` is the KL to the model training
+            started from. 0: never. Not under DeepSpeed or FSDP.
         critic_init (`str`, *optional*, defaults to `"policy"`):
             Where a separate critic's backbone comes from: `"policy"`, `"reward"` (the first reward model) or
             a model path / hub id.
@@ -285,6 +303,8 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
     advantage_estimator: str = field(default="gae", metadata=_doc("advantage_estimator"))
     num_generations: int | None = field(default=None, metadata=_doc("num_generations"))
     critic: str = field(default="separate", metadata=_doc("critic"))
+    critic_warmup_steps: int = field(default=0, metadata=_doc("critic_warmup_steps"))
+    ref_reset_steps: int = field(default=0, metadata=_doc("ref_reset_steps"))
     critic_init: str = field(default="policy", metadata=_doc("critic_init"))
 
     # Rollout
@@ -407,7 +427,7 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
                           ("max_nonfinite_updates", 1), ("generation_logits_max_mb", 0)):  # fmt: skip
             if not getattr(x, name) >= low:
                 raise ValueError(f"`{name}` must be >= {low}, got {getattr(x, name)}.")
-        for name in ("merge_adapter_for_generation", "shared_critic_detach", "whiten_advantages"):
+        for name in ("merge_adapter_for_generation", "shared_critic_detach", "whiten_advantages", "ref_reset_optimizer"):
             if not isinstance(getattr(x, name), bool):
                 raise ValueError(f"`{name}` must be true or false, got {getattr(x, name)!r}.")
         if x.nonfinite_rollback is not None and not isinstance(x.nonfinite_rollback, bool):
@@ -466,6 +486,10 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
     def max_nonfinite_updates(self):
         return self._experimental.max_nonfinite_updates
 
+    @property
+    def ref_reset_optimizer(self):
+        return self._experimental.ref_reset_optimizer
+
     def _deepspeed_settings(self) -> None:
         """Under DeepSpeed: on a machine with no GPU (DeepSpeed's CPU accelerator), accelerate only counts the
         processes of a named backend, so without one every rank would believe it is alone: `ddp_backend` defaults
@@ -481,12 +505,28 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
                 "be copied and restored by klppo. DeepSpeed itself drops a step whose gradients are not finite. "
                 "Leave nonfinite_rollback unset (or false) under DeepSpeed."
             )
+        if deepspeed and (self.critic_warmup_steps or self.ref_reset_steps):
+            name = "critic_warmup_steps" if self.critic_warmup_steps else "ref_reset_steps"
+            raise ValueError(
+                f"`{name}` is not available under DeepSpeed: its optimizer steps every weight it holds, so a warm-up "
+                "would still move the policy, and its partitioned reference cannot take the policy's weights. Run it "
+                f"under plain accelerate or DDP, or set {name} to 0."
+            )
 
     # ------------------------------------------------------------------ validation
     def _validate_ppo_fields(self) -> None:
         if self.critic not in CRITIC_KINDS:
             raise _choice_error("critic", self.critic, CRITIC_KINDS)
         self._validate_advantage_fields()
+        for name, low in (("critic_warmup_steps", 0), ("ref_reset_steps", 0)):
+            if getattr(self, name) < low:
+                raise ValueError(f"`{name}` must be >= {low} (0: off), got {getattr(self, name)}.")
+        if self.critic_warmup_steps and self.critic_free:
+            raise ValueError(
+                f"`critic_warmup_steps={self.critic_warmup_steps}` trains the critic alone first, but "
+                f"advantage_estimator='{self.advantage_estimator}' has no critic. Set critic_warmup_steps to 0, or use "
+                "advantage_estimator='gae'."
+            )
         for name in ("num_ppo_epochs", "num_mini_batches", "response_length", "rollout_forward_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}.")

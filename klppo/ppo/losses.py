@@ -38,14 +38,13 @@ def clipped_value_loss(
 
 
 def ppo_losses(logits, logp, values, old_logp, old_values, advantages, returns, mask, num_tokens, share: float, *,
-               cliprange: float, cliprange_value: float, vf_coef: float):  # fmt: skip
+               cliprange: float, cliprange_value: float):  # fmt: skip
     """The clipped policy and value losses of one micro-batch as token means over the mini-batch's global
     `num_tokens`, and their logging parts `{name: (sum, count)}`.
 
     `logits [B, R, V]` (scaled) only feed the entropy statistic; `share` is this micro-batch's part of one
-    optimizer step's logged loss (1 / (micro-batches per mini-batch * ranks)); `cliprange`, `cliprange_value` and
-    `vf_coef` as in `KLPPOConfig`. Returns `(pg_loss + vf_coef * vf_loss, parts)`, or `(pg_loss, parts)` when
-    `values` is None (no critic).
+    optimizer step's logged loss (1 / (micro-batches per mini-batch * ranks)); `cliprange` and `cliprange_value` as
+    in `KLPPOConfig`. Returns `(policy_loss, value_loss, parts)`, `value_loss` None when `values` is (no critic).
     """
     from trl.trainer.utils import entropy_from_logits
 
@@ -65,9 +64,9 @@ def ppo_losses(logits, logp, values, old_logp, old_values, advantages, returns, 
         "val/ratio_sq": (((2 * log_ratio.detach()).exp() * fmask).sum(), n_tok),
     }
     if values is None:  # critic-free advantages: no value loss
-        return pg_loss, parts
+        return pg_loss, None, parts
     vf_tok, vf_clipped = clipped_value_loss(values, old_values, returns, cliprange_value)
     vf_loss = aggregate_loss(vf_tok, mask, "token-mean", num_tokens=num_tokens)
     parts["loss/value"] = (vf_loss.detach(), share)
     parts["val/clipfrac"] = ((vf_clipped.to(fmask.dtype) * fmask).sum(), n_tok)
-    return pg_loss + vf_coef * vf_loss, parts
+    return pg_loss, vf_loss, parts

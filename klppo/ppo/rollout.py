@@ -198,7 +198,7 @@ def contiguous_lm_head_input(model):
         handle.remove()
 
 
-def _mergeable_lora_layers(model) -> list | None:
+def mergeable_lora_layers(model) -> list | None:
     """The LoRA layers of a PEFT `model` when every one is a plain `lora.Linear` whose active adapters can be
     merged into a floating-point base weight of its own; None when none exists or any layer is otherwise (quantized
     base layers, LoRA variants such as DoRA or aLoRA, `target_parameters` wrappers, or a base weight shared with
@@ -234,8 +234,8 @@ def merged_lora(model):
     changes, not even by rounding, as subtracting the update again would. The copies cost one extra set of the
     targeted base weights while sampling. The logits differ from the unmerged model's by rounding only (about
     1e-5 to 1e-4 in float32). No-op for a model without LoRA layers, or with a layer whose base weight is not a plain
-    floating-point parameter of its own (see `_mergeable_lora_layers`: those keep the unmerged path)."""
-    layers = _mergeable_lora_layers(model)
+    floating-point parameter of its own (see `mergeable_lora_layers`: those keep the unmerged path)."""
+    layers = mergeable_lora_layers(model)
     if not layers:
         yield
         return

@@ -49,7 +49,7 @@ from ..kl import (
     kl_statistic,
     reduce_sum_count,
 )
-from ..kl.reduce import all_reduce_sum
+from ..kl.reduce import all_reduce_sum, explained_variance
 from ..rewards import combine_rewards, load_reward_funcs, reward_func_name
 from . import checkpoint as ckpt
 from .advantages import gae_advantages, sequence_advantages
@@ -61,6 +61,7 @@ from .guard import LOWER, UPPER, build_kl_guard, reset_momentum
 from .health import NonfiniteGuard, PPOHealthMonitor, TrainingDiverged, policy_outputs_finite, rollout_outputs_finite
 from .losses import ppo_losses
 from .plan import LOGGED_ESTIMATORS, make_kl_plan
+from .reference import clear_optimizer_state, reference_tensors, reset_reference, swapped_in
 from .rollback import restore_optimisation, snapshot_optimisation
 from .rollout import (
     DIVERGED_SAMPLING,
@@ -70,6 +71,7 @@ from .rollout import (
     endless_prompt_batches,
     generate_responses,
     contiguous_lm_head_input,
+    mergeable_lora_layers,
     merged_lora,
     position_ids_from_mask,
     response_logits,
@@ -176,6 +178,10 @@ class KLPPOTrainer(Trainer):
         self.completion_samples: list[dict] = []
         self._unsettled = None  # the last update, until forward passes have shown its policy finite
         self._checked_rows: Sequences | None = None  # what the check before a save reads
+        self.reference_resets = 0  # `ref_reset_steps`: resets so far
+        self._initial_reference: dict[str, torch.Tensor] | None = None  # the reference's tensors before the first
+        if args.ref_reset_steps:
+            self._check_reference_resets()
         logger.info("KL applied in: %s (estimator %s, controller %s, statistic %s in unit: %s)", args.kl_mode,
                     args.kl_estimator, args.kl_controller, args.kl_statistic, args.kl_target_unit)  # fmt: skip
 
@@ -204,6 +210,26 @@ class KLPPOTrainer(Trainer):
             logger.warning("cache_implementation='static' is not used: %s; generation keeps the dynamic cache.", why)
             return None
         return StaticCaches(policy.config, self.args.max_prompt_length + self.args.response_length)
+
+    def _check_reference_resets(self) -> None:
+        """`ref_reset_steps` needs a reference it can write: refused, naming the fix, under FSDP (its sharded
+        reference) and for LoRA layers that cannot merge into a base weight of their own."""
+        if self.is_fsdp_enabled:
+            raise ValueError(
+                "`ref_reset_steps` is not available under FSDP: the sharded reference cannot take the policy's "
+                "weights. Run it under plain accelerate or DDP, or set ref_reset_steps to 0."
+            )
+        if self.use_adapter_reference and self.ref_adapter_name is None and mergeable_lora_layers(self.model.policy) is None:
+            raise ValueError(
+                "`ref_reset_steps` merges the LoRA adapter into the base weights, but this policy's LoRA layers cannot "
+                "merge into a floating-point base weight of their own (quantized, DoRA or other variants, tied "
+                "weights). Use plain LoRA on unquantized weights, or set ref_reset_steps to 0."
+            )
+
+    @property
+    def critic_warming_up(self) -> bool:
+        """Whether this update trains the critic alone (`critic_warmup_steps`)."""
+        return self.state.global_step < self.args.critic_warmup_steps
 
     @property
     def logprobs_from_generation(self) -> bool:
@@ -317,15 +343,23 @@ class KLPPOTrainer(Trainer):
         acc = self.accelerator
         lr = self.lr_scheduler.get_last_lr()[0] if self.lr_scheduler is not None else self.args.learning_rate
         start = now(acc)
+        steps = self.args.ref_reset_steps
+        if steps and self.state.global_step and self.state.global_step % steps == 0:
+            self.reset_reference()
         rollout = self.rollout(batch, timings)  # steps 1-3
         undone = self._settle_last_update(rollout)
         if undone:  # the last update left non-finite outputs and was undone: sample again from the policy before it
             rollout = self.rollout(batch, timings)
+        initial = self._kl_to_initial(rollout, timings) if self._initial_reference is not None else {}
         with timed(timings, "time/reward", acc):
             rewards = self.compute_rewards(rollout)  # step 4
         with timed(timings, "time/kl", acc):
             penalty = self.apply_kl(rollout, rewards)  # steps 5-6
-        metrics = {**rewards.metrics, **penalty.metrics, **(undone or {})}
+        metrics = {**rewards.metrics, **penalty.metrics, **(undone or {}), **initial}
+        if self.args.critic_warmup_steps:
+            metrics["train/critic_warmup"] = float(self.critic_warming_up)
+        if steps:
+            metrics["kl/reference_resets"] = float(self.reference_resets)
         if not penalty.finite:
             metrics.update(self._record_nonfinite("rollout scores or KL", "no optimizer step was taken"))
         else:
@@ -448,7 +482,7 @@ class KLPPOTrainer(Trainer):
         metrics = stats.means(acc)
         reading = kl_statistic(rollout.statistic_kl, mask, unit=plan.unit, accelerator=acc).item()
         finite = math.isfinite(reading) and nonfinite.item() == 0
-        if finite:
+        if finite and not self.critic_warming_up:  # the controller does not move while the critic warms up
             if hasattr(self.kl_controller, "observe_sequences"):
                 self._observe_sequences(rollout, rewards)
             self._update_controller(reading, mask.shape[0] * acc.num_processes)
@@ -498,6 +532,9 @@ class KLPPOTrainer(Trainer):
         else:
             advantages, returns = gae_advantages(per_token, rollout.values, mask, args.gamma, args.lam)
         scorable = rewards.scorable.to(advantages.dtype)[:, None]
+        metrics = {}
+        if not args.critic_free:  # how much of the returns' variance the rollout's values explain
+            metrics["val/explained_variance"] = explained_variance(returns, rollout.values, mask, acc)
         advantages = advantages * scorable
         std = 1.0
         if args.whiten_advantages and args.advantage_estimator != "grpo":
@@ -509,7 +546,7 @@ class KLPPOTrainer(Trainer):
         # (GRPO: each group has its own scale; beta weighs KL against the group-normalised reward, as in TRL)
         rescale = args.kl_loss_scale == "advantage_std" and args.advantage_estimator != "grpo"
         scale = max(std, KL_LOSS_MIN_ADVANTAGE_STD) if rescale else 1.0
-        return Advantages(advantages, returns, penalty.coef / scale, {"policy/advantage_std": std})
+        return Advantages(advantages, returns, penalty.coef / scale, {"policy/advantage_std": std, **metrics})
 
     # ------------------------------------------------------------------ step 8: optimisation
     def optimise(self, rollout: Rollout, advantages: Advantages, kl_reading: float | None = None) -> OptimiseResult:
@@ -575,6 +612,9 @@ class KLPPOTrainer(Trainer):
             for name, (total, count) in parts.items():
                 stats.add(name, total, count)
         if verdict is None:
+            if self.critic_warming_up:  # no step, no weight decay, no optimizer state for the policy's weights
+                for p in self.accelerator.unwrap_model(model).policy.parameters():
+                    p.grad = None
             grad_norm = self._step()
             if grad_norm is not None and math.isfinite(grad_norm):
                 stats.add("train/grad_norm", torch.tensor(grad_norm / acc.num_processes, dtype=torch.float64), 1.0 / acc.num_processes)
@@ -627,19 +667,20 @@ class KLPPOTrainer(Trainer):
         args, plan = self.args, self.kl_plan
         mask, resp = mb.response_mask, mb.responses
         pos = position_ids_from_mask(mb.attention_mask)
+        warming = self.critic_warming_up  # the critic alone: a shared head reads the trunk detached
         logits, values = self.model_wrapped(
-            mb.query_responses, attention_mask=mb.attention_mask, position_ids=pos, response_length=resp.shape[1]
-        )
+            mb.query_responses, attention_mask=mb.attention_mask, position_ids=pos, response_length=resp.shape[1],
+            **({"detach_value_input": True} if warming else {}),
+        )  # fmt: skip
         logits = response_logits(logits, resp.shape[1], args.temperature, self.suppressed_ids)
         values = values[:, mb.context_length - 1 : -1].float() if values is not None else None
         logp = response_logprobs(logits, resp)
         # Each micro-batch holds a share of its mini-batch's global mean: summed over micro-batches and ranks,
         # the shares give one value per optimizer step.
         share = 1.0 / (args.gradient_accumulation_steps * self.accelerator.num_processes)
-        loss, parts = ppo_losses(
+        loss, value_loss, parts = ppo_losses(
             logits, logp, values, mb.logp, mb.values, advantages.advantages[idx], advantages.returns[idx], mask,
             counts["num_tokens"], share, cliprange=args.cliprange, cliprange_value=args.cliprange_value,
-            vf_coef=args.vf_coef,
         )  # fmt: skip
         with torch.no_grad():  # the KL statistic at the current policy, for the guard: k1 importance-weighted
             # by pi / pi_old per token (the tokens were sampled by pi_old)
@@ -656,7 +697,58 @@ class KLPPOTrainer(Trainer):
                               norm_len=args.response_length)  # fmt: skip
             loss = loss + kl_term
             parts["loss/kl"] = (kl_term.detach(), share)
+        if warming:  # every weight stays in the graph (data parallelism reduces them all), the policy's with 0
+            loss = 0.0 * loss
+        if value_loss is not None:
+            loss = loss + args.vf_coef * value_loss
         return loss, parts
+
+    # ------------------------------------------------------------------ reference resets
+    def _reference_tensors(self) -> dict[str, torch.Tensor]:
+        policy = self.accelerator.unwrap_model(self.model_wrapped).policy
+        return reference_tensors(policy, self.ref_model, self.ref_adapter_name, self.use_adapter_reference)
+
+    def reset_reference(self) -> None:
+        """Make the reference the current policy (`klppo.ppo.reference`): the last update's policy is checked first
+        (it can no longer be undone once the reference holds it), the reference's tensors before the first reset are
+        kept for `kl/initial`, the optimizer's state is cleared (`ref_reset_optimizer`) and the KL controller, the
+        guard's low side and the drift monitor start again from a KL of 0."""
+        self._settle_last_update()  # a diverged policy must not become the reference
+        if self._unsettled is not None:
+            self._unsettled = (*self._unsettled[:2], None)  # no undoing past a reset
+        tensors = self._reference_tensors()
+        if self._initial_reference is None:
+            self._initial_reference = {name: t.detach().clone() for name, t in tensors.items()}
+        policy = self.accelerator.unwrap_model(self.model_wrapped).policy
+        reset_reference(policy, self.ref_model, self.ref_adapter_name, self.use_adapter_reference)
+        if self.args.ref_reset_optimizer and self.optimizer is not None:
+            clear_optimizer_state(self.optimizer)
+        self.reference_resets += 1
+        self.kl_controller.reference_reset()
+        self.kl_guard.low_armed = False
+        if self.drift_monitor is not None:
+            self.drift_monitor = KLDriftMonitor(self.args.kl_target, patience=self.args.kl_drift_patience)
+        if self.is_world_process_zero():
+            logger.info("Reference reset %d at update %d: the reference is now the policy.", self.reference_resets,
+                        self.state.global_step)  # fmt: skip
+
+    @torch.no_grad()
+    def _kl_to_initial(self, rollout: Rollout, timings: dict) -> dict[str, float]:
+        """`kl/initial`: the KL of the rollout's policy to the reference before the first reset (`k3` on the sampled
+        tokens: unbiased and never negative; in the statistic's unit), from the reference with its first tensors
+        swapped in."""
+        mask, chunk = rollout.response_mask, self.args.rollout_forward_batch_size
+        total = torch.zeros((), dtype=torch.float64, device=mask.device)
+        with timed(timings, "time/score_initial", self.accelerator), \
+                swapped_in(self._reference_tensors(), self._initial_reference):  # fmt: skip
+            for start in range(0, rollout.batch_size, chunk):
+                part = rollout.select(slice(start, start + chunk))
+                initial = response_logprobs(self.scorer.reference_logits(self.model_wrapped, part), part.responses)
+                k3 = estimate_kl("k3", part.logp, initial, log_ratio_clamp=self.kl_plan.log_ratio_clamp)
+                total += torch.where(part.response_mask.bool(), k3, 0.0).double().sum()
+        stats = GlobalSums()
+        stats.add("kl/initial", total, mask.shape[0] if self.kl_plan.unit == "sequence" else mask.sum())
+        return stats.means(self.accelerator)
 
     # ------------------------------------------------------------------ non-finite values
     @functools.cached_property
@@ -745,7 +837,9 @@ class KLPPOTrainer(Trainer):
         unwrapped = self.accelerator.unwrap_model(self.model)
         state_dict = unwrapped.state_dict() if state_dict is None else state_dict
         if self.args.should_save:
-            ckpt.save_model_files(output_dir, unwrapped, state_dict, self.processing_class, self.args)
+            # after a reset, a LoRA adapter belongs to a merged base no hub model has: the policy is saved whole
+            merged = self.reference_resets > 0 and self.use_adapter_reference and self.ref_adapter_name is None
+            ckpt.save_model_files(output_dir, unwrapped, state_dict, self.processing_class, self.args, merged=merged)
 
     def _save_checkpoint(self, model, trial) -> None:
         """Write `checkpoint-N` atomically: every file (Trainer's and klppo's) goes into a staging folder that
@@ -769,6 +863,8 @@ class KLPPOTrainer(Trainer):
             del self._get_output_dir
         if self.args.should_save:
             ckpt.write_controller_state(staged, self._klppo_state())
+            if self._initial_reference is not None:  # after a reset: the reference and the initial one
+                ckpt.save_reference(staged, self._reference_tensors(), self._initial_reference)
         self.accelerator.wait_for_everyone()  # every rank's files (RNG states) are in place
         if self.args.should_save:
             final = os.path.join(run_dir, name)
@@ -802,6 +898,7 @@ class KLPPOTrainer(Trainer):
             "health_monitor": self.health_monitor.state_dict(),
             **self.kl_guard.state_dict(),
             **self.nonfinite_guard.state_dict(),
+            "reference_resets": self.reference_resets,
             "settings": ckpt.resume_settings(self.args),
         }
 
@@ -835,6 +932,12 @@ class KLPPOTrainer(Trainer):
         self.health_monitor.load_state_dict(state.get("health_monitor") or {})
         self.kl_guard.load_state_dict(state)
         self.nonfinite_guard.load_state_dict(state)
+        self.reference_resets = int(state.get("reference_resets", 0))
+        if self.reference_resets:
+            current, self._initial_reference = ckpt.load_reference(checkpoint)
+            with torch.no_grad():
+                for name, tensor in self._reference_tensors().items():
+                    tensor.copy_(current[name])
         logger.info("Resumed from %s at update %d with KL coefficient %.6g", checkpoint, self.state.global_step,
                     self.kl_controller.value)  # fmt: skip
 

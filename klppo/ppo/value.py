@@ -159,8 +159,10 @@ class ActorCritic(nn.Module):
     """Policy and critic as one module, so that one optimizer and one data-parallel wrapper cover both.
 
     `forward(input_ids, attention_mask, position_ids) -> (logits, values)`; with `compute_values=False`, or
-    with neither a critic nor a value head (the critic-free advantage estimators), `values` is None; `response_length=R` computes logits only at the R positions that predict the last R
-    tokens (`rollout.response_positions`), `[B, R, V]`.
+    with neither a critic nor a value head (the critic-free advantage estimators), `values` is None;
+    `response_length=R` computes logits only at the R positions that predict the last R tokens
+    (`rollout.response_positions`), `[B, R, V]`; `detach_value_input` overrides the constructor's for one call (a
+    critic trained alone).
     """
 
     def __init__(
@@ -201,7 +203,8 @@ class ActorCritic(nn.Module):
         return sorted(blocks)
 
     def forward(
-        self, input_ids, attention_mask=None, position_ids=None, compute_values: bool = True, response_length: int = 0
+        self, input_ids, attention_mask=None, position_ids=None, compute_values: bool = True, response_length: int = 0,
+        detach_value_input: bool | None = None,
     ):
         from .rollout import response_positions
 
@@ -219,7 +222,8 @@ class ActorCritic(nn.Module):
         if compute_values and self.has_critic:
             if self.shared:
                 last = hidden[-1]
-                values = self.value_head(last.detach() if self.detach_value_input else last)
+                detach = self.detach_value_input if detach_value_input is None else detach_value_input
+                values = self.value_head(last.detach() if detach else last)
             else:
                 values = self.critic(input_ids, attention_mask=attention_mask, position_ids=position_ids)
         return out.logits, values
