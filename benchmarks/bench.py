@@ -112,6 +112,8 @@ def parse_args(argv=None):
                         help="the PYTHONPATH of the peer's processes instead of this process's (e.g. a folder "
                         "holding trl 1.12 first); without it the peer gets no PYTHONPATH")  # fmt: skip
     parser.add_argument("--workloads", default="a,b", help="comma-separated: a, b")
+    parser.add_argument("--klppo-experimental", default=None,
+                        help="JSON: klppo's experimental settings for its side, e.g. '{\"cache_implementation\": \"static\"}'")
     parser.add_argument("--updates", type=int, default=3, help="measured PPO updates per run")
     parser.add_argument("--warmup", type=int, default=1,
                         help="PPO updates per run before measuring (reported apart as the first update)")
@@ -317,7 +319,8 @@ def train_cmd(side: str, args, workload: str, model_path: str, prompts: Path) ->
         "--device", args.device,
     ]  # fmt: skip
     if side == "klppo":
-        return [sys.executable, str(HERE / "bench_klppo.py"), "train", *common]
+        extra = ["--experimental", args.klppo_experimental] if args.klppo_experimental else []
+        return [sys.executable, str(HERE / "bench_klppo.py"), "train", *common, *extra]
     return [PEER["env"].python, str(HERE / "bench_peer.py"), *common]
 
 

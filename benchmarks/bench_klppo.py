@@ -207,6 +207,7 @@ def build_trainer(args, tokenizer):
         max_steps=args.warmup + args.updates, stop_token=None, missing_eos_penalty=None, logging_steps=1,
         save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True, num_sample_generations=0,
         use_cpu=args.device == "cpu", bf16=args.dtype == "bfloat16", seed=args.seed,
+        experimental=getattr(args, "experimental", None),
     )  # fmt: skip
     dataset = Dataset.from_dict({"prompt": repeated_prompts(args)})
     trainer = KLPPOTrainer(model=load_causal_lm(args), args=config, processing_class=tokenizer, train_dataset=dataset, **kwargs)
@@ -271,6 +272,7 @@ def parse_args(argv=None):
     run = jobs.add_parser("train", help="time PPO updates of KLPPOTrainer")
     add_workload_arguments(run)
     run.add_argument("--profile", action="store_true", help="torch.profiler over the measured updates")
+    run.add_argument("--experimental", default=None, help="JSON: KLPPOConfig's experimental settings")
     mem = jobs.add_parser("kl-memory", help="peak extra memory of full-vocabulary KL")
     mem.add_argument("--variant", choices=["chunked", "dense", "naive"], required=True)
     mem.add_argument("--positions", type=int, default=64)

@@ -4,7 +4,10 @@
 #   random-360m (SmolLM2-360M's shape), workloads a and b, bfloat16 and float32,
 #   random-1.7b (SmolLM2-1.7B's shape), workload b, bfloat16,
 # each at 64 prompts x 128 new tokens, 1 warm-up + 2 measured updates, 1 run per side, sides alternating.
-# Writes <name>.json/.md per step, summary.md and gpu.log into $OUT (default results/bench/gpu).
+#   random-360m, workload b, bfloat16, klppo alone with a static KV cache (the experimental cache_implementation),
+# then times the token draws of one decoding step (benchmarks/sampling.py).
+# Writes <name>.json/.md per step, summary.md, gpu.log and reports.tar.gz (all of them) into $OUT (default
+# results/bench/gpu).
 #
 #   bash benchmarks/gpu.sh              # on the GPU machine, from the repository root
 #   bash benchmarks/gpu.sh --cpu-smoke  # the same steps on the CPU with the tiny shape and a tiny workload
@@ -64,6 +67,7 @@ STEPS=(
   "random-$SHAPE-bf16|--model-shape $SHAPE --dtype bfloat16 --workloads a,b --no-kl-memory"
   "random-$BIG-bf16-b|--model-shape $BIG --dtype bfloat16 --workloads b --no-kl-memory"
   "random-$SHAPE-fp32|--model-shape $SHAPE --dtype float32 --workloads a,b $KL"
+  "random-$SHAPE-bf16-static|--model-shape $SHAPE --dtype bfloat16 --workloads b --no-kl-memory --no-peer --klppo-experimental {\"cache_implementation\":\"static\"}"
 )
 
 # run_bench SECONDS ARGS...: one bench.py call, stopped (with every run it started) after SECONDS
@@ -130,5 +134,10 @@ done
 if [ "${#reports[@]}" -gt 0 ]; then
   PYTHONPATH="$KLPPO_PATH" "$PY" benchmarks/bench.py --combine "${reports[@]}" --out "$OUTDIR" || status=1
 fi
-echo "[gpu.sh] finished in ${SECONDS}s (exit $status); reports in $OUTDIR"
+if [ "$mode" = gpu ]; then  # the three draws of a decoding step on this device (into the log)
+  PYTHONPATH="$KLPPO_PATH" "$PY" benchmarks/sampling.py --device cuda --rows 64 256 || status=1
+fi
+# at most 8 files come back from a device machine: every report also goes into one archive
+tar -czf "$OUTDIR/reports.tar.gz" -C "$OUTDIR" --exclude reports.tar.gz . || status=1
+echo "[gpu.sh] finished in ${SECONDS}s (exit $status); reports in $OUTDIR (and $OUTDIR/reports.tar.gz)"
 exit "$status"

@@ -119,6 +119,15 @@ EXPERIMENTAL_DOC = r"""
             consecutive updates (`klppo.ppo.health`).
         max_nonfinite_updates (`int`, *optional*, defaults to `3`):
             Updates with a non-finite loss or KL are skipped; this many in a row abort training.
+        cache_implementation (`str` or `None`, *optional*, defaults to `None`):
+            The KV cache generation decodes into. `None`: transformers' dynamic cache. `"static"`: one cache of
+            `max_prompt_length + response_length` positions per batch size, made once and reused, so that on a GPU
+            `generate` compiles the decoding step (transformers' automatic compilation: `torch.compile` with CUDA
+            graphs) once per batch size, at the first rollout, whatever the prompts' width. Needs
+            `max_prompt_length`. A model that transformers does not mark as compilable, and runs under DeepSpeed
+            or FSDP, keep the dynamic cache (one log line says so). A LoRA policy then samples unmerged
+            (`merge_adapter_for_generation` does not apply: its copies of the weights would move at
+            every rollout).
         ref_reset_optimizer (`bool`, *optional*, defaults to `True`):
             With `ref_reset_steps`: clear the optimizer's state (Adam's moments and step counts) at each reset, as
             ProRL does; False keeps it.
@@ -145,6 +154,7 @@ class ExperimentalSettings:
     nonfinite_rollback: bool | None = None
     health_patience: int = 3
     max_nonfinite_updates: int = 3
+    cache_implementation: str | None = None
     ref_reset_optimizer: bool = True
 
 
@@ -244,15 +254,7 @@ KLPPO_CONFIG_DOC = r"""
             TRL's PPO), 16 on a CPU.
         max_prompt_length (`int` or `None`, *optional*, defaults to `256`):
             Prompts are truncated (from the left) to this many tokens.
-        cache_implementation (`str` or `None`, *optional*, defaults to `None`):
-            The KV cache generation decodes into. `None`: transformers' dynamic cache. `"static"`: one cache of
-            `max_prompt_length + response_length` positions per batch size, made once and reused, so that on a GPU
-            `generate` compiles the decoding step (transformers' automatic compilation: `torch.compile` with CUDA
-            graphs) once per batch size, at the first rollout, whatever the prompts' width. Needs
-            `max_prompt_length`. A model that transformers does not mark as compilable, and runs under DeepSpeed
-            or FSDP, keep the dynamic cache (one log line says so). A LoRA policy then samples unmerged
-            (the experimental `merge_adapter_for_generation` does not apply: its copies of the weights would move at
-            every rollout).
+
         > Optimisation
 
         learning_rate (`float` or `None`, *optional*, defaults to `None`):
@@ -316,7 +318,6 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
     reward_weights: list[float] | None = field(default=None, metadata=_doc("reward_weights"))
     rollout_forward_batch_size: int | None = field(default=None, metadata=_doc("rollout_forward_batch_size"))
     max_prompt_length: int | None = field(default=256, metadata=_doc("max_prompt_length"))
-    cache_implementation: str | None = field(default=None, metadata=_doc("cache_implementation"))
 
     # Optimisation, diagnostics
     learning_rate: float | None = field(default=None, metadata=_doc("learning_rate"))
@@ -489,6 +490,10 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
     @property
     def ref_reset_optimizer(self):
         return self._experimental.ref_reset_optimizer
+
+    @property
+    def cache_implementation(self):
+        return self._experimental.cache_implementation
 
     def _deepspeed_settings(self) -> None:
         """Under DeepSpeed: on a machine with no GPU (DeepSpeed's CPU accelerator), accelerate only counts the
