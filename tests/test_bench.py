@@ -301,13 +301,17 @@ def bench_lines(*flags: str) -> list[list[str]]:
 
 def test_the_gpu_script_runs_the_table(bench):
     """gpu.sh's steps parse as bench.py arguments and are the GPU table: 360M's shape, a and b, bf16 and fp32;
-    1.7B's shape, b, bf16; 64 x 128 on cuda, 1 warm-up + 2 measured updates, 1 run per side, the peer's own path."""
+    1.7B's shape, b, bf16; 64 x 128 on cuda, 1 warm-up + 2 measured updates, 1 run per side, the peer's own path;
+    then klppo alone on 360M's shape, b, bf16, with a static KV cache."""
     steps = [bench.parse_args(line) for line in bench_lines()]
-    table = sorted((a.model_shape, a.dtype, tuple(a.workloads)) for a in steps)
-    assert table == [("1.7b", "bfloat16", ("b",)), ("360m", "bfloat16", ("a", "b")), ("360m", "float32", ("a", "b"))]
+    table = sorted((a.model_shape, a.dtype, tuple(a.workloads), a.with_peer) for a in steps)
+    assert table == [("1.7b", "bfloat16", ("b",), True), ("360m", "bfloat16", ("a", "b"), True),
+                     ("360m", "bfloat16", ("b",), False), ("360m", "float32", ("a", "b"), True)]  # fmt: skip
     for a in steps:
         assert (a.device, a.batch_size, a.response_length, a.warmup, a.updates, a.repeats) == ("cuda", 64, 128, 1, 2, 1)
-        assert a.with_peer and a.peer_python and a.peer_pythonpath.split(":")[0].endswith("/peer") and a.assets
+        assert a.peer_python and a.peer_pythonpath.split(":")[0].endswith("/peer") and a.assets
+    static = next(a for a in steps if not a.with_peer)
+    assert json.loads(static.klppo_experimental) == {"cache_implementation": "static"}
     assert len({bench.report_name(a) for a in steps}) == len(steps)
     smoke = [bench.parse_args(line) for line in bench_lines("--cpu-smoke")]
     assert {a.model_shape for a in smoke} == {"tiny"} and {a.device for a in smoke} == {"cpu"}
