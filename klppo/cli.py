@@ -163,7 +163,7 @@ def _run(script_args, training_args, model_args) -> dict:
     except (RuntimeError, ValueError, OverflowError) as err:  # diagnostics must not end the run
         warnings.warn(f"End-of-run evaluation failed ({err}); the summary has no 'after' figures.", stacklevel=1)
         after = {"perplexity": None, "samples": [], "prompts": prompts}
-    summary = run_summary(trainer, before, after)
+    summary = run_summary(trainer.state.log_history, trainer.args, trainer.kl_controller.value, before, after)
     summary["wall_seconds"] = time.time() - start
     if trainer.is_world_process_zero():
         print(format_summary(summary, summary["wall_seconds"]), flush=True)

@@ -9,7 +9,7 @@ from .rewards.text import completion_text
 
 
 def metric_series(log_history: list[dict], key: str) -> list[tuple[int, float]]:
-    """`(step, value)` pairs of one metric from `trainer.state.log_history`."""
+    """`(step, value)` pairs of one metric from a run's logged metrics (`trainer.state.log_history`)."""
     return [(h["step"], h[key]) for h in log_history if key in h and isinstance(h[key], (int, float))]
 
 
@@ -93,15 +93,16 @@ def format_verdict(verdict: dict) -> str:
     return f"verdict: {'PASS' if met else 'FAIL'}: " + "; ".join(parts)
 
 
-def run_summary(trainer, before: dict, after: dict) -> dict:
+def run_summary(history: list[dict], args, final_coef: float, before: dict, after: dict) -> dict:
     """Numbers for the summary: reward, KL and coefficient at the start and the end, perplexity change.
 
     Args:
+        history: the run's logged metrics (`trainer.state.log_history`).
+        args: its `KLPPOConfig`.
+        final_coef: the KL coefficient after the last update (the controller's value).
         before / after: `{"perplexity": float, "samples": [str], "prompts": [...]}` taken before and after
-            `trainer.train()`.
+            training.
     """
-    history = trainer.state.log_history
-    args = trainer.args
     scores = metric_series(history, "objective/scores")
     kl = metric_series(history, "kl/value")
     coef = metric_series(history, "kl/coef")
@@ -110,7 +111,7 @@ def run_summary(trainer, before: dict, after: dict) -> dict:
     )
     return {
         "verdict": verdict,
-        "updates": trainer.state.global_step,
+        "updates": max((h.get("step", 0) for h in history), default=0),
         "reward_first": _edge_mean(scores, True),
         "reward_last": _edge_mean(scores, False),
         "kl_first": _edge_mean(kl, True),
@@ -120,7 +121,7 @@ def run_summary(trainer, before: dict, after: dict) -> dict:
         "kl_mode": args.kl_mode,
         "kl_estimator": args.kl_estimator,
         "kl_controller": args.kl_controller,
-        "coef_trajectory": [v for _, v in coef] + [trainer.kl_controller.value],
+        "coef_trajectory": [v for _, v in coef] + [final_coef],
         "perplexity_before": before.get("perplexity"),
         "perplexity_after": after.get("perplexity"),
         "prompts": [completion_text(p) for p in before.get("prompts", [])],  # a conversation: its last message
