@@ -167,19 +167,19 @@ def copy_model(model: nn.Module) -> nn.Module:
     return twin
 
 
-def prepare_frozen(module: nn.Module, trainer) -> nn.Module:
-    """A frozen model (reference, reward model) placed beside the policy: on its device, or sharded like it
-    under DeepSpeed ZeRO-3 / FSDP (TRL's `prepare_deepspeed` / `prepare_fsdp`)."""
+def prepare_frozen(module: nn.Module, accelerator, deepspeed: bool, fsdp: bool) -> nn.Module:
+    """A frozen model (reference, reward model) placed beside the policy: on `accelerator`'s device, or sharded like
+    it under DeepSpeed ZeRO-3 / FSDP (TRL's `prepare_deepspeed` / `prepare_fsdp`)."""
     module.eval().requires_grad_(False)
-    if trainer.is_deepspeed_enabled:
+    if deepspeed:
         from trl.models.utils import prepare_deepspeed
 
-        return prepare_deepspeed(module, trainer.accelerator)
-    if trainer.is_fsdp_enabled:
+        return prepare_deepspeed(module, accelerator)
+    if fsdp:
         from trl.models.utils import prepare_fsdp
 
-        return prepare_fsdp(module, trainer.accelerator)
-    return module.to(trainer.accelerator.device)
+        return prepare_fsdp(module, accelerator)
+    return module.to(accelerator.device)
 
 
 def build_critic(value_model, args: KLPPOConfig, policy_start, reward_funcs) -> nn.Module:

@@ -154,11 +154,12 @@ class KLPPOTrainer(Trainer):
         self.remove_callback(ProgressCallback)
         if not self.args.disable_tqdm:
             self.add_callback(KLProgressCallback())
+        engines = dict(deepspeed=self.is_deepspeed_enabled, fsdp=self.is_fsdp_enabled)
         if self.ref_model is not None:  # frozen models live beside the policy (sharded under ZeRO-3 / FSDP)
-            self.ref_model = prepare_frozen(self.ref_model, self)
+            self.ref_model = prepare_frozen(self.ref_model, self.accelerator, **engines)
         for fn in self.reward_funcs:
             if isinstance(getattr(fn, "model", None), nn.Module):
-                fn.model = prepare_frozen(fn.model, self)
+                fn.model = prepare_frozen(fn.model, self.accelerator, **engines)
         policy = self.model.policy
         self.stop_token_id, self.suppressed_ids, self.generation_config = sampling_setup(
             self.args, self.processing_class, getattr(policy, "generation_config", None)
