@@ -87,3 +87,11 @@ class TrackingNoAntiWindup(TrackingKLController):
         finally:
             self.coef_min, self.coef_max = bounds
         return min(max(beta, self.coef_min), self.coef_max)
+
+
+@register_kl_controller("tracking_no_reset_hook")
+class TrackingKeepingItsStateAtResets(TrackingKLController):
+    """The tracking controller, its integral and start-up hold carried across a reference reset unchanged."""
+
+    def reference_reset(self) -> None:
+        pass

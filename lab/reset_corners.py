@@ -43,8 +43,13 @@ def run(job: dict) -> dict:
     from klppo.models import TINY_MODEL, resolve_model_path
     from klppo.testing.bandit import bandit_trainer, kl, one_token_state, tilted
 
+    if job.get("plugin"):  # a module that registers a controller of its own
+        from lab import import_plugin
+
+        import_plugin(job["plugin"])
     tiny = resolve_model_path(TINY_MODEL)
     corner = dict(CORNERS[job["corner"]])
+    controller = {"kl_controller": job["controller"]} if job.get("controller") else {}
     segment = corner.pop("segment")
     with tempfile.TemporaryDirectory() as tmp:
         state = one_token_state(bandit_trainer(tiny, Path(tmp), max_steps=1))
@@ -52,7 +57,7 @@ def run(job: dict) -> dict:
         trainer = bandit_trainer(
             tiny, Path(tmp), kl_target=target, kl_coef=job["start"] * TARGET_BETA, seed=job["seed"],
             rollout_forward_batch_size=128, max_steps=segment * job["segments"], ref_reset_steps=segment,
-            **KL_SETTINGS[job["setting"]], **corner,
+            **KL_SETTINGS[job["setting"]], **corner, **controller,
         )  # fmt: skip
         trainer.train()
     logs = [h for h in trainer.state.log_history if "kl/value" in h]
@@ -77,7 +82,7 @@ def table(records: list[dict]) -> str:
     groups: dict[tuple, list[dict]] = {}
     for record in records:
         for seg in segments(record):
-            key = (record["setting"], record["corner"], record["start"], seg["segment"])
+            key = (f"{record['setting']} ({record['controller']})", record["corner"], record["start"], seg["segment"])
             groups.setdefault(key, []).append(seg)
     passed = 0
     for (setting, corner, start, segment), rows in sorted(groups.items()):
@@ -100,13 +105,16 @@ def main(argv=None) -> None:
     parser.add_argument("--corners", nargs="+", default=list(CORNERS), choices=list(CORNERS))
     parser.add_argument("--starts", type=float, nargs="+", default=list(STARTS))
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--controller", default=None, help="kl_controller for every run (default: klppo's default)")
+    parser.add_argument("--plugin", default=None, help="a module to import first (one that registers a controller)")
     parser.add_argument("--out", default=None, help="JSONL of the runs")
     parser.add_argument("--table", default=None, help="print the table of a JSONL instead of running")
     args = parser.parse_args(argv)
     if args.table:
         print(table([json.loads(line) for line in Path(args.table).read_text().splitlines() if line.strip()]))
         return
-    jobs = [{"setting": k, "corner": c, "start": s, "seed": seed, "segments": args.segments}
+    jobs = [{"setting": k, "corner": c, "start": s, "seed": seed, "segments": args.segments,
+             "controller": args.controller, "plugin": args.plugin}
             for k, c, s, seed in itertools.product(args.kl, args.corners, args.starts, args.seeds)]  # fmt: skip
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
         records = list(pool.map(run, jobs))
