@@ -50,6 +50,8 @@ def run(job: dict) -> dict:
     tiny = resolve_model_path(TINY_MODEL)
     corner = dict(CORNERS[job["corner"]])
     controller = {"kl_controller": job["controller"]} if job.get("controller") else {}
+    if job.get("experimental"):
+        controller["experimental"] = job["experimental"]
     segment = corner.pop("segment")
     with tempfile.TemporaryDirectory() as tmp:
         state = one_token_state(bandit_trainer(tiny, Path(tmp), max_steps=1))
@@ -107,6 +109,8 @@ def main(argv=None) -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--controller", default=None, help="kl_controller for every run (default: klppo's default)")
     parser.add_argument("--plugin", default=None, help="a module to import first (one that registers a controller)")
+    parser.add_argument("--experimental", type=json.loads, default=None,
+                        help='JSON: experimental settings for every run, e.g. \'{"kl_guard": true}\'')
     parser.add_argument("--out", default=None, help="JSONL of the runs")
     parser.add_argument("--table", default=None, help="print the table of a JSONL instead of running")
     args = parser.parse_args(argv)
@@ -114,7 +118,7 @@ def main(argv=None) -> None:
         print(table([json.loads(line) for line in Path(args.table).read_text().splitlines() if line.strip()]))
         return
     jobs = [{"setting": k, "corner": c, "start": s, "seed": seed, "segments": args.segments,
-             "controller": args.controller, "plugin": args.plugin}
+             "controller": args.controller, "plugin": args.plugin, "experimental": args.experimental}
             for k, c, s, seed in itertools.product(args.kl, args.corners, args.starts, args.seeds)]  # fmt: skip
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
         records = list(pool.map(run, jobs))
