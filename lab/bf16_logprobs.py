@@ -25,9 +25,14 @@ from klppo.models import OFFLINE_DEFAULT_MODEL, load_causal_lm, load_tokenizer, 
 
 class GenerationLogprobsTrainer(KLPPOTrainer):
     """Reads the sampling policy's log-probs from generation whatever the dtype (klppo does only in float32), to
-    compare them with a forward pass."""
+    compare them with a forward pass: its KL plan says so."""
 
-    logprobs_from_generation = True
+    def __init__(self, *args, **kwargs):
+        import dataclasses
+
+        super().__init__(*args, **kwargs)
+        self.kl_plan = dataclasses.replace(self.kl_plan, read_while_decoding=True)
+        self.scorer.plan = self.kl_plan
 
 
 def measure(dtype: str, prompts: list[str], response_length: int, seed: int) -> dict:

@@ -424,8 +424,17 @@ def test_only_plain_temperature_sampling_is_accepted():
     assert plain_sampling_temperature(plain) == 0.7
     # the caller's explicit values win over the model's, as in `generate`
     assert plain_sampling_temperature(plain, GenerationConfig(temperature=0.2, top_p=0.9)) == 0.7
-    for model_default in ({"min_p": 0.05}, {"typical_p": 0.9}, {"epsilon_cutoff": 3e-4}, {"penalty_alpha": 0.6}):
+    for model_default in ({"min_p": 0.05}, {"typical_p": 0.9}, {"epsilon_cutoff": 3e-4}, {"penalty_alpha": 0.6},
+                          {"repetition_penalty": 1.2}, {"no_repeat_ngram_size": 3}, {"min_new_tokens": 2}):
         assert plain_sampling_temperature(plain, GenerationConfig(**model_default)) is None, model_default
+    # the rollout's own config sets those processors to neutral values, which the model's defaults do not replace
+    from types import SimpleNamespace
+
+    from klppo.ppo.rollout import make_generation_config
+
+    tokenizer = SimpleNamespace(pad_token_id=3)
+    ours = make_generation_config(SimpleNamespace(response_length=4, temperature=0.7), tokenizer, stop_token_id=2)
+    assert plain_sampling_temperature(ours, GenerationConfig(repetition_penalty=1.3, no_repeat_ngram_size=2)) == 0.7
     unset_top_k = GenerationConfig(do_sample=True, temperature=0.7, max_new_tokens=4)  # transformers' top-k 50
     two_per_prompt = GenerationConfig(do_sample=True, temperature=0.7, top_k=0, num_return_sequences=2)
     for other in (unset_top_k, two_per_prompt, GenerationConfig(do_sample=False)):
@@ -436,7 +445,8 @@ def test_only_plain_temperature_sampling_is_accepted():
 def test_sampling_from_non_finite_logits_says_the_weights_diverged(tiny_model_and_tokenizer):
     from transformers import GenerationConfig
 
-    from klppo.ppo.rollout import clear_sampling_errors, generate_responses
+    from klppo.ppo.health import TrainingDiverged
+    from klppo.ppo.rollout import generate_responses
 
     model, tokenizer = tiny_model_and_tokenizer
     with torch.no_grad():
@@ -444,7 +454,7 @@ def test_sampling_from_non_finite_logits_says_the_weights_diverged(tiny_model_an
     enc = tokenizer(["a", "b"], return_tensors="pt", padding=True)
     config = GenerationConfig(do_sample=True, temperature=0.7, top_k=0, top_p=1.0, max_new_tokens=3,
                               pad_token_id=tokenizer.pad_token_id)  # fmt: skip
-    with pytest.raises(RuntimeError, match="weights have diverged"), clear_sampling_errors():
+    with pytest.raises(TrainingDiverged, match="weights have diverged"):
         generate_responses(model, enc.input_ids, enc.attention_mask, config, with_logprobs=True)
     assert not generate_responses(model, enc.input_ids, enc.attention_mask, config, check_finite=False).finite
 
@@ -1046,3 +1056,25 @@ def test_a_static_cache_compiles_the_decoding_step_once_across_updates(tiny_path
     assert supports_static_cache(trainer.model.policy) and not supports_static_cache(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="needs a `max_prompt_length`"):
         make_args(tmp_path, cache_implementation="static", max_prompt_length=None)
+
+
+def test_updates_with_a_skipped_step_count_as_a_streak_without_rollback(tiny_path, prompts, tmp_path, monkeypatch):
+    """Full fine-tuning (no undo copy), two mini-batches per update, the second one's loss non-finite: every update
+    applies one step and skips one. The next rollout finds the policy finite, but that does not end the streak of
+    skipped updates: the second such update in a row stops training, as `max_nonfinite_updates=2` says."""
+    from klppo.ppo.health import TrainingDiverged
+
+    args = make_args(tmp_path, max_steps=4, num_mini_batches=2, gradient_accumulation_steps=1, max_nonfinite_updates=2)
+    trainer = make_trainer(tiny_path, prompts, args)
+    assert not trainer.rollback_updates
+    original, calls = trainer.micro_batch_loss, []
+
+    def second_step_nan(*a, **k):
+        loss, parts = original(*a, **k)
+        calls.append(1)
+        return (loss * float("nan") if len(calls) % 2 == 0 else loss), parts
+
+    monkeypatch.setattr(trainer, "micro_batch_loss", second_step_nan)
+    with pytest.raises(TrainingDiverged, match="2 PPO updates in a row"):
+        trainer.train()
+    assert trainer.state.global_step == 1 and trainer.nonfinite_skips == 2

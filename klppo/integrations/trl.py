@@ -203,7 +203,8 @@ def add_kl_control(trainer, **kl_fields):
 
     Args:
         trainer: a `trl.GRPOTrainer` or `trl.RLOOTrainer` (or a subclass) whose `beta` is > 0.
-        **kl_fields: `KLPPOConfig`'s controller fields, with the same meaning and checks: `kl_controller`
+        **kl_fields: `KLControlConfig`'s controller fields (`KLPPOConfig` has them too), with the same meaning and
+            checks: `kl_controller`
             (`None`: `"tracking"` with a `kl_target`, else `"fixed"`), `kl_target`, `kl_target_unit` (`"sequence"`,
             the default, or `"token"`: TRL's own `kl`) and `kl_controller_kwargs` (the controller's constants)
             (`klppo.integrations.trl.controller_fields()`). beta starts from `trainer.beta`.

@@ -129,8 +129,8 @@ EXPERIMENTAL_DOC = r"""
             (`merge_adapter_for_generation` does not apply: its copies of the weights would move at
             every rollout).
         ref_reset_optimizer (`bool`, *optional*, defaults to `True`):
-            With `ref_reset_steps`: clear the optimizer's state (Adam's moments and step counts) at each reset, as
-            ProRL does; False keeps it.
+            With `ref_reset_steps`: clear the optimizer's state (Adam's moments and step counts, the critic's too) at
+            each reset, as ProRL does; False keeps it.
 
 """
 
@@ -217,9 +217,9 @@ KLPPO_CONFIG_DOC = r"""
         critic_warmup_steps (`int`, *optional*, defaults to `0`):
             The first this many updates train only the critic, on their rollouts: no policy step (a shared critic's
             value head then reads the trunk's output detached, so the policy does not change at all), and the KL
-            controller does not move. A fresh value head gives advantages that are mostly its own error (verl's
-            `critic_warmup`, OpenRLHF's `freezing_steps`). Needs a critic (advantage_estimator="gae"); not under
-            DeepSpeed, whose optimizer steps every weight it holds.
+            controller does not move (the learning-rate schedule does). A fresh value head gives advantages that
+            are mostly its own error (verl's `critic_warmup`, OpenRLHF's `freezing_steps`). Needs a critic
+            (advantage_estimator="gae"); not under DeepSpeed, whose optimizer steps every weight it holds.
         ref_reset_steps (`int`, *optional*, defaults to `0`):
             Every this many updates, the reference becomes the current policy (ProRL, arXiv 2505.24864): a frozen
             copy takes the policy's weights; with LoRA and the adapter-disabled reference, the adapter is merged into

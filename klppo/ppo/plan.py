@@ -32,8 +32,9 @@ class KLPlan:
         log_ratio_clamp, value_clamp, chunk_size: the estimators' clamps and `full`'s chunk size.
         read_while_decoding: the sampling policy's log-probs (and a shared critic's values) are read at each decoding
             step instead of by a scoring forward pass: only when the policy computes in float32 (in bf16 the KV-cache
-            path and a full forward differ, `docs/results.md`) and no logits-based estimator needs the policy's
-            logits at scoring.
+            path and a full forward differ, `docs/results.md`), no logits-based estimator needs the policy's logits
+            at scoring, and a logits-based statistic's logits fit in `generation_logits_max_mb` (else the scoring
+            forward that computes them gives the log-probs too).
         keep_generation_logits: the logits-based statistic reads the generation's logits (they fit in
             `generation_logits_max_mb`), so that scoring runs no policy forward for it.
     """

@@ -82,18 +82,6 @@ DIVERGED_SAMPLING = (
 )
 
 
-@contextmanager
-def clear_sampling_errors():
-    """Sampling from a policy whose logits are NaN or inf fails deep inside torch; say what it means."""
-    try:
-        yield
-    except RuntimeError as err:
-        text = str(err).lower()
-        if "inf" in text or "nan" in text:
-            raise TrainingDiverged(DIVERGED_SAMPLING) from err
-        raise
-
-
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Position ids for left-padded sequences: `cumsum(mask) - 1`, clamped at 0 on padding. `[B, L]`."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -172,6 +160,7 @@ def make_generation_config(args, tokenizer, stop_token_id: int | None, suppresse
         top_p=1.0,
         pad_token_id=tokenizer.pad_token_id,
         use_cache=True,
+        **NEUTRAL_PROCESSORS,  # so that a model's generation config cannot add a processor that reshapes the logits
     )
     if stop_token_id is None:
         # fixed length: never sample an end-of-sequence token (so generation never stops early)
@@ -346,6 +335,13 @@ class TemperatureSampler(LogitsProcessor):
         return torch.full_like(scores, float("-inf")).scatter_(1, token, 0.0)
 
 
+# logits processors that `generate` would add from a model's own generation config, set to values that add none
+NEUTRAL_PROCESSORS = {
+    "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_new_tokens": 0,
+    "min_length": 0, "bad_words_ids": None, "sequence_bias": None, "exponential_decay_length_penalty": None,
+    "forced_bos_token_id": None, "forced_eos_token_id": None, "begin_suppress_tokens": None,
+}
+
 # settings under which `do_sample=True` is plain temperature sampling: each field's value (after the model's own
 # generation config fills the unset ones, as `generate` does) must be one of these
 _UNTRUNCATED = {
@@ -361,6 +357,17 @@ _UNTRUNCATED = {
     "penalty_alpha": (None,),
     "watermarking_config": (None,),
     "prompt_lookup_num_tokens": (None,),
+    "repetition_penalty": (None, 1.0),
+    "encoder_repetition_penalty": (None, 1.0),
+    "no_repeat_ngram_size": (None, 0),
+    "min_new_tokens": (None, 0),
+    "min_length": (None, 0),
+    "bad_words_ids": (None,),
+    "sequence_bias": (None,),
+    "exponential_decay_length_penalty": (None,),
+    "forced_bos_token_id": (None,),
+    "forced_eos_token_id": (None,),
+    "begin_suppress_tokens": (None,),
 }
 
 
@@ -368,9 +375,10 @@ def plain_sampling_temperature(
     generation_config: GenerationConfig, model_generation_config: GenerationConfig | None = None
 ) -> float | None:
     """The temperature of `generation_config` when it is plain temperature sampling (no top-k / top-p / min-p /
-    typical / epsilon / eta / top-h truncation, one beam, one sequence per prompt, no watermark or prompt lookup),
-    judged after `model_generation_config` (the model's `generation_config`) fills the fields `generation_config`
-    leaves unset, as `generate` does; None for any other configuration."""
+    typical / epsilon / eta / top-h truncation, one beam, one sequence per prompt, no watermark or prompt lookup, and
+    no processor that reshapes the logits: repetition or n-gram penalties, a minimum length, banned or biased words,
+    forced tokens), judged after `model_generation_config` (the model's `generation_config`) fills the fields
+    `generation_config` leaves unset, as `generate` does; None for any other configuration."""
     merged = copy.deepcopy(generation_config)
     if model_generation_config is not None:
         merged.update(**model_generation_config.to_dict(), defaults_only=True)
@@ -424,8 +432,8 @@ def generate_responses(
     full-vocabulary tensor outlives its decoding step unless `keep_logits` returns them all: the scaled logits, for
     a logits-based KL statistic without a scoring pass. `synced` keeps every rank generating until all have
     finished (`synced_gpus`): sharded weights (FSDP) need every rank in every forward pass. Non-finite sampling
-    logits raise a `RuntimeError` naming inf and nan (`clear_sampling_errors` explains it), or with
-    `check_finite=False` give `finite=False` (a caller that decides alike on every rank reduces it first). `cache`:
+    logits give `finite=False` with `check_finite=False` (the trainer's way: it decides alike on every rank after
+    reducing the flag), else a `TrainingDiverged` that says what it means. `cache`:
     a KV cache to decode into (a `StaticCache` from `StaticCaches`), reset first; None: `generate`'s own.
     """
     temperature = plain_sampling_temperature(generation_config, getattr(policy, "generation_config", None))
@@ -453,7 +461,7 @@ def generate_responses(
         )  # fmt: skip
     finite = not bool(sampler.nonfinite)  # one host sync per rollout
     if check_finite and not finite:
-        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+        raise TrainingDiverged(DIVERGED_SAMPLING)
     tokens = sequences[:, input_ids.shape[1] :]
     width = tokens.shape[1]  # synced ranks may step past their own last token: those steps are dropped
     logp = torch.stack(sampler.logprobs[:width], dim=1) if with_logprobs else None

@@ -27,6 +27,7 @@ import os
 import shutil
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -84,6 +85,26 @@ from .scoring import RolloutScorer
 from .steps import Advantages, KLPenalty, OptimiseResult, PromptBatch, Rewards, Rollout, Sequences
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Unsettled:
+    """An update whose policy no rollout has checked yet (`KLPPOTrainer._settle_last_update`): its number, its
+    optimizer steps, the copy that can undo it (None: none), whether it went through without a skipped step, and
+    whether a forward pass over the last rollout has found its outputs finite already."""
+
+    step: int
+    applied: int
+    snapshot: dict | None
+    clean: bool
+    forward_checked: bool = False
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "applied": self.applied, "clean": self.clean, "forward_checked": self.forward_checked}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "Unsettled":
+        return cls(int(state["step"]), int(state["applied"]), None, bool(state["clean"]), bool(state["forward_checked"]))
 
 
 class KLPPOTrainer(Trainer):
@@ -177,7 +198,7 @@ class KLPPOTrainer(Trainer):
         self.health_monitor = PPOHealthMonitor(patience=args.health_patience)
         self.nonfinite_guard = NonfiniteGuard(args.max_nonfinite_updates)
         self.completion_samples: list[dict] = []
-        self._unsettled = None  # the last update, until forward passes have shown its policy finite
+        self._unsettled: Unsettled | None = None  # the last update, until forward passes have shown its policy finite
         self._checked_rows: Sequences | None = None  # what the check before a save reads
         self.reference_resets = 0  # `ref_reset_steps`: resets so far
         self._initial_reference: dict[str, torch.Tensor] | None = None  # the reference's tensors before the first
@@ -214,13 +235,24 @@ class KLPPOTrainer(Trainer):
 
     def _check_reference_resets(self) -> None:
         """`ref_reset_steps` needs a reference it can write: refused, naming the fix, under FSDP (its sharded
-        reference) and for LoRA layers that cannot merge into a base weight of their own."""
+        reference; DeepSpeed is refused by the config), for a `ref_model` that does not have the policy's weights, and
+        for LoRA layers that cannot merge into a base weight of their own."""
         if self.is_fsdp_enabled:
             raise ValueError(
                 "`ref_reset_steps` is not available under FSDP: the sharded reference cannot take the policy's "
                 "weights. Run it under plain accelerate or DDP, or set ref_reset_steps to 0."
             )
-        if self.use_adapter_reference and self.ref_adapter_name is None and mergeable_lora_layers(self.model.policy) is None:
+        policy = self.model.policy
+        if not self.use_adapter_reference:  # a frozen reference takes the policy's weights, name by name
+            names = {n: p.shape for n, p in policy.named_parameters()}
+            if hasattr(policy, "peft_config") or names != {n: p.shape for n, p in self.ref_model.named_parameters()}:
+                raise ValueError(
+                    "`ref_reset_steps` copies the policy's weights into the reference, but the `ref_model` given does "
+                    "not have the policy's weights (another architecture, or a PEFT policy beside a separate "
+                    "reference). Leave ref_model unset (a LoRA policy then uses its adapter-disabled self, a full "
+                    "policy a frozen copy), or set ref_reset_steps to 0."
+                )
+        if self.use_adapter_reference and self.ref_adapter_name is None and mergeable_lora_layers(policy) is None:
             raise ValueError(
                 "`ref_reset_steps` merges the LoRA adapter into the base weights, but this policy's LoRA layers cannot "
                 "merge into a floating-point base weight of their own (quantized, DoRA or other variants, tied "
@@ -688,7 +720,7 @@ class KLPPOTrainer(Trainer):
             k1 = torch.exp(logp.detach() - mb.logp) * (logp.detach() - mb.ref_logp) * mask
             count = mask.shape[0] if plan.unit == "sequence" else mask.sum()
             parts["kl/during_update"] = (k1.sum(), count)
-        if "loss" in plan.places:  # the configured estimator at the current policy, aggregated per kl_loss_agg_mode
+        if "loss" in plan.places and not warming:  # the estimator at the current policy, per kl_loss_agg_mode
             ref_logits = None
             if plan.estimator_needs_logits:
                 with torch.no_grad():
@@ -698,8 +730,9 @@ class KLPPOTrainer(Trainer):
                               norm_len=args.response_length)  # fmt: skip
             loss = loss + kl_term
             parts["loss/kl"] = (kl_term.detach(), share)
-        if warming:  # every weight stays in the graph (data parallelism reduces them all), the policy's with 0
-            loss = 0.0 * loss
+        if warming:  # the critic alone. The policy's weights stay in the graph with a zero gradient (data
+            # parallelism reduces every weight), through its logits, which no policy loss can make non-finite here
+            loss = torch.nan_to_num(logits, nan=0.0, posinf=0.0, neginf=0.0).sum() * 0.0
         if value_loss is not None:
             loss = loss + args.vf_coef * value_loss
         return loss, parts
@@ -716,7 +749,7 @@ class KLPPOTrainer(Trainer):
         guard's low side and the drift monitor start again from a KL of 0."""
         self._settle_last_update()  # a diverged policy must not become the reference
         if self._unsettled is not None:
-            self._unsettled = (*self._unsettled[:2], None)  # no undoing past a reset
+            self._unsettled.snapshot = None  # no undoing past a reset
         tensors = self._reference_tensors()
         if self._initial_reference is None:
             self._initial_reference = {name: t.detach().clone() for name, t in tensors.items()}
@@ -774,45 +807,53 @@ class KLPPOTrainer(Trainer):
         """Roll back (or report) an update stopped by a non-finite loss or gradient. An update whose steps went
         through is checked later, by the forward passes that run anyway (`_settle_last_update`): its `snapshot` is
         kept until then."""
+        step = self.state.global_step + 1
         if not result.skipped:
-            self._unsettled = (self.state.global_step + 1, result.applied_steps, snapshot)
+            self._unsettled = Unsettled(step, result.applied_steps, snapshot, clean=True)
             return {}
         if snapshot is not None:
             restore_optimisation(snapshot, self.accelerator.unwrap_model(self.model_wrapped), self.optimizer, self.lr_scheduler)
             outcome = "the weights and optimizer state were restored to the start of the update"
         else:
-            self._unsettled = (self.state.global_step + 1, result.applied_steps, None)  # partly applied: check it
+            if result.applied_steps:  # partly applied: its policy is checked like any other
+                self._unsettled = Unsettled(step, result.applied_steps, None, clean=False)
             outcome = f"{result.applied_steps} optimizer step(s) of this update had already been applied"
         return self._record_nonfinite("the loss or its gradient", outcome)
 
     def _settle_last_update(self, rollout: Rollout | None = None) -> dict[str, float] | None:
-        """Check the policy that the last update left, with forward passes that run anyway: the next rollout's
-        (`rollout`: its sampling logits, its log-probs and values), which settles it; before a save and at the end
-        of training, a forward pass over the last rollout's sequences. An optimizer step can leave finite weights
-        whose logits overflow on some inputs (a learning rate far too high): the weights alone do not tell.
-        Finite: nothing to do (None). Not finite: the update is undone from its copy, and the metrics of the skip
-        are returned; without a copy training stops (`TrainingDiverged`, nothing saved from then on). Decided alike
-        on every rank."""
-        if self._unsettled is None:
+        """Check the policy that the last update left, with forward passes that run anyway. The next rollout's
+        (`rollout`: its sampling logits, its log-probs and values) settle it. Before evaluation, a save, a reference
+        reset and at the end of training, one forward pass over the last rollout's sequences checks it once (the next
+        rollout still checks it again). An optimizer step can leave finite weights whose logits overflow on some
+        inputs (a learning rate far too high): the weights alone do not tell. Finite: nothing to do (None), and a
+        clean update ends a streak of skipped ones. Not finite: the update is undone from its copy, and the metrics
+        of the skip are returned; without a copy training stops (`TrainingDiverged`, nothing saved from then on).
+        Decided alike on every rank."""
+        unsettled = self._unsettled
+        if unsettled is None:
             return None
-        step, applied, snapshot = self._unsettled
         if rollout is not None:
             finite = rollout_outputs_finite(rollout, self.accelerator)
-        else:  # the next rollout checks again
+            self._unsettled = None
+            if finite and unsettled.clean:
+                self.nonfinite_guard.reset()
+        else:
+            if unsettled.forward_checked or self._checked_rows is None:  # checked, or resumed: the rollout will
+                return None
             finite = policy_outputs_finite(self.model_wrapped, self._checked_rows, self.accelerator,
                                            self.args.rollout_forward_batch_size)  # fmt: skip
-            if finite:
-                return None
-        self._unsettled = None
+            unsettled.forward_checked = finite
         if finite:
-            self.nonfinite_guard.reset()
             return None
-        if snapshot is None:
-            self.nonfinite_guard.policy_diverged(step, applied, self.args)
-        restore_optimisation(snapshot, self.accelerator.unwrap_model(self.model_wrapped), self.optimizer, self.lr_scheduler)
-        return self._record_nonfinite(f"the policy's logits or values after update {step}",
+        self._unsettled = None
+        if unsettled.snapshot is None:
+            self.nonfinite_guard.policy_diverged(unsettled.step, unsettled.applied, self.args)  # raises
+            return None
+        restore_optimisation(unsettled.snapshot, self.accelerator.unwrap_model(self.model_wrapped), self.optimizer,
+                             self.lr_scheduler)  # fmt: skip
+        return self._record_nonfinite(f"the policy's logits or values after update {unsettled.step}",
                                       "the weights and optimizer state were restored to the start of that update",
-                                      step=step)  # fmt: skip
+                                      step=unsettled.step)  # fmt: skip
 
     @property
     def nonfinite_skips(self) -> int:
@@ -900,6 +941,8 @@ class KLPPOTrainer(Trainer):
             **self.kl_guard.state_dict(),
             **self.nonfinite_guard.state_dict(),
             "reference_resets": self.reference_resets,
+            # the last update, if no rollout has checked it yet: a resumed run checks it at its first rollout too
+            "unsettled": None if self._unsettled is None else self._unsettled.state_dict(),
             "settings": ckpt.resume_settings(self.args),
         }
 
@@ -935,10 +978,14 @@ class KLPPOTrainer(Trainer):
         self.nonfinite_guard.load_state_dict(state)
         self.reference_resets = int(state.get("reference_resets", 0))
         if self.reference_resets:
-            current, self._initial_reference = ckpt.load_reference(checkpoint)
+            current, initial = ckpt.load_reference(checkpoint)
+            tensors = self._reference_tensors()
             with torch.no_grad():
-                for name, tensor in self._reference_tensors().items():
+                for name, tensor in tensors.items():
                     tensor.copy_(current[name])
+            self._initial_reference = {name: initial[name].to(tensors[name].device) for name in tensors}
+        if state.get("unsettled"):  # checked at the first rollout; its undo copy was not saved
+            self._unsettled = Unsettled.from_state(state["unsettled"])
         logger.info("Resumed from %s at update %d with KL coefficient %.6g", checkpoint, self.state.global_step,
                     self.kl_controller.value)  # fmt: skip
 
