@@ -4,7 +4,8 @@ The script is TRL's with one changed import (`from klppo import PPOConfig, PPOTr
 "klppo:" also let it run offline, on klppo's shipped models and prompts. Every TRL 1.12 flag works, and so does
 every klppo flag (for instance `--kl_target 6` for a KL held at 6 nats per sequence).
 
-On a GPU, with the hub (TRL's own command):
+On a GPU, with the hub (TRL's own commands; with no stop token, `--missing_eos_penalty` keeps TRL's meaning:
+responses of full length, EOS sampled like any token, the responses without one penalised):
 
     python examples/ppo.py \
         --dataset_name trl-internal-testing/descriptiveness-sentiment-trl-style \
@@ -14,12 +15,23 @@ On a GPU, with the hub (TRL's own command):
         --gradient_accumulation_steps 1 \
         --total_episodes 10000 \
         --model_name_or_path EleutherAI/pythia-1b-deduped \
+        --missing_eos_penalty 1.0
+
+    accelerate launch --config_file configs/accelerate/deepspeed_zero3.yaml \
+        examples/ppo.py \
+        --dataset_name trl-internal-testing/descriptiveness-sentiment-trl-style \
+        --dataset_train_split descriptiveness \
+        --output_dir pythia-1b-deduped-descriptiveness-sentiment-trl-style-ppo \
+        --num_ppo_epochs 1 \
+        --num_mini_batches 1 \
+        --per_device_train_batch_size 1 \
+        --gradient_accumulation_steps 16 \
+        --total_episodes 10000 \
+        --model_name_or_path EleutherAI/pythia-1b-deduped \
         --sft_model_path EleutherAI/pythia-1b-deduped \
         --reward_model_path EleutherAI/pythia-1b-deduped \
-        --missing_eos_penalty 1.0 --stop_token eos
-
-    accelerate launch --config_file configs/accelerate/<your config>.yaml examples/ppo.py <the same flags> \
-        --local_rollout_forward_batch_size 1
+        --local_rollout_forward_batch_size 1 \
+        --missing_eos_penalty 1.0
 
 Offline (SmolLM2-135M-Instruct shipped in a pip wheel, klppo's built-in prompts; the reward model is the same
 network with a fresh one-output head, like TRL's example, which scores with an untrained pythia head):

@@ -32,7 +32,7 @@ from transformers import DataCollatorWithPadding, GenerationConfig, TrainingArgu
 
 from .kl import GlobalSums
 from .kl.config import doc_metadata, field_docs
-from .ppo.config import KLPPOConfig
+from .ppo.config import KLPPOConfig, warn_once
 from .ppo.trainer import KLPPOTrainer
 
 logger = logging.getLogger(__name__)
@@ -69,8 +69,10 @@ PPO_CONFIG_DOC = r"""
             over the training set (or `max_steps` updates when that is set; TRL ignored `max_steps`, so setting both
             is refused).
         local_rollout_forward_batch_size (`int`, *optional*, defaults to `64`):
-            Sequences per no-grad forward pass (and per `generate` call) in the rollout, per process. klppo's name
-            for it is `rollout_forward_batch_size`; set either, not both to different values.
+            Sequences per no-grad forward pass in the rollout, per process. klppo's name for it is
+            `rollout_forward_batch_size`; set either, not both to different values. TRL also generated in batches
+            of this size; klppo samples a process's whole rollout batch in one `generate` call (a warning says so
+            when this is smaller).
         rollout_forward_batch_size (`int` or `None`, *optional*, defaults to `None`):
             klppo's name of `local_rollout_forward_batch_size`; `None` takes that field's value.
         num_sample_generations (`int`, *optional*, defaults to `10`):
@@ -79,11 +81,13 @@ PPO_CONFIG_DOC = r"""
             is logged as many times.
         stop_token (`str` or `None`, *optional*, defaults to `None`):
             `"eos"`: responses end at the tokenizer's EOS token; `None`: no stop token unless `stop_token_id` is set.
-            Mutually exclusive with `stop_token_id`. Without a stop token, responses have `response_length` tokens
-            and EOS is never sampled (TRL sampled it but did not end the response there).
+            Mutually exclusive with `stop_token_id`. Without a stop token, responses have `response_length` tokens;
+            EOS is never sampled, unless `missing_eos_penalty` is set (then it is sampled as in TRL, see there).
         missing_eos_penalty (`float` or `None`, *optional*, defaults to `None`):
-            Subtracted from the score of a response that does not end with the stop token. Without a stop token no
-            response is penalised (a warning says so): use `--stop_token eos`.
+            Subtracted from the score of a response that does not end with the stop token. Without a stop token,
+            as in TRL 1.12 (a warning says what happens): responses have `response_length` tokens, EOS is sampled
+            and scored like any other token without ending the response, and a response that contains no EOS token
+            anywhere is penalised.
         sft_model_path (`str`, *optional*, defaults to `"EleutherAI/pythia-160m"`):
             Path to the SFT model; read by the script, not the trainer (as in TRL).
         reward_model_path (`str`, *optional*, defaults to `"EleutherAI/pythia-160m"`):
@@ -194,12 +198,6 @@ class PPOConfig(KLPPOConfig):
                 "(as in TRL): set `stop_token='eos'` to stop at the tokenizer's EOS token, or `stop_token_id` to stop "
                 "at another token."
             )
-        if self.missing_eos_penalty is not None and self.stop_token is None and self.stop_token_id is None:
-            logger.warning(
-                "missing_eos_penalty=%s has no effect without a stop token: with stop_token=None, klppo samples "
-                "responses of response_length tokens and never samples EOS. Pass --stop_token eos to end responses "
-                "at EOS and penalise those that do not reach it.", self.missing_eos_penalty,
-            )  # fmt: skip
         if not self.ds3_gather_for_generation:
             raise ValueError(
                 "`ds3_gather_for_generation=False` is not supported: klppo always gathers the policy's ZeRO-3 "
@@ -222,6 +220,26 @@ class PPOConfig(KLPPOConfig):
         if self.exp_name and self.run_name is None:
             self.run_name = f"{self.exp_name}__{self.seed}__{int(time.time())}"
         self._convert_batch_sizes()
+        self._warn_trl_differences()
+
+    def _warn_trl_differences(self) -> None:
+        """Once per process: where a TRL 1.12 flag given here makes klppo do something else than TRL did."""
+        rollout = self.local_batch_size
+        if rollout is not None and self.local_rollout_forward_batch_size < rollout:
+            warn_once(
+                "local_rollout_forward_batch_size",
+                f"local_rollout_forward_batch_size={self.local_rollout_forward_batch_size} sets the sequences per "
+                "scoring forward pass; TRL also generated in batches of that size, while klppo samples the whole "
+                f"rollout batch of a process ({rollout} sequences) in one generate call.",
+            )  # fmt: skip
+        if str(getattr(self.eval_strategy, "value", self.eval_strategy)) != "no":
+            warn_once(
+                "eval_strategy",
+                f"eval_strategy={getattr(self.eval_strategy, 'value', self.eval_strategy)!r}: klppo evaluates every "
+                f"eval_steps={self.eval_steps or self.logging_steps} updates (eval/perplexity on held-out text, "
+                "eval/scores on eval_dataset's prompts); TRL 1.12's PPOTrainer evaluated nothing (its scripts read "
+                "eval_strategy only to load eval_dataset).",
+            )  # fmt: skip
 
     def _convert_batch_sizes(self) -> None:
         """TRL's rollout batch per process is `per_device_train_batch_size * gradient_accumulation_steps`, split
@@ -449,7 +467,7 @@ class PPOTrainer(KLPPOTrainer):
         rows = self.eval_prompts.shard(num_shards=acc.num_processes, index=acc.process_index, contiguous=True)
         generation_config = GenerationConfig(
             max_new_tokens=self.args.response_length, do_sample=False, pad_token_id=self.processing_class.pad_token_id,
-            eos_token_id=self.stop_token_id, suppress_tokens=None if self.suppressed_ids is None else self.suppressed_ids.tolist(),
+            eos_token_id=self.generation_config.eos_token_id, suppress_tokens=None if self.suppressed_ids is None else self.suppressed_ids.tolist(),
         )  # fmt: skip
         table = {"query": [], "model response": [], "score": []}
         for start in range(0, len(rows) - size + 1, size):  # whole batches, as TRL's eval loader (drop_last)

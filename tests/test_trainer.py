@@ -289,7 +289,6 @@ def test_shared_critic_and_perplexity_eval(tiny_path, prompts, tmp_path):
         (dict(critic="both"), "separate"),
         (dict(kl_target_unit="nats"), "sequence"),
         (dict(save_strategy="epoch"), "save_steps"),
-        (dict(stop_token=None, missing_eos_penalty=1.0), "stop_token='eos'"),  # fixed length: EOS is never sampled
     ],
 )
 def test_config_rejects_bad_values(tmp_path, overrides, match):
@@ -304,6 +303,85 @@ def test_biased_combination_warns_once(tmp_path, caplog):
     assert len(messages) == 1
 
 
+def test_missing_eos_penalty_without_stop_token_warns_once_with_what_happens(tmp_path, caplog, monkeypatch):
+    """TRL 1.12's `missing_eos_penalty` with no stop token is accepted, with one warning that says what klppo then
+    does, once however often a config is built; a stop token, or no penalty, gives none."""
+    from klppo.ppo import config as config_module
+
+    monkeypatch.setattr(config_module, "_WARNED", set())
+    with caplog.at_level("WARNING"):
+        make_args(tmp_path, stop_token="eos", missing_eos_penalty=1.0)
+        make_args(tmp_path, stop_token=None)
+        assert not [r for r in caplog.records if "missing_eos_penalty" in r.getMessage()]
+        args = make_args(tmp_path, stop_token=None, missing_eos_penalty=1.5, response_length=9)
+        dataclasses.replace(args)
+        make_args(tmp_path, stop_token=None, missing_eos_penalty=1.5)
+    (message,) = [r.getMessage() for r in caplog.records if "missing_eos_penalty" in r.getMessage()]
+    assert "\n" not in message
+    for says in ("full response_length (9 tokens)", "not suppressed", "scored like any other token",
+                 "contains no EOS token anywhere has 1.5 subtracted", "stop_token='eos'"):  # fmt: skip
+        assert says in message, says
+
+
+def zero_reward(prompts, completions, **kwargs):
+    return [0.0] * len(prompts)
+
+
+def policy_favouring_eos(tiny_path, logit: float):
+    """The tiny policy with a bias `logit` on its LM head's EOS output: EOS is a likely token at every position."""
+    from klppo.models import load_causal_lm, load_tokenizer
+
+    model = load_causal_lm(tiny_path)
+    head = model.get_output_embeddings()
+    biased = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+    with torch.no_grad():
+        biased.weight.copy_(head.weight)
+        biased.bias.zero_()
+        biased.bias[load_tokenizer(tiny_path).eos_token_id] = logit
+    model.set_output_embeddings(biased)
+    return model
+
+
+@pytest.mark.parametrize("penalty", [None, 1.5])
+def test_without_stop_token_eos_is_suppressed_unless_missing_eos_penalty_scores_it(tiny_path, prompts, tmp_path, penalty):
+    """`stop_token=None`: responses of `response_length` tokens. Alone (klppo's meaning), EOS is never sampled.
+    With `missing_eos_penalty` (TRL 1.12's meaning), EOS is sampled like any token and does not end the response,
+    nothing is masked out of the scored log-softmax (the scored distribution is the sampled one, EOS included),
+    and exactly the responses that contain no EOS anywhere lose the penalty. The policy makes EOS likely (about
+    0.2 per token)."""
+    from klppo.models import load_tokenizer
+    from klppo.ppo.rollout import position_ids_from_mask
+
+    tokenizer = load_tokenizer(tiny_path)
+    eos = tokenizer.eos_token_id
+    args = make_args(tmp_path, stop_token=None, missing_eos_penalty=penalty, response_length=8, temperature=1.0)
+    trainer = KLPPOTrainer(model=policy_favouring_eos(tiny_path, 5.5), args=args, processing_class=tokenizer,
+                           train_dataset=prompts, reward_funcs=zero_reward)  # fmt: skip
+    assert trainer.generation_config.eos_token_id == []  # no token ends a response
+    torch.manual_seed(0)
+    rollout = trainer.rollout(trainer.prompt_batch(prompts["prompt"]))
+    assert rollout.response_mask.all() and rollout.responses.shape[1] == 8  # nothing truncated
+    has_eos = (rollout.responses == eos).any(dim=1)
+    rewards = trainer.compute_rewards(rollout)
+    if penalty is None:
+        assert trainer.suppressed_ids.tolist() == [eos] and eos in trainer.generation_config.suppress_tokens
+        assert not has_eos.any() and "objective/eos_frac" not in rewards.metrics
+        return
+    assert trainer.suppressed_ids is None and not trainer.generation_config.suppress_tokens
+    assert (rollout.responses[:, :-1] == eos).any(), "EOS sampled, and the response went on after it"
+    assert has_eos.any() and (~has_eos).any()
+    torch.testing.assert_close(rewards.scores, torch.where(has_eos, 0.0, -penalty))
+    assert rewards.metrics["objective/eos_frac"] == pytest.approx(has_eos.float().mean().item())
+    # every scored log-prob is the full softmax(logits / T)'s, as the tokens were sampled
+    seq = rollout.sequences()
+    with torch.no_grad():
+        logits = trainer.model.policy(input_ids=seq.query_responses, attention_mask=seq.attention_mask,
+                                      position_ids=position_ids_from_mask(seq.attention_mask)).logits  # fmt: skip
+    full = torch.log_softmax(logits[:, seq.context_length - 1 : -1].float(), -1).gather(2, seq.responses[..., None])[..., 0]
+    for logp in (rollout.logp, rollout.ref_logp, trainer.score(seq).logp):
+        torch.testing.assert_close(logp, full, rtol=1e-4, atol=1e-4)
+
+
 def test_log_probs_are_recomputed_under_mixed_precision_set_by_accelerate(tiny_path, prompts, tmp_path, monkeypatch):
     """A float32 policy reads its sampling log-probs from generation; under bf16 autocast they are recomputed, also
     when only accelerate's config asks for bf16 (as `accelerate launch` with `mixed_precision: bf16` does)."""
@@ -315,12 +393,16 @@ def test_log_probs_are_recomputed_under_mixed_precision_set_by_accelerate(tiny_p
     assert trainer.accelerator.mixed_precision == "bf16" and not trainer.logprobs_from_generation
 
 
-@pytest.mark.parametrize("critic, stop_token", [("shared", "eos"), ("separate", "eos"), ("shared", None)])
-def test_generation_logprobs_and_values_match_a_scoring_forward(tiny_path, prompts, tmp_path, critic, stop_token):
+@pytest.mark.parametrize(
+    "critic, stop_token, penalty", [("shared", "eos", None), ("separate", "eos", None), ("shared", None, None),
+                                    ("shared", None, 1.0)],
+)  # fmt: skip
+def test_generation_logprobs_and_values_match_a_scoring_forward(tiny_path, prompts, tmp_path, critic, stop_token, penalty):
     """Old log-probs (and a shared critic's values) are read from generation; they must equal what a
     separate forward pass over the finished sequences gives. With fixed-length responses (stop_token None)
-    both mask the suppressed end-of-sequence token."""
-    args = make_args(tmp_path, critic=critic, temperature=0.7, response_length=8, stop_token=stop_token)
+    both mask the suppressed end-of-sequence token, unless missing_eos_penalty has it sampled."""
+    args = make_args(tmp_path, critic=critic, temperature=0.7, response_length=8, stop_token=stop_token,
+                     missing_eos_penalty=penalty)  # fmt: skip
     trainer = make_trainer(tiny_path, prompts, args)
     batch = trainer.prompt_batch(prompts["prompt"][:6])
     torch.manual_seed(1)
@@ -330,8 +412,9 @@ def test_generation_logprobs_and_values_match_a_scoring_forward(tiny_path, promp
     torch.testing.assert_close(rollout.logp[mask], scored.logp[mask], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(rollout.values[mask], scored.values[mask], rtol=1e-4, atol=1e-4)
     assert rollout.logp[mask].abs().sum() > 0
-    # the share of responses that end with EOS means something only when responses can end with it
-    assert ("objective/eos_frac" in trainer.compute_rewards(rollout).metrics) == (stop_token is not None)
+    # the share of responses that reach EOS means something only when responses can hold it
+    eos_can_appear = stop_token is not None or penalty is not None
+    assert ("objective/eos_frac" in trainer.compute_rewards(rollout).metrics) == eos_can_appear
 
 
 def test_sample_categorical_draws_exactly_the_given_probabilities(monkeypatch):

@@ -27,9 +27,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(cmd: list[str], tmp_path, timeout: float = 600) -> None:
-    """Run `cmd` (a launcher and its ranks) to success. Past `timeout` seconds (ranks waiting on each other in a
-    collective), the launcher and every process under it are killed and the test fails."""
+def run(cmd: list[str], tmp_path, timeout: float = 600) -> tuple[str, str]:
+    """Run `cmd` (a launcher and its ranks) to success; returns its `(stdout, stderr)`. Past `timeout` seconds
+    (ranks waiting on each other in a collective), the launcher and every process under it are killed and the test
+    fails."""
     import psutil
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
@@ -45,6 +46,7 @@ def run(cmd: list[str], tmp_path, timeout: float = 600) -> None:
         stdout, stderr = proc.communicate()
         pytest.fail(f"{' '.join(cmd)} did not finish in {timeout} s:\n{stdout[-3000:]}\n{stderr[-6000:]}")
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{stdout[-3000:]}\n{stderr[-6000:]}"
+    return stdout, stderr
 
 
 def torchrun(args: list[str], tmp_path) -> None:

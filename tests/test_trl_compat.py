@@ -1,9 +1,12 @@
-"""TRL 1.12's PPO API on klppo: `PPOConfig` / `PPOTrainer`, TRL-shaped scripts (the examples), pre-tokenized
-prompts, token-id reward models, a trained adapter's reference, and the critic saved beside the policy."""
+"""TRL 1.12's PPO API on klppo: `PPOConfig` / `PPOTrainer`, TRL-shaped scripts (the examples), every PPO command
+line TRL 1.12 documents, pre-tokenized prompts, token-id reward models, a trained adapter's reference, and the critic
+saved beside the policy."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
 import runpy
 import sys
@@ -125,6 +128,46 @@ def test_ppo_config_mini_batches_follow_trl(tmp_path):
 def test_ppo_config_refuses_with_the_fix(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):
         PPOConfig(**base_args(tmp_path, **overrides))
+
+
+def test_trl_flags_without_stop_token_parse_with_trl_meaning(tmp_path, caplog, monkeypatch):
+    """TRL's `ppo.py` command gives `--missing_eos_penalty 1.0` and no `--stop_token`: the script's parser accepts
+    it (TRL 1.12 did), with one warning that says what happens, and the run samples EOS (nothing suppressed)."""
+    from transformers import HfArgumentParser
+    from trl import ModelConfig, ScriptArguments
+
+    from klppo.ppo import config as config_module
+    from klppo.ppo.rollout import sampling_setup
+
+    monkeypatch.setattr(config_module, "_WARNED", set())
+    flags = ["--dataset_name", "d", "--output_dir", str(tmp_path), "--per_device_train_batch_size", "64",
+             "--gradient_accumulation_steps", "1", "--total_episodes", "10000", "--missing_eos_penalty", "1.0"]  # fmt: skip
+    with caplog.at_level("WARNING"):
+        _, args, _ = HfArgumentParser((ScriptArguments, PPOConfig, ModelConfig)).parse_args_into_dataclasses(flags)
+    assert (args.stop_token, args.stop_token_id, args.missing_eos_penalty) == (None, None, 1.0)
+    warned = [r.getMessage() for r in caplog.records if "missing_eos_penalty=1.0" in r.getMessage()]
+    assert len(warned) == 1 and "contains no EOS token anywhere has 1.0 subtracted" in warned[0]
+    stop_token_id, suppressed, generation_config = sampling_setup(args, load_tokenizer(resolve_model_path(TINY_MODEL)))
+    assert stop_token_id is None and suppressed is None and generation_config.eos_token_id == []
+
+
+def test_trl_flags_klppo_treats_otherwise_warn_once(tmp_path, caplog, monkeypatch):
+    """`local_rollout_forward_batch_size` below the rollout batch (klppo generates the whole batch at once) and
+    `eval_strategy` (klppo evaluates, TRL did not): one warning each, however often the config is built."""
+    from klppo.ppo import config as config_module
+
+    monkeypatch.setattr(config_module, "_WARNED", set())
+    overrides = dict(per_device_train_batch_size=1, gradient_accumulation_steps=16, local_rollout_forward_batch_size=1,
+                     eval_strategy="steps", eval_steps=100)  # fmt: skip
+    with caplog.at_level("WARNING"):
+        PPOConfig(**base_args(tmp_path))  # TRL's defaults: nothing to say
+        assert not caplog.records
+        for _ in range(2):
+            PPOConfig(**base_args(tmp_path, **overrides))
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2, messages
+    assert "whole rollout batch of a process (16 sequences) in one generate call" in messages[0]
+    assert "evaluates every eval_steps=100 updates" in messages[1] and "evaluated nothing" in messages[1]
 
 
 def test_migration_guide_covers_every_trl_field():
@@ -269,6 +312,24 @@ def test_critic_is_saved_beside_the_policy_and_reloads(tiny_path, reward_model_p
     assert all(torch.equal(v, trained[k]) for k, v in again.model.critic.state_dict().items())
 
 
+def test_generate_completions_without_stop_token_runs_past_eos(tiny_path, reward_model_path, tmp_path):
+    """`generate_completions` decodes as the rollout samples: with `missing_eos_penalty` and no stop token, EOS
+    ends no response. The policy makes EOS the greedy choice at every step: each response is EOS throughout."""
+    from test_trainer import policy_favouring_eos
+
+    prompts = Dataset.from_dict({"prompt": ["The day was", "My friend said", "A letter came", "It rained"]})
+    args = PPOConfig(**base_args(tmp_path, total_episodes=4, missing_eos_penalty=1.0, per_device_eval_batch_size=2))
+    tokenizer = load_tokenizer(tiny_path)
+    trainer = PPOTrainer(args=args, processing_class=tokenizer, model=policy_favouring_eos(tiny_path, 50.0),
+                         reward_model=reward_model_path, train_dataset=prompts, eval_dataset=prompts)  # fmt: skip
+    seen, compute_rewards = [], trainer.compute_rewards
+    trainer.compute_rewards = lambda sequences: seen.append(sequences) or compute_rewards(sequences)
+    table = trainer.generate_completions()
+    assert len(table) == 4
+    assert len(seen) == 2 and all(s.response_mask.all() and (s.responses == tokenizer.eos_token_id).all() for s in seen)
+    assert all(s.responses.shape[1] == args.response_length for s in seen)
+
+
 def test_trainer_refuses_trl_misuse(tiny_path, reward_model_path, tmp_path):
     prompts = Dataset.from_dict({"prompt": ["The day was"] * 4})
     policy = load_causal_lm(tiny_path)
@@ -280,3 +341,227 @@ def test_trainer_refuses_trl_misuse(tiny_path, reward_model_path, tmp_path):
         PPOTrainer(model=policy, data_collator=lambda rows: rows, **common)
     with pytest.raises(ValueError, match="model_adapter_name"):
         PPOTrainer(model=policy, **{**common, "args": PPOConfig(**base_args(tmp_path, model_adapter_name="sft"))})
+
+
+# ---------------------------------------------------------------------------------------------------- TRL's commands
+# TRL 1.12's documented PPO command lines, as written there (the same text from trl 1.0 on): the two commands of
+# docs/source/ppo_trainer.md ("Get started", "Benchmark experiments") and the docstrings at the top of
+# examples/scripts/ppo/ppo.py and examples/scripts/ppo/ppo_tldr.py.
+TRL_PPO_COMMANDS = {
+    "ppo_trainer.md, Get started": r"""
+python examples/scripts/ppo/ppo.py \
+    --dataset_name trl-internal-testing/descriptiveness-sentiment-trl-style \
+    --dataset_train_split descriptiveness \
+    --learning_rate 3e-6 \
+    --num_ppo_epochs 1 \
+    --num_mini_batches 1 \
+    --output_dir models/minimal/ppo \
+    --per_device_train_batch_size 64 \
+    --gradient_accumulation_steps 1 \
+    --total_episodes 10000 \
+    --model_name_or_path EleutherAI/pythia-1b-deduped \
+    --sft_model_path EleutherAI/pythia-1b-deduped \
+    --reward_model_path EleutherAI/pythia-1b-deduped \
+    --missing_eos_penalty 1.0
+""",
+    "ppo.py": r"""
+python -i examples/scripts/ppo/ppo.py \
+    --dataset_name trl-internal-testing/descriptiveness-sentiment-trl-style \
+    --dataset_train_split descriptiveness \
+    --output_dir pythia-1b-deduped-descriptiveness-sentiment-trl-style-ppo \
+    --per_device_train_batch_size 64 \
+    --gradient_accumulation_steps 1 \
+    --total_episodes 10000 \
+    --model_name_or_path EleutherAI/pythia-1b-deduped \
+    --missing_eos_penalty 1.0
+""",
+    "ppo.py, ZeRO-3": r"""
+accelerate launch --config_file examples/accelerate_configs/deepspeed_zero3.yaml \
+    examples/scripts/ppo/ppo.py \
+    --dataset_name trl-internal-testing/descriptiveness-sentiment-trl-style \
+    --dataset_train_split descriptiveness \
+    --output_dir pythia-1b-deduped-descriptiveness-sentiment-trl-style-ppo \
+    --num_ppo_epochs 1 \
+    --num_mini_batches 1 \
+    --per_device_train_batch_size 1 \
+    --gradient_accumulation_steps 16 \
+    --total_episodes 10000 \
+    --model_name_or_path EleutherAI/pythia-1b-deduped \
+    --sft_model_path EleutherAI/pythia-1b-deduped \
+    --reward_model_path EleutherAI/pythia-1b-deduped \
+    --local_rollout_forward_batch_size 1 \
+    --missing_eos_penalty 1.0
+""",
+    "ppo_tldr.py": r"""
+python examples/scripts/ppo/ppo_tldr.py \
+    --dataset_name trl-lib/tldr \
+    --dataset_test_split validation \
+    --output_dir pythia-1b-deduped-tldr-preference-sft-trl-style-ppo \
+    --per_device_train_batch_size 1 \
+    --gradient_accumulation_steps 64 \
+    --total_episodes 30000 \
+    --model_name_or_path EleutherAI/pythia-1b-deduped \
+    --sft_model_path cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr \
+    --reward_model_path cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr \
+    --missing_eos_penalty 1.0 \
+    --stop_token eos \
+    --response_length 53 \
+    --eval_strategy steps \
+    --eval_steps 100
+""",
+    "ppo_tldr.py, ZeRO-2": r"""
+accelerate launch --config_file examples/accelerate_configs/deepspeed_zero2.yaml \
+    examples/scripts/ppo/ppo_tldr.py \
+    --dataset_name trl-lib/tldr \
+    --dataset_test_split validation \
+    --output_dir pythia-1b-deduped-tldr-preference-sft-trl-style-ppo \
+    --per_device_train_batch_size 16 \
+    --gradient_accumulation_steps 4 \
+    --total_episodes 1000000 \
+    --model_name_or_path EleutherAI/pythia-1b-deduped \
+    --sft_model_path cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr \
+    --reward_model_path cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr \
+    --local_rollout_forward_batch_size 16 \
+    --missing_eos_penalty 1.0 \
+    --stop_token eos \
+    --eval_strategy steps \
+    --eval_steps 100
+""",
+    "ppo_trainer.md, Benchmark experiments": r"""
+accelerate launch --config_file examples/accelerate_configs/deepspeed_zero2.yaml \
+    examples/scripts/ppo/ppo_tldr.py \
+    --dataset_name trl-lib/tldr \
+    --dataset_test_split validation \
+    --output_dir models/minimal/ppo_tldr \
+    --learning_rate 3e-6 \
+    --per_device_train_batch_size 16 \
+    --gradient_accumulation_steps 4 \
+    --total_episodes 1000000 \
+    --model_name_or_path EleutherAI/pythia-1b-deduped \
+    --sft_model_path cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr \
+    --reward_model_path cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr \
+    --local_rollout_forward_batch_size 16 \
+    --missing_eos_penalty 1.0 \
+    --stop_token eos \
+    --eval_strategy steps \
+    --eval_steps 100
+""",
+}
+# The substitutions: no hub here, so the hub's ids become the offline tiny ones; TRL's paths become klppo's
+RUNNER = str(ROOT / "tests" / "trl_script_runner.py")  # runs the script unchanged and records each update's figures
+ID_SUBSTITUTIONS = {
+    "examples/scripts/ppo/ppo.py": str(ROOT / "examples" / "ppo.py"),
+    "examples/scripts/ppo/ppo_tldr.py": str(ROOT / "examples" / "ppo_tldr.py"),
+    "trl-internal-testing/descriptiveness-sentiment-trl-style": "klppo:offline-prompts",
+    "trl-lib/tldr": "klppo:tldr",  # summarization prompts made offline
+    "EleutherAI/pythia-1b-deduped": TINY_MODEL,  # the policy, and in ppo.py the reward model with a fresh head
+    "cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr": TINY_MODEL,
+    "cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr": "<tiny reward model>",  # a one-output classifier
+    "examples/accelerate_configs/deepspeed_zero3.yaml": "<ZeRO-3 on 2 CPU ranks>",  # the shipped CPU config
+    "examples/accelerate_configs/deepspeed_zero2.yaml": "<ZeRO-2 on 2 CPU ranks>",  # the same with stage 2
+}
+# PPOConfig's defaults of the two paths (TRL's: EleutherAI/pythia-160m), replaced where a command leaves them unset
+DEFAULT_PATH_FLAGS = {"--sft_model_path": TINY_MODEL, "--reward_model_path": TINY_MODEL}
+UPDATES = 1  # `--total_episodes` appended last (the parser reads the last value): this many PPO updates
+NO_STOP_WARNING = "is taken as TRL 1.12 took it"
+
+
+def trl_command(name: str, tmp_path, reward_model: str) -> tuple[list[str], dict[str, str]]:
+    """TRL's command line `name` with the substitutions above: `(argv, the script's flags as it reads them)`."""
+    import shlex
+
+    from test_trainer_distributed import free_port
+
+    words = shlex.split(TRL_PPO_COMMANDS[name].replace("\\\n", " "))
+    local = {"<tiny reward model>": reward_model}
+    for stage in (2, 3):
+        if f"deepspeed_zero{stage}.yaml" in TRL_PPO_COMMANDS[name]:
+            from test_deepspeed import accelerate_config
+
+            local[f"<ZeRO-{stage} on 2 CPU ranks>"] = accelerate_config(tmp_path, stage)
+    words = [ID_SUBSTITUTIONS.get(w, w) for w in words]
+    words = [local.get(w, w) for w in words]
+    if words[:2] == ["python", "-i"]:  # `-i` only opens an interpreter prompt once the script is done
+        words = ["python", *words[2:]]
+    if words[0] == "python":
+        argv, script_at = [sys.executable, RUNNER], 1
+    else:  # accelerate launch --config_file <config>
+        assert words[:3] == ["accelerate", "launch", "--config_file"], words
+        argv = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", words[3],
+                "--main_process_port", str(free_port()), RUNNER]  # fmt: skip
+        script_at = 4
+    script_flags = words[script_at + 1 :]
+    flags = dict(zip(script_flags[::2], script_flags[1::2]))
+    for flag, value in DEFAULT_PATH_FLAGS.items():
+        if flag not in flags:
+            script_flags += [flag, value]
+    ranks = 1 if words[0] == "python" else 2
+    episodes = UPDATES * int(flags["--per_device_train_batch_size"]) * int(flags["--gradient_accumulation_steps"]) * ranks
+    script_flags += ["--total_episodes", str(episodes)]
+    flags = dict(zip(script_flags[::2], script_flags[1::2]))  # the last value of each flag, as the parser keeps it
+    return [*argv, words[script_at], *script_flags], flags
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(TRL_PPO_COMMANDS))
+def test_trl_112_documented_command_runs(name, tiny_path, reward_model_path, tmp_path, monkeypatch):
+    """Each PPO command line TRL 1.12 documents runs with its flags unchanged, through klppo's TRL-shaped
+    examples (only the import differs), on the offline tiny models: the hub's ids, TRL's script and config paths
+    are substituted (`ID_SUBSTITUTIONS`), PPOConfig's default hub ids of `sft_model_path` / `reward_model_path` are
+    replaced by flags where a command leaves them unset, `python -i` runs as `python`, and `--total_episodes` is
+    appended last, as a user would, for `UPDATES` updates instead of thousands. The ZeRO-3 and ZeRO-2 commands run
+    under DeepSpeed on 2 CPU ranks.
+
+    Checks: exit 0; the updates ran, with the batch sizes, epochs and learning rate the flags give in TRL; every
+    response without EOS, and only those, lost `missing_eos_penalty` (the figures: raw reward - score = penalty x
+    share without EOS); without a stop token, nothing was suppressed or truncated (every response has
+    `response_length` tokens, EOS sampled like any token) and one warning said so; with `--stop_token eos`,
+    responses end at EOS and no such warning."""
+    from test_trainer_distributed import run
+
+    argv, flags = trl_command(name, tmp_path, reward_model_path)
+    record_dir = tmp_path / "record"
+    record_dir.mkdir()
+    monkeypatch.setenv("KLPPO_RUN_RECORD", str(record_dir))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    _, stderr = run(argv, tmp_path)
+    ranks = 2 if "accelerate.commands.launch" in argv else 1
+    records = [json.loads((record_dir / f"rank{r}.json").read_text()) for r in range(ranks)]
+    record, args = records[0], records[0]["args"]
+    assert [r["world"] for r in records] == [ranks] * ranks and record["deepspeed"] == (ranks == 2)
+    # the updates ran, with TRL's meaning of the flags
+    assert record["global_step"] == args["num_total_batches"] == len(record["updates"]) == UPDATES
+    local_batch = int(flags["--per_device_train_batch_size"]) * int(flags["--gradient_accumulation_steps"])
+    assert (args["local_batch_size"], args["batch_size"]) == (local_batch, local_batch * ranks)
+    assert args["num_ppo_epochs"] == int(flags.get("--num_ppo_epochs", 4))
+    assert args["num_mini_batches"] == int(flags.get("--num_mini_batches", 1))
+    assert args["learning_rate"] == float(flags.get("--learning_rate", 3e-6))
+    assert args["response_length"] == int(flags.get("--response_length", 53)) == 53
+    assert (tmp_path / flags["--output_dir"] / "config.json").is_file()  # the trained policy was saved
+    penalty = float(flags["--missing_eos_penalty"])
+    assert args["missing_eos_penalty"] == penalty == 1.0
+    (reward,) = record["reward_names"]
+    for update in record["updates"]:
+        assert all(math.isfinite(update[k]) for k in ("loss/policy", "loss/value", "kl/k1", "objective/scores"))
+        # the penalty went to the responses without EOS, and only to them
+        missing = 1.0 - update["objective/eos_frac"]
+        assert update[f"rewards/{reward}"] - update["objective/scores"] == pytest.approx(penalty * missing, abs=1e-4)
+    lengths = [u["objective/response_length"] for u in record["updates"]]
+    eos_sampled = sum(u["val/num_eos_tokens"] for u in record["updates"])
+    if "--stop_token" in flags:
+        assert record["stop_token_id"] == record["eos_token_id"] == record["generation_eos_token_id"]
+        for update, length in zip(record["updates"], lengths):  # a response ends early only at EOS
+            assert 0 < length <= 53 and (length == 53 or update["objective/eos_frac"] > 0)
+        assert NO_STOP_WARNING not in stderr
+    else:  # TRL's meaning: EOS sampled like any token, no truncation, responses without EOS penalised
+        assert record["stop_token_id"] is None and record["suppressed_ids"] is None
+        assert record["generation_eos_token_id"] == []
+        # the seeded tiny model samples EOS about once in 1,000 tokens: a few of the responses hold one, and
+        # still have all their tokens
+        assert eos_sampled > 0 and lengths == [53.0] * UPDATES
+        assert stderr.count(NO_STOP_WARNING) == 1, stderr[-3000:]
+    # where klppo does something else with a flag than TRL did, one warning says what
+    if record["eval_strategy"] == "steps":  # klppo evaluates every eval_steps updates, TRL evaluated nothing
+        assert stderr.count("TRL 1.12's PPOTrainer evaluated nothing") == 1
+    if int(flags.get("--local_rollout_forward_batch_size", 64)) < local_batch:  # TRL also generated in such chunks
+        assert stderr.count("in one generate call") == 1

@@ -240,12 +240,14 @@ KLPPO_CONFIG_DOC = r"""
             Sampling temperature; policy and reference log-probs use the same scaling.
         stop_token (`str` or `None`, *optional*, defaults to `"eos"`):
             `"eos"` truncates responses after the first EOS token; `None` samples fixed-length responses (the
-            end-of-sequence tokens are then never sampled, and masked out of every scored log-softmax).
+            end-of-sequence tokens are then never sampled, and masked out of every scored log-softmax), unless
+            `missing_eos_penalty` is set.
         stop_token_id (`int` or `None`, *optional*, defaults to `None`):
             An explicit stop token id (overrides `stop_token`).
         missing_eos_penalty (`float` or `None`, *optional*, defaults to `None`):
-            Subtracted from the score of responses that did not end with the stop token (needs one:
-            `stop_token="eos"` or `stop_token_id`).
+            Subtracted from the score of responses that did not end with the stop token. Without a stop token
+            (TRL 1.12's meaning, with a warning): responses have `response_length` tokens, EOS is sampled and
+            scored like any other token, and the responses that contain no EOS token anywhere are penalised.
         reward_weights (`list[float]` or `None`, *optional*, defaults to `None`):
             Weights of the reward functions (default: all 1).
         rollout_forward_batch_size (`int` or `None`, *optional*, defaults to `None`):
@@ -287,6 +289,18 @@ _FIELD_DOCS = {**field_docs(KLPPO_CONFIG_DOC), **_EXPERIMENTAL_DOCS}
 
 def _doc(name: str) -> dict:
     return doc_metadata(_FIELD_DOCS, name)
+
+
+_WARNED: set[str] = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    """Log `message` as a warning once per process (the first process of a distributed run only), however often
+    a config is built (`HfArgumentParser`, `dataclasses.replace`, a saved config)."""
+    if key in _WARNED or int(os.environ.get("RANK", "0")) != 0:
+        return
+    _WARNED.add(key)
+    logger.warning(message)
 
 
 @dataclass
@@ -540,11 +554,15 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
         if self.stop_token not in ("eos", None):
             raise _choice_error("stop_token", self.stop_token, ("eos", None))
         if self.missing_eos_penalty is not None and self.stop_token is None and self.stop_token_id is None:
-            raise ValueError(
-                f"`missing_eos_penalty={self.missing_eos_penalty}` needs a stop token: with `stop_token=None` every "
-                "response has the full length and EOS is never sampled, so the penalty could never apply. Set "
-                "stop_token='eos' (or stop_token_id), or remove missing_eos_penalty."
-            )
+            warn_once(
+                "missing_eos_penalty without a stop token",
+                f"missing_eos_penalty={self.missing_eos_penalty} with no stop token (stop_token=None, "
+                "stop_token_id=None) is taken as TRL 1.12 took it: responses run to their full response_length "
+                f"({self.response_length} tokens); the EOS token is not suppressed, is sampled and scored like any "
+                "other token and does not end a response; a response that contains no EOS token anywhere has "
+                f"{self.missing_eos_penalty} subtracted from its score. Set stop_token='eos' to end responses at EOS "
+                "(the penalty then goes to those that do not reach it).",
+            )  # fmt: skip
         if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
             raise ValueError(f"`gamma` and `lam` must lie in [0, 1], got gamma={self.gamma}, lam={self.lam}.")
         if self.cliprange <= 0 or self.cliprange_value <= 0:

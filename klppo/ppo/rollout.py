@@ -118,17 +118,34 @@ def ends_with_stop(responses: torch.Tensor, mask: torch.Tensor, stop_token_id: i
     return responses.gather(1, last.unsqueeze(1)).squeeze(1) == stop_token_id
 
 
-def suppressed_token_ids(stop_token_id: int | None, tokenizer, model_generation_config=None) -> list[int]:
+def eos_scored_as_any_token(args, stop_token_id: int | None) -> bool:
+    """Whether a run samples and scores the end-of-sequence token like any other token, without ending responses
+    there: `missing_eos_penalty` with no stop token, TRL 1.12's meaning of that combination. Responses then run to
+    `response_length` tokens, nothing is suppressed, and the penalty goes to each response that contains no EOS
+    token anywhere (`KLPPOTrainer.compute_rewards`). Without a stop token and without that penalty, responses have
+    a fixed length and EOS is suppressed instead (`suppressed_token_ids`)."""
+    return stop_token_id is None and getattr(args, "missing_eos_penalty", None) is not None
+
+
+def contains_token(responses: torch.Tensor, mask: torch.Tensor, token_id: int) -> torch.Tensor:
+    """`[B]` bool: whether each response holds `token_id` anywhere among its valid tokens."""
+    return ((responses == token_id) & mask.bool()).any(dim=1)
+
+
+def suppressed_token_ids(
+    stop_token_id: int | None, tokenizer, model_generation_config=None, eos_scored: bool = False
+) -> list[int]:
     """Token ids that generation never samples: the end-of-sequence ids when responses have a fixed length
-    (`stop_token_id` None), else none.
+    (`stop_token_id` None), else none; none either with `eos_scored` (`eos_scored_as_any_token`: EOS is then
+    sampled and scored like any other token, and does not end the response).
 
     Responses of fixed length must not end early, so the end-of-sequence tokens (the tokenizer's and the
     model's generation config's) are suppressed while sampling. The same ids are masked out of every
     log-softmax that is scored (`response_logits`), so the trained distribution is exactly the sampled one;
     scoring the raw logits instead would let the suppressed tokens' probability drift unseen, and the model
-    would later emit them whenever they are allowed.
+    would later emit them whenever they are allowed. With `eos_scored` nothing is masked, in sampling or scoring.
     """
-    if stop_token_id is not None:
+    if stop_token_id is not None or eos_scored:
         return []
     ids = {tokenizer.eos_token_id}
     model_eos = getattr(model_generation_config, "eos_token_id", None)
@@ -139,11 +156,13 @@ def suppressed_token_ids(stop_token_id: int | None, tokenizer, model_generation_
 def sampling_setup(args, tokenizer, policy_generation_config=None):
     """`(stop_token_id, suppressed_ids, generation_config)` of a run: the stop token (`stop_token_id`, or EOS
     with `stop_token="eos"`, or None for fixed-length responses), the token ids never sampled as a tensor (or
-    None) and the sampling configuration."""
+    None: with a stop token, or with `missing_eos_penalty` and none, `eos_scored_as_any_token`) and the sampling
+    configuration."""
     stop_token_id = args.stop_token_id
     if stop_token_id is None and args.stop_token == "eos":
         stop_token_id = tokenizer.eos_token_id
-    suppressed = suppressed_token_ids(stop_token_id, tokenizer, policy_generation_config)
+    eos_scored = eos_scored_as_any_token(args, stop_token_id)
+    suppressed = suppressed_token_ids(stop_token_id, tokenizer, policy_generation_config, eos_scored=eos_scored)
     suppressed_ids = torch.tensor(suppressed, dtype=torch.long) if suppressed else None
     return stop_token_id, suppressed_ids, make_generation_config(args, tokenizer, stop_token_id, suppressed)
 
@@ -163,7 +182,9 @@ def make_generation_config(args, tokenizer, stop_token_id: int | None, suppresse
         **NEUTRAL_PROCESSORS,  # so that a model's generation config cannot add a processor that reshapes the logits
     )
     if stop_token_id is None:
-        # fixed length: never sample an end-of-sequence token (so generation never stops early)
+        # fixed length: no token ends a response (an empty list, so that `generate` does not fill in the model's
+        # own EOS ids), and the suppressed ones are never sampled
+        kwargs["eos_token_id"] = []
         if suppressed:
             kwargs["suppress_tokens"] = list(suppressed)
     else:

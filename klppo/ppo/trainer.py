@@ -460,7 +460,10 @@ class KLPPOTrainer(Trainer):
     # ------------------------------------------------------------------ step 4: rewards
     @torch.no_grad()
     def compute_rewards(self, rollout: Sequences) -> Rewards:
-        """Step 4: decode the completions, call the reward functions, combine them by weight."""
+        """Step 4: decode the completions, call the reward functions, combine them by weight, and subtract
+        `missing_eos_penalty` from the responses that did not reach their end."""
+        from .rollout import contains_token, eos_scored_as_any_token
+
         mask = rollout.response_mask
         completion_ids = [r[m.bool()].tolist() for r, m in zip(rollout.responses, mask)]
         completions = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
@@ -477,15 +480,20 @@ class KLPPOTrainer(Trainer):
                 int((~applicable).sum()), len(completions),
             )  # fmt: skip
         scores = scores.float()
-        has_stop = ends_with_stop(rollout.responses, mask, self.stop_token_id)
+        # who pays missing_eos_penalty (`has_end` False)
+        eos_scored = eos_scored_as_any_token(self.args, self.stop_token_id)
+        if eos_scored:  # no stop token, EOS sampled like any token: a response with no EOS anywhere (TRL 1.12's rule)
+            has_end = contains_token(rollout.responses, mask, self.processing_class.eos_token_id)
+        else:  # a response that does not end with the stop token (none pays when there is no stop token)
+            has_end = ends_with_stop(rollout.responses, mask, self.stop_token_id)
         if self.args.missing_eos_penalty is not None:
-            scores = torch.where(has_stop, scores, scores - self.args.missing_eos_penalty)
+            scores = torch.where(has_end, scores, scores - self.args.missing_eos_penalty)
         stats = GlobalSums()
         for name, (total, count) in per_function.items():
             stats.add(f"rewards/{name}", total, count)
         stats.add("objective/scores", scores.sum(), scores.numel())
-        if self.stop_token_id is not None:  # fixed-length responses never end with a stop token
-            stats.add("objective/eos_frac", has_stop.float().sum(), has_stop.numel())
+        if self.stop_token_id is not None or eos_scored:  # with EOS suppressed, no response can reach it
+            stats.add("objective/eos_frac", has_end.float().sum(), has_end.numel())
         stats.add("objective/response_length", mask.sum(), mask.shape[0])
         return Rewards(completions, scores, applicable, stats.means(self.accelerator))
 
