@@ -83,6 +83,8 @@ PPO_CONFIG_DOC = r"""
             `"eos"`: responses end at the tokenizer's EOS token; `None`: no stop token unless `stop_token_id` is set.
             Mutually exclusive with `stop_token_id`. Without a stop token, responses have `response_length` tokens;
             EOS is never sampled, unless `missing_eos_penalty` is set (then it is sampled as in TRL, see there).
+        stop_token_id (`int` or `None`, *optional*, defaults to `None`):
+            A stop token given by its id, as in TRL (klppo's own config takes the token's text in `stop_token`).
         missing_eos_penalty (`float` or `None`, *optional*, defaults to `None`):
             Subtracted from the score of a response that does not end with the stop token. Without a stop token,
             as in TRL 1.12 (a warning says what happens): responses have `response_length` tokens, EOS is sampled
@@ -154,6 +156,7 @@ class PPOConfig(KLPPOConfig):
     rollout_forward_batch_size: int | None = field(default=None, metadata=_doc("rollout_forward_batch_size"))
     num_sample_generations: int = field(default=10, metadata=_doc("num_sample_generations"))
     stop_token: str | None = field(default=None, metadata=_doc("stop_token"))
+    stop_token_id: int | None = field(default=None, metadata=_doc("stop_token_id"))
     missing_eos_penalty: float | None = field(default=None, metadata=_doc("missing_eos_penalty"))
     sft_model_path: str = field(default="EleutherAI/pythia-160m", metadata=_doc("sft_model_path"))
     reward_model_path: str = field(default="EleutherAI/pythia-160m", metadata=_doc("reward_model_path"))

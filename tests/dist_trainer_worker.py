@@ -199,8 +199,11 @@ EVAL_PROMPTS = Dataset.from_dict({"prompt": PROMPTS["prompt"][:1]})
 def engine_trainer(out_dir: str, stop_token_id: int | None = None) -> KLPPOTrainer:
     """The `engine` mode's trainer: 2 mini-batches x gradient accumulation 2 of one sequence, SGD; `EVAL_PROMPTS`
     and 2 held-out texts for an evaluation; the stop token `stop_token_id` (default: end of sequence)."""
+    from klppo.models import load_tokenizer
+
+    stop = "eos" if stop_token_id is None else load_tokenizer(resolve_model_path(TINY_MODEL)).convert_ids_to_tokens(stop_token_id)
     return make_trainer(out_dir, per_device_train_batch_size=1, gradient_accumulation_steps=2, num_mini_batches=2,
-                        learning_rate=0.05, kl_mode="reward", nonfinite_rollback=False, stop_token_id=stop_token_id,
+                        learning_rate=0.05, kl_mode="reward", nonfinite_rollback=False, stop_token=stop,
                         eval_dataset=EVAL_PROMPTS, heldout_eval_texts=2)  # fmt: skip
 
 

@@ -1161,3 +1161,13 @@ def test_updates_with_a_skipped_step_count_as_a_streak_without_rollback(tiny_pat
     with pytest.raises(TrainingDiverged, match="2 PPO updates in a row"):
         trainer.train()
     assert trainer.state.global_step == 1 and trainer.nonfinite_skips == 2
+
+
+def test_a_stop_token_is_eos_or_any_one_token_given_as_its_text(tiny_path, prompts, tmp_path):
+    trainer = make_trainer(tiny_path, prompts, make_args(tmp_path, stop_token="<|im_start|>"))
+    assert trainer.stop_token_id == trainer.processing_class.convert_tokens_to_ids("<|im_start|>") != trainer.processing_class.eos_token_id
+    assert make_trainer(tiny_path, prompts, make_args(tmp_path)).stop_token_id == trainer.processing_class.eos_token_id
+    with pytest.raises(ValueError, match="not one token of this tokenizer.*'eos'"):
+        make_trainer(tiny_path, prompts, make_args(tmp_path, stop_token="no such token here"))
+    with pytest.raises(ValueError, match="`stop_token` must be 'eos'"):
+        make_args(tmp_path, stop_token="")

@@ -32,7 +32,6 @@ DEFAULT_FULL_LEARNING_RATE = 3e-5
 CRITIC_KINDS = ("separate", "shared")
 ADVANTAGE_ESTIMATORS = ("gae", "rloo", "grpo")
 CRITIC_FREE_DEFAULT_GENERATIONS = 4
-_choice_error = choice_error
 
 
 EXPERIMENTAL_DOC = r"""
@@ -239,11 +238,10 @@ KLPPO_CONFIG_DOC = r"""
         temperature (`float`, *optional*, defaults to `0.7`):
             Sampling temperature; policy and reference log-probs use the same scaling.
         stop_token (`str` or `None`, *optional*, defaults to `"eos"`):
-            `"eos"` truncates responses after the first EOS token; `None` samples fixed-length responses (the
-            end-of-sequence tokens are then never sampled, and masked out of every scored log-softmax), unless
-            `missing_eos_penalty` is set.
-        stop_token_id (`int` or `None`, *optional*, defaults to `None`):
-            An explicit stop token id (overrides `stop_token`).
+            The token that ends a response (responses are truncated after its first occurrence): `"eos"`, the
+            tokenizer's end-of-sequence token, or any one token of the tokenizer given as its text (e.g.
+            `"<|im_end|>"`). `None` samples fixed-length responses (the end-of-sequence tokens are then never
+            sampled, and masked out of every scored log-softmax), unless `missing_eos_penalty` is set.
         missing_eos_penalty (`float` or `None`, *optional*, defaults to `None`):
             Subtracted from the score of responses that did not end with the stop token. Without a stop token
             (TRL 1.12's meaning, with a warning): responses have `response_length` tokens, EOS is sampled and
@@ -327,7 +325,6 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
     response_length: int = field(default=53, metadata=_doc("response_length"))
     temperature: float = field(default=0.7, metadata=_doc("temperature"))
     stop_token: str | None = field(default="eos", metadata=_doc("stop_token"))
-    stop_token_id: int | None = field(default=None, metadata=_doc("stop_token_id"))
     missing_eos_penalty: float | None = field(default=None, metadata=_doc("missing_eos_penalty"))
     reward_weights: list[float] | None = field(default=None, metadata=_doc("reward_weights"))
     rollout_forward_batch_size: int | None = field(default=None, metadata=_doc("rollout_forward_batch_size"))
@@ -418,10 +415,10 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
 
         x = self._experimental
         if x.kl_statistic not in kl_estimators():
-            raise _choice_error("kl_statistic", x.kl_statistic, kl_estimators())
+            raise choice_error("kl_statistic", x.kl_statistic, kl_estimators())
         guard = x.kl_guard
         if isinstance(guard, str) and guard not in kl_guards():
-            raise _choice_error("kl_guard", guard, (True, False, *kl_guards()))
+            raise choice_error("kl_guard", guard, (True, False, *kl_guards()))
         if not isinstance(guard, (bool, str)):
             raise ValueError(
                 f"`kl_guard` must be true, false, a registered guard's name or unset (on with the equilibrium and "
@@ -433,7 +430,7 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
                 "`kl_target`; set one, or leave kl_guard unset."
             )
         if x.kl_loss_scale not in KL_LOSS_SCALES:
-            raise _choice_error("kl_loss_scale", x.kl_loss_scale, KL_LOSS_SCALES)
+            raise choice_error("kl_loss_scale", x.kl_loss_scale, KL_LOSS_SCALES)
         if x.kl_log_ratio_clamp is not None and not x.kl_log_ratio_clamp > 0:
             raise ValueError(
                 f"`kl_log_ratio_clamp` must be > 0 or None, got {x.kl_log_ratio_clamp} (40 keeps float32 finite)."
@@ -535,7 +532,7 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
     # ------------------------------------------------------------------ validation
     def _validate_ppo_fields(self) -> None:
         if self.critic not in CRITIC_KINDS:
-            raise _choice_error("critic", self.critic, CRITIC_KINDS)
+            raise choice_error("critic", self.critic, CRITIC_KINDS)
         self._validate_advantage_fields()
         for name, low in (("critic_warmup_steps", 0), ("ref_reset_steps", 0)):
             if getattr(self, name) < low:
@@ -551,9 +548,12 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
                 raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}.")
         if not self.temperature > 0:
             raise ValueError(f"`temperature` must be > 0, got {self.temperature}.")
-        if self.stop_token not in ("eos", None):
-            raise _choice_error("stop_token", self.stop_token, ("eos", None))
-        if self.missing_eos_penalty is not None and self.stop_token is None and self.stop_token_id is None:
+        if self.stop_token is not None and not (isinstance(self.stop_token, str) and self.stop_token):
+            raise ValueError(
+                f"`stop_token` must be 'eos', the text of one token of the tokenizer, or None (fixed-length responses), "
+                f"got {self.stop_token!r}."
+            )
+        if self.missing_eos_penalty is not None and self.stop_token is None and getattr(self, "stop_token_id", None) is None:
             warn_once(
                 "missing_eos_penalty without a stop token",
                 f"missing_eos_penalty={self.missing_eos_penalty} with no stop token (stop_token=None, "
@@ -583,7 +583,7 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             raise ValueError(f"`max_prompt_length` must be >= 1 or None, got {self.max_prompt_length}.")
         if self.cache_implementation not in (None, "static"):
-            raise _choice_error("cache_implementation", self.cache_implementation, (None, "static"))
+            raise choice_error("cache_implementation", self.cache_implementation, (None, "static"))
         if self.cache_implementation == "static" and self.max_prompt_length is None:
             raise ValueError(
                 "`cache_implementation='static'` makes a cache of max_prompt_length + response_length positions, so "
@@ -598,7 +598,7 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
 
     def _validate_advantage_fields(self) -> None:
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
-            raise _choice_error("advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS)
+            raise choice_error("advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS)
         if self.num_generations < 1 or (self.critic_free and self.num_generations < 2):
             least = 2 if self.critic_free else 1
             raise ValueError(

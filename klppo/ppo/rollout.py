@@ -154,13 +154,20 @@ def suppressed_token_ids(
 
 
 def sampling_setup(args, tokenizer, policy_generation_config=None):
-    """`(stop_token_id, suppressed_ids, generation_config)` of a run: the stop token (`stop_token_id`, or EOS
-    with `stop_token="eos"`, or None for fixed-length responses), the token ids never sampled as a tensor (or
-    None: with a stop token, or with `missing_eos_penalty` and none, `eos_scored_as_any_token`) and the sampling
-    configuration."""
-    stop_token_id = args.stop_token_id
+    """`(stop_token_id, suppressed_ids, generation_config)` of a run: the stop token (TRL's `stop_token_id` where the
+    config has one, else `stop_token`: EOS for `"eos"`, the token of that text otherwise, or None for fixed-length
+    responses), the token ids never sampled as a tensor (or None: with a stop token, or with `missing_eos_penalty`
+    and none, `eos_scored_as_any_token`) and the sampling configuration."""
+    stop_token_id = getattr(args, "stop_token_id", None)
     if stop_token_id is None and args.stop_token == "eos":
         stop_token_id = tokenizer.eos_token_id
+    elif stop_token_id is None and args.stop_token is not None:
+        stop_token_id = tokenizer.convert_tokens_to_ids(args.stop_token)
+        if stop_token_id is None or (stop_token_id == tokenizer.unk_token_id and args.stop_token != tokenizer.unk_token):
+            raise ValueError(
+                f"`stop_token`={args.stop_token!r} is not one token of this tokenizer. Use 'eos', the text of one "
+                f"token (e.g. {tokenizer.eos_token!r}), or None for fixed-length responses."
+            )
     eos_scored = eos_scored_as_any_token(args, stop_token_id)
     suppressed = suppressed_token_ids(stop_token_id, tokenizer, policy_generation_config, eos_scored=eos_scored)
     suppressed_ids = torch.tensor(suppressed, dtype=torch.long) if suppressed else None
