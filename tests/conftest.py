@@ -79,6 +79,27 @@ def tiny_reward_model_path(tiny_model_path, tmp_path_factory):
     return path
 
 
+def once_per_session(tmp_path_factory, name: str, build):
+    """The folder `build(folder)` fills, built once per test session: under pytest-xdist the test processes share
+    it (the first to ask builds it under a file lock, the others wait and reuse it), so a fixture that starts ranks
+    or trains does not run once in each process."""
+    from filelock import FileLock
+
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        folder = tmp_path_factory.mktemp(name)
+        build(folder)
+        return folder
+    root = tmp_path_factory.getbasetemp().parent  # shared by the session's test processes
+    folder = root / name
+    with FileLock(str(root / f"{name}.lock")):
+        if not (folder / ".built").is_file():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            build(folder)
+            (folder / ".built").touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def engine_rollout(tmp_path_factory):
     """One saved rollout of 8 sequences (with its rewards) for the worker's `engine` mode: 4 per rank, 2 mini-batches
@@ -87,13 +108,13 @@ def engine_rollout(tmp_path_factory):
 
     import dist_trainer_worker as worker
 
-    out = tmp_path_factory.mktemp("engine_rollout")
-    trainer = worker.make_trainer(str(out))
-    torch.manual_seed(0)
-    rollout = trainer.rollout(trainer.prompt_batch(worker.PROMPTS["prompt"][:8]))
-    path = out / "rollout.pt"
-    torch.save((rollout, trainer.compute_rewards(rollout)), path)
-    return path
+    def build(out):
+        trainer = worker.make_trainer(str(out))
+        torch.manual_seed(0)
+        rollout = trainer.rollout(trainer.prompt_batch(worker.PROMPTS["prompt"][:8]))
+        torch.save((rollout, trainer.compute_rewards(rollout)), out / "rollout.pt")
+
+    return once_per_session(tmp_path_factory, "engine_rollout", build) / "rollout.pt"
 
 
 @pytest.fixture(scope="session")
@@ -101,6 +122,7 @@ def ddp_update(engine_rollout, tmp_path_factory):
     """The `engine` update of `engine_rollout` under DDP (`torchrun`, 2 CPU processes): the reference engine."""
     from test_trainer_distributed import torchrun
 
-    out = tmp_path_factory.mktemp("ddp")
-    torchrun(["engine", str(engine_rollout), str(out)], out)
-    return out
+    def build(out):
+        torchrun(["engine", str(engine_rollout), str(out)], out)
+
+    return once_per_session(tmp_path_factory, "ddp", build)

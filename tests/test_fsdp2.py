@@ -30,6 +30,7 @@ import sys
 import pytest
 import torch
 
+from conftest import once_per_session
 from test_trainer_distributed import WORKER, free_port, read_engine_run, run, update_difference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,32 +60,37 @@ def fsdp_launch(worker_args: list[str], tmp_path, timeout: float = 600) -> None:
     run([*launcher, WORKER, *worker_args], tmp_path, timeout=timeout)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def fsdp_engine_run(engine_rollout, tiny_model_path, tmp_path_factory):
     """The worker's `engine` mode under FSDP2, with sampling first: rank 0's response ends at the stop token after 2
     tokens while rank 1's runs to full length. Returns its folder and, as one process makes them alone (no engine),
     each rank's rollout and the evaluation."""
     import dist_trainer_worker as worker
 
-    out = tmp_path_factory.mktemp("fsdp2_engine")
-    # the stop token: the 2nd token rank 0 samples on its own, one that rank 1 never samples (the random tiny model
-    # puts a chance of about 1e-3 on each token, so its own end-of-sequence token would almost never end a response)
-    trainer = worker.engine_trainer(str(out))
-    for seed in range(20):
-        tokens = [worker.sample_alone(trainer, rank, seed).responses[0].tolist() for rank in range(2)]
-        stop = tokens[0][1]
-        if stop != tokens[0][0] and stop not in tokens[1]:
-            break
-    else:
-        pytest.fail("no seed gave a stop token that ends rank 0's response only")
-    trainer = worker.engine_trainer(str(out), stop)
-    alone = [worker.sample_alone(trainer, rank, seed) for rank in range(2)]
-    assert alone[0].responses.tolist() == [tokens[0][:2]] and alone[1].responses.tolist() == [tokens[1]]
-    # rank 0 is done after 2 tokens, rank 1 after 6: unless rank 0 steps on until rank 1 is done, their weight
-    # gathers pair up wrongly, and the run fails or hangs (the timeout); likewise in the evaluation, whose one prompt
-    # only rank 0 holds
-    fsdp_launch(["engine", str(engine_rollout), str(out), str(seed), str(stop)], out, timeout=180)
-    return out, alone, trainer.evaluate_policy()
+    def build(out):
+        # the stop token: the 2nd token rank 0 samples on its own, one that rank 1 never samples (the random tiny
+        # model puts a chance of about 1e-3 on each token, so its own end-of-sequence token would almost never end a
+        # response)
+        trainer = worker.engine_trainer(str(out))
+        for seed in range(20):
+            tokens = [worker.sample_alone(trainer, rank, seed).responses[0].tolist() for rank in range(2)]
+            stop = tokens[0][1]
+            if stop != tokens[0][0] and stop not in tokens[1]:
+                break
+        else:
+            pytest.fail("no seed gave a stop token that ends rank 0's response only")
+        trainer = worker.engine_trainer(str(out), stop)
+        alone = [worker.sample_alone(trainer, rank, seed) for rank in range(2)]
+        assert alone[0].responses.tolist() == [tokens[0][:2]] and alone[1].responses.tolist() == [tokens[1]]
+        # rank 0 is done after 2 tokens, rank 1 after 6: unless rank 0 steps on until rank 1 is done, their
+        # weight gathers pair up wrongly, and the run fails or hangs (the timeout); likewise in the evaluation,
+        # whose one prompt only rank 0 holds
+        fsdp_launch(["engine", str(engine_rollout), str(out), str(seed), str(stop)], out, timeout=180)
+        torch.save((alone, trainer.evaluate_policy()), out / "alone.pt")
+
+    out = once_per_session(tmp_path_factory, "fsdp2_engine", build)
+    alone, evaluation = torch.load(out / "alone.pt", weights_only=False)
+    return out, alone, evaluation
 
 
 @pytest.mark.slow
