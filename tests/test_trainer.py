@@ -508,7 +508,8 @@ def test_only_plain_temperature_sampling_is_accepted():
     # the caller's explicit values win over the model's, as in `generate`
     assert plain_sampling_temperature(plain, GenerationConfig(temperature=0.2, top_p=0.9)) == 0.7
     for model_default in ({"min_p": 0.05}, {"typical_p": 0.9}, {"epsilon_cutoff": 3e-4}, {"penalty_alpha": 0.6},
-                          {"repetition_penalty": 1.2}, {"no_repeat_ngram_size": 3}, {"min_new_tokens": 2}):
+                          {"repetition_penalty": 1.2}, {"no_repeat_ngram_size": 3}, {"min_new_tokens": 2},
+                          {"min_length": 30}):
         assert plain_sampling_temperature(plain, GenerationConfig(**model_default)) is None, model_default
     # the rollout's own config sets those processors to neutral values, which the model's defaults do not replace
     from types import SimpleNamespace
@@ -518,11 +519,30 @@ def test_only_plain_temperature_sampling_is_accepted():
     tokenizer = SimpleNamespace(pad_token_id=3)
     ours = make_generation_config(SimpleNamespace(response_length=4, temperature=0.7), tokenizer, stop_token_id=2)
     assert plain_sampling_temperature(ours, GenerationConfig(repetition_penalty=1.3, no_repeat_ngram_size=2)) == 0.7
+    assert plain_sampling_temperature(ours, GenerationConfig(min_length=30)) == 0.7  # min_new_tokens=0 overrides it
     unset_top_k = GenerationConfig(do_sample=True, temperature=0.7, max_new_tokens=4)  # transformers' top-k 50
     two_per_prompt = GenerationConfig(do_sample=True, temperature=0.7, top_k=0, num_return_sequences=2)
     for other in (unset_top_k, two_per_prompt, GenerationConfig(do_sample=False)):
         assert plain_sampling_temperature(other) is None
     assert default_draw("cpu") == "inverse_cdf" and default_draw("cuda") == "exponential_race"
+
+
+@pytest.mark.parametrize("stop", [True, False])
+def test_the_rollouts_generation_config_makes_generate_warn_nothing(tiny_model_and_tokenizer, caplog, stop):
+    """The rollout's config, with or without a stop token, draws no warning from `generate` (one would repeat at
+    every update of every run), and no processor beyond the sampler's."""
+    from types import SimpleNamespace
+
+    from klppo.ppo.rollout import generate_responses, make_generation_config
+
+    model, tokenizer = tiny_model_and_tokenizer
+    enc = tokenizer(["a", "b"], return_tensors="pt", padding=True)
+    args = SimpleNamespace(response_length=3, temperature=0.7)
+    config = make_generation_config(args, tokenizer, stop_token_id=tokenizer.eos_token_id if stop else None)
+    with caplog.at_level("WARNING"):
+        out = generate_responses(model, enc.input_ids, enc.attention_mask, config, with_logprobs=True)
+    assert out.tokens.shape == (2, 3) and out.finite
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == []
 
 
 def test_sampling_from_non_finite_logits_says_the_weights_diverged(tiny_model_and_tokenizer):

@@ -364,9 +364,11 @@ class TemperatureSampler(LogitsProcessor):
 
 
 # logits processors that `generate` would add from a model's own generation config, set to values that add none
+# (`min_new_tokens=0` overrides any `min_length`: `generate` then sets it to the prompt's length, which masks
+# nothing; setting both makes `generate` warn at every call)
 NEUTRAL_PROCESSORS = {
     "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_new_tokens": 0,
-    "min_length": 0, "bad_words_ids": None, "sequence_bias": None, "exponential_decay_length_penalty": None,
+    "bad_words_ids": None, "sequence_bias": None, "exponential_decay_length_penalty": None,
     "forced_bos_token_id": None, "forced_eos_token_id": None, "begin_suppress_tokens": None,
 }
 
@@ -410,6 +412,8 @@ def plain_sampling_temperature(
     merged = copy.deepcopy(generation_config)
     if model_generation_config is not None:
         merged.update(**model_generation_config.to_dict(), defaults_only=True)
+    if merged.min_new_tokens is not None:  # it takes precedence: `generate` derives `min_length` from it
+        merged.min_length = None
     if not merged.do_sample or any(getattr(merged, k, None) not in ok for k, ok in _UNTRUNCATED.items()):
         return None
     return merged.temperature if merged.temperature is not None else 1.0
