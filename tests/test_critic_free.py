@@ -163,7 +163,7 @@ def test_no_critic_is_built_or_trained(tiny_path, prompts, tmp_path, estimator, 
     assert rollout.prompts[:4] == [rollout.prompts[0]] * 4 and rollout.prompts[4:] == [rollout.prompts[4]] * 4
     assert rollout.prompts[0] != rollout.prompts[4]
     mask = rollout.response_mask.bool()
-    returns = (penalty.rewards * mask).sum(dim=1)
+    returns = (penalty.token_rewards * mask).sum(dim=1)
     raw = sequence_advantages(estimator, returns, 4)
     if estimator == "rloo":  # whitened with the global statistics, one value on every token of a sequence
         assert adv.metrics["policy/advantage_std"] > 0

@@ -1,7 +1,8 @@
 """The data one PPO update builds, one typed result per step.
 
-`KLPPOTrainer.ppo_update` reads as the steps of the algorithm; each step returns one of these and adds
-nothing in place:
+`KLPPOTrainer.ppo_update` reads as the steps of the algorithm; each step returns one of these, and the data
+between steps travels only in them (the trainer's own state that steps change: the KL controller and guard in
+`apply_kl`, the weights and the optimizer in `optimise`):
 
     batch    = trainer.prompt_batch(prompts)                  PromptBatch
     rollout  = trainer.rollout(batch)                         Rollout      steps 1-3
@@ -85,7 +86,7 @@ class Rollout(Sequences):
 
     logp: torch.Tensor  # [B, R] log-prob of each response token under the sampling policy
     ref_logp: torch.Tensor  # [B, R] the same under the reference
-    values: torch.Tensor  # [B, R] the critic's value before each response token
+    values: torch.Tensor  # [B, R] the critic's value before each response token (zeros without a critic)
     log_ratio: torch.Tensor  # [B, R] logp - ref_logp
     kl: torch.Tensor  # [B, R] the configured estimator (`kl_estimator`), what the reward or the loss charges
     kl_clamped: torch.Tensor  # [B, R] bool: tokens where a clamp bounded the estimate
@@ -108,9 +109,10 @@ class Rewards(_Selectable):
 
 @dataclass
 class KLPenalty:
-    """Steps 5-6: the per-token rewards, the coefficient in force and the controller's reading."""
+    """Steps 5-6: the per-token rewards with the KL penalty in them, the coefficient in force and the controller's
+    reading."""
 
-    rewards: torch.Tensor  # [B, R] -coef * kl in reward mode, plus the score at the last response token
+    token_rewards: torch.Tensor  # [B, R] -coef * kl in reward mode (else 0), plus the score at the last token
     coef: float  # the coefficient used in this update (the controller's next value is in metrics)
     reading: float  # the controller statistic `kl/value` of this rollout, reduced over all ranks
     finite: bool  # False: the scores or the KL held NaN/inf and the update must be skipped
@@ -119,7 +121,8 @@ class KLPenalty:
 
 @dataclass
 class Advantages:
-    """Step 7: GAE advantages (whitened) and returns, and the loss-mode KL coefficient."""
+    """Step 7: the advantages (GAE, or critic-free RLOO / GRPO, the same on every token) and returns, and the
+    loss-mode KL coefficient."""
 
     advantages: torch.Tensor  # [B, R]
     returns: torch.Tensor  # [B, R]

@@ -2,20 +2,24 @@
 
 One PPO update (`ppo_update`), each step a public method that returns a typed result (`klppo.ppo.steps`):
 
-1. sample prompts, generate responses                        `rollout`
+0. draw a batch of prompts (`_train`, from the endless prompt loader)  `prompt_batch` -> `PromptBatch`
+1. generate responses                                        `rollout`
 2. truncate at the stop token, build masks                   `rollout`
 3. score: policy / reference log-probs, values, the KL       `rollout` (`RolloutScorer`, in `scoring.py`)
 4. rewards, missing-EOS penalty                              `compute_rewards`
-5. KL: every estimator logged, the configured one applied    `apply_kl`
-6. controller update from the globally reduced statistic     `apply_kl`
+5. KL: every estimator logged; in reward mode the configured  `apply_kl`
+   one charged to each token's reward
+6. controller update from the globally reduced statistic     `apply_kl` (the new coefficient serves the next update)
 7. advantages (GAE, or critic-free RLOO / GRPO), whitening   `compute_advantages`
-8. PPO epochs over mini-batches                              `optimise`
-9. log, evaluate, checkpoint                                 `train`
+8. PPO epochs over mini-batches; in loss mode the KL term,   `optimise` -> `micro_batch_loss` (`losses.py`)
+   re-estimated at the current policy, joins the loss
+9. log, evaluate, checkpoint                                 `_train` -> `_log_evaluate_save`
 
 Which KL, from which logits, where it goes, is decided once when the trainer is built (`self.kl_plan`,
-`klppo.ppo.plan`); the rollout carries the log-ratio and the per-token estimates, computed once. Every statistic is
-reduced across ranks as `(sum, count)` (`klppo.kl.GlobalSums`), so each rank logs, and the controller sees, the same
-global value.
+`klppo.ppo.plan`); the rollout carries the log-ratio and the per-token estimates of the sampling policy. Every
+statistic is reduced across ranks as `(sum, count)` (`klppo.kl.GlobalSums`), so each rank logs, and the controller
+sees, the same global value. Between updates the trainer keeps one thing of its own: the last update's
+finiteness check, settled by the next rollout's forwards (`_settle_last_update`).
 """
 
 from __future__ import annotations
@@ -563,7 +567,7 @@ class KLPPOTrainer(Trainer):
         on every token), whitened with global statistics (not GRPO's, normalised per group already). Samples no
         reward function applied to carry no policy gradient (advantage 0) and stay out of the whitening."""
         args, acc, mask = self.args, self.accelerator, rollout.response_mask
-        per_token = penalty.rewards
+        per_token = penalty.token_rewards
         if args.whiten_rewards:
             per_token = global_masked_whiten(per_token, mask, accelerator=acc, shift_mean=False)
         if args.critic_free:  # the sequence's RLHF reward: score + summed KL rewards; groups of num_generations rows
