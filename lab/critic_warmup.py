@@ -16,7 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
-from klppo.kl.tracking import mean_and_standard_error
+from lab import paired_table
 
 FIGURES = ("reward_last5", "kl_ratio", "value_loss_early", "value_loss_late", "explained_early", "explained_late")
 
@@ -47,17 +47,7 @@ def runs(out: Path) -> dict[str, dict]:
 
 
 def table(base: Path, other: Path) -> str:
-    first, second = runs(base), runs(other)
-    lines = ["| runs | seeds | " + " | ".join(FIGURES) + " | verdict PASS |", "|" + " --- |" * (len(FIGURES) + 3)]
-    for name, group in ((base.name, first), (other.name, second)):
-        cols = [f"{m:.3g} ± {se:.2g}" for m, se in (mean_and_standard_error(r[f] for r in group.values()) for f in FIGURES)]
-        passed = sum(r["passed"] for r in group.values())
-        lines.append(f"| {name} | {len(group)} | " + " | ".join(cols) + f" | {passed}/{len(group)} |")
-    seeds = sorted(set(first) & set(second), key=int)
-    diffs = [mean_and_standard_error(second[s][f] - first[s][f] for s in seeds) for f in FIGURES]
-    lines.append(f"| {other.name} minus {base.name}, paired | {len(seeds)} | "
-                 + " | ".join(f"{m:+.3g} ± {se:.2g}" for m, se in diffs) + " | |")  # fmt: skip
-    return "\n".join(lines) + "\n"
+    return paired_table(base.name, runs(base), other.name, runs(other), list(FIGURES))
 
 
 def main(argv=None) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from klppo import KLPPOConfig
 from klppo.ppo.guard import LOWER, UPPER, KLGuard, build_kl_guard, kl_guards
-from lab import controller_grid, default_task_lr, frontier, import_plugin
+from lab import controller_grid, default_resets, default_task_lr, frontier, import_plugin
 from lab.grpo_kl_control import summarize as grpo_summary
 
 pytestmark = pytest.mark.lab
@@ -117,6 +117,26 @@ def test_the_default_task_table_by_hand(tmp_path):
     table = default_task_lr.table(tmp_path, [1, 2])
     assert "| 5e-4 | 2 | 0.0625 ± 0.062 | 0.75 ± 0.25 |" in table and table.rstrip().endswith("| 1/2 |")
     assert "| 5e-4 | 1 |" in default_task_lr.table(tmp_path, [1])
+
+
+def test_the_reset_runs_by_segment_and_paired(tmp_path):
+    """Two segments of 4 updates: the scores and KL of each, the KL to the starting model at the end (`kl/initial`
+    with resets, `kl/k3` without), and the paired difference."""
+    for arm, initial in (("none", "kl/k3"), ("reset4", "kl/initial")):
+        for seed, shift in ((1, 0.0), (2, 1.0)):
+            history = [{"kl/value": 4.0 + (i >= 6), "kl/target": 4.0, "objective/scores": i + shift,
+                        initial: 2.0 * (arm == "reset4") + i} for i in range(8)]  # fmt: skip
+            folder = tmp_path / arm / f"lr5e-4_seed{seed}"
+            folder.mkdir(parents=True)
+            (folder / "trainer_state.json").write_text(json.dumps({"log_history": history}))
+            verdict = {"learned": True, "kl_held": seed == 1, "perplexity_kept": True, "perplexity_change": 0.1}
+            (folder / "summary.json").write_text(json.dumps({"verdict": verdict}))
+    s = default_resets.summarise(tmp_path / "none" / "lr5e-4_seed1", segment=4)
+    assert (s["reward_first5_1"], s["reward_last5_1"], s["reward_first5_2"]) == (1.5, 1.5, 5.5)
+    assert s["kl_ratio_1"] == 1.0 and s["kl_ratio_2"] == 1.25 and s["kl_initial_end"] == 5.0 and s["passed"]
+    table = default_resets.table(tmp_path / "none", tmp_path / "reset4", segment=4)
+    assert "| none | 2 | 2 ± 0.5 |" in table and "| 1/2 |" in table
+    assert "| reset4 minus none, paired | 2 | +0 ± 0 |" in table and "| +2 ± 0 | +0 ± 0 | |" in table
 
 
 # ---------------------------------------------------------------------------- GRPO runs
