@@ -494,16 +494,12 @@ class PPOTrainer(KLPPOTrainer):
         df = pd.DataFrame(table)
         if self.is_world_process_zero():
             try:
-                from rich.console import Console
-                from rich.table import Table
+                from trl.trainer.utils import print_prompt_completions_sample
 
-                shown = Table(show_lines=True)
-                for column in df.columns:
-                    shown.add_column(column)
-                for _, row in df.head(5).iterrows():
-                    shown.add_row(*row.astype(str).tolist())
-                Console().print(shown)
-            except ImportError:
+                head = df.head(5)
+                print_prompt_completions_sample(head["query"].tolist(), head["model response"].tolist(),
+                                                {"score": head["score"].tolist()}, None, self.state.global_step)  # fmt: skip
+            except ImportError:  # without `rich`
                 logger.info("%s", df.head(5))
             if "wandb" in (self.args.report_to or []):
                 import wandb
