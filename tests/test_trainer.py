@@ -141,11 +141,11 @@ def test_the_loss_coefficient_is_beta_over_the_advantage_std_within_a_floor(tiny
     rewards = SimpleNamespace(scorable=torch.ones(4, dtype=torch.bool))
     scores = torch.zeros(4, 3)
     scores[:, -1] = torch.tensor([1.0, -1.0, 0.5, -0.5])  # advantages: each sequence's score on all its tokens
-    spread = trainer.compute_advantages(rollout, rewards, SimpleNamespace(rewards=scores, coef=0.1))
+    spread = trainer.compute_advantages(rollout, rewards, SimpleNamespace(token_rewards=scores, coef=0.1))
     std = float(torch.tensor([1.0, -1.0, 0.5, -0.5]).repeat_interleave(3).std())
     assert spread.metrics["policy/advantage_std"] == pytest.approx(std, rel=1e-6)
     assert spread.kl_loss_coef == pytest.approx(0.1 / std, rel=1e-6)
-    collapsed = trainer.compute_advantages(rollout, rewards, SimpleNamespace(rewards=torch.zeros(4, 3), coef=0.1))
+    collapsed = trainer.compute_advantages(rollout, rewards, SimpleNamespace(token_rewards=torch.zeros(4, 3), coef=0.1))
     assert collapsed.metrics["policy/advantage_std"] == pytest.approx(1e-4)
     assert collapsed.kl_loss_coef == pytest.approx(0.1 / 0.01)
 
