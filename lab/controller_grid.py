@@ -1,6 +1,8 @@
 """The KL controller across plant speeds: the one-token bandit of `klppo.testing.bandit`, whose equilibrium beta*
 is known in closed form, trained with a KL target from beta*/5 and from 5 beta* at every combination of learning
-rate, optimizer steps per update and batch size. From the repository root:
+rate, optimizer steps per update and batch size. The target is the KL of the optimum that the configured KL trains
+toward at beta* (`klppo.kl.optimum.kl_optimum_of`: the tilt, or the forward-KL optimum of `k3` in the loss). From the
+repository root:
 
     python -m lab.controller_grid --seeds 1 2 3 --out results/controller_grid/grid.jsonl
     python -m lab.controller_grid --table results/controller_grid/grid.jsonl
@@ -47,17 +49,21 @@ def run_cell(job: dict) -> dict:
     import torch
 
     torch.set_num_threads(1)
+    from klppo.kl.optimum import KLOptimum, kl_optimum_of
     from klppo.models import TINY_MODEL, resolve_model_path
-    from klppo.testing.bandit import bandit_trainer, kl, one_token_state, tilted
+    from klppo.testing.bandit import bandit_trainer, kl, one_token_state
 
     from lab import import_plugin
 
     if job.get("plugin"):  # a module that registers a controller or a guard of its own
         import_plugin(job["plugin"])
     tiny = resolve_model_path(TINY_MODEL)
+    config = dict(job.get("config") or {})
+    # the optimum the configured KL trains toward (the reverse-KL tilt, or k3's forward-KL optimum in the loss)
+    optimum = kl_optimum_of(config.get("kl_mode", "reward"), config.get("kl_estimator", "k1")) or KLOptimum()
     with tempfile.TemporaryDirectory() as tmp:
         state = one_token_state(bandit_trainer(tiny, Path(tmp), max_steps=1))
-        target = kl(tilted(state["ref"], state["reward"], BETA_STAR), state["ref"])
+        target = kl(optimum.exact(state["ref"], state["reward"], BETA_STAR), state["ref"])
         steps, batch = job["steps"], job["batch"]
         overrides = dict(
             kl_coef=job["start"] * BETA_STAR, max_steps=job.get("updates") or updates_for(job["lr"]),
@@ -69,13 +75,13 @@ def run_cell(job: dict) -> dict:
             overrides.update(kl_target=target)
             if job.get("kwargs"):
                 overrides.update(kl_controller_kwargs=job["kwargs"])
-        config = dict(job.get("config") or {})
         overrides.update(experimental={"kl_statistic": "full", **(config.pop("experimental", None) or {})})
         overrides.update(config)  # experimental settings named flat here are added to the mapping (`klppo_config`)
         trainer = bandit_trainer(tiny, Path(tmp), **overrides)
         trainer.train()
     logs = [h for h in trainer.state.log_history if "kl/coef" in h]
-    return {**job, "target": target, "beta_star": BETA_STAR, "kl": [h["kl/value"] for h in logs],
+    return {**job, "target": target, "beta_star": BETA_STAR, "optimum": optimum.describe(),
+            "kl": [h["kl/value"] for h in logs],
             "beta": [h["kl/coef"] for h in logs], "guard": [h.get("kl/guard_fired", 0.0) for h in logs]}
 
 

@@ -1,9 +1,12 @@
 import math
+import re
 
 import pytest
 import torch
 
+from klppo.kl import BUILTIN_KL_ESTIMATORS, KL_MODES, estimate_kl, get_kl_estimator_spec
 from klppo.kl.controllers import EquilibriumKLController, equilibrium_log_coef, optimum_kl
+from klppo.kl.optimum import FORWARD, REVERSE, KLOptimum, kl_optimum_of
 
 
 def _tilt(ref, r, beta):
@@ -138,14 +141,43 @@ def test_constructor_rejects_bad_values(kwargs, param):
         EquilibriumKLController(0.1, **{"target": 0.3, **kwargs})
 
 
-def test_the_default_with_a_target_is_equilibrium_for_k1_in_the_reward_and_tracking_otherwise(tmp_path):
+def test_the_default_with_a_target_is_equilibrium_where_the_optimum_is_known_and_tracking_otherwise(tmp_path, caplog):
     from klppo import KLPPOConfig
+    from klppo.kl.controllers import build_kl_controller
 
     base = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", kl_target=4.0)
     c = KLPPOConfig(**base)
-    assert (c.kl_controller, c.kl_guard) == ("equilibrium", True)
-    c = KLPPOConfig(**base, kl_mode="loss", kl_estimator="k2")
-    assert (c.kl_controller, c.kl_guard) == ("tracking", True)
+    assert (c.kl_controller, c.kl_guard, c.kl_optimum()) == ("equilibrium", True, KLOptimum(REVERSE, 1.0))
+    for mode, estimator, optimum in (("loss", "k2", KLOptimum(REVERSE, 1.0, per_token=True)),
+                                     ("loss", "k3", KLOptimum(FORWARD, 1.0, per_token=True)),
+                                     ("both", "k1+", KLOptimum(REVERSE, 2.0, per_token=True))):
+        c = KLPPOConfig(**base, kl_mode=mode, kl_estimator=estimator)
+        assert (c.kl_controller, c.kl_guard, c.kl_optimum()) == ("equilibrium", True, optimum)
+        assert build_kl_controller(c).optimum == optimum  # the controller learns it from the config
+    # a loss weight that moves with the policy hides the optimum: tracking, with one warning saying why
+    for extra, why in (({"experimental": {"kl_loss_scale": "none"}}, "kl_loss_scale='none'"),
+                       ({"kl_loss_agg_mode": "seq-mean-token-sum"}, "kl_loss_agg_mode='seq-mean-token-sum'"),
+                       ({"advantage_estimator": "grpo"}, "advantage_estimator='grpo'"),
+                       ({"whiten_rewards": True}, "whiten_rewards=True")):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="klppo.ppo.config"):
+            c = KLPPOConfig(**base, kl_mode="loss", kl_estimator="k2", **extra)
+        assert c.kl_controller == "tracking" and c.kl_optimum() is None
+        warned = [r.getMessage() for r in caplog.records if "tracking controller" in r.getMessage()]
+        assert len(warned) == 1 and why in warned[0], warned
+        with pytest.raises(ValueError, match=f"{re.escape(why)}.*kl_controller='tracking'.*k2, an X\\+ estimator"):
+            KLPPOConfig(**base, kl_mode="loss", kl_estimator="k2", kl_controller="equilibrium", **extra)
+    # without whitened advantages, kl_loss_scale='none' leaves beta as it is: the optimum is known
+    c = KLPPOConfig(**base, kl_mode="loss", kl_estimator="k2", experimental={"kl_loss_scale": "none",
+                                                                             "whiten_advantages": False})
+    assert c.kl_controller == "equilibrium"
+    # fixed-length responses: a per-sequence sum of the KL weighs it by their length against the token-mean policy loss
+    fixed = dict(base, kl_mode="loss", kl_estimator="k2", stop_token=None, response_length=3)
+    assert KLPPOConfig(**fixed, kl_loss_agg_mode="seq-mean-token-sum").kl_optimum() == KLOptimum(REVERSE, 3.0, True)
+    for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        assert KLPPOConfig(**fixed, kl_loss_agg_mode=agg).kl_optimum() == KLOptimum(REVERSE, 1.0, True)
+    c = KLPPOConfig(**base, kl_mode="loss", kl_estimator="abs")
+    assert c.kl_controller == "tracking"
     with pytest.raises(ValueError, match="k3 in kl_mode='reward'.*kl_controller='tracking'"):
         KLPPOConfig(**base, kl_estimator="k3", kl_controller="equilibrium")
     # the tilt is the optimum of an undiscounted, unclamped penalty only
@@ -153,15 +185,6 @@ def test_the_default_with_a_target_is_equilibrium_for_k1_in_the_reward_and_track
     assert KLPPOConfig(**base, kl_value_clamp=10.0).kl_controller == "tracking"
     with pytest.raises(ValueError, match="gamma=0.9.*needs gamma 1"):
         KLPPOConfig(**base, gamma=0.9, kl_controller="equilibrium")
-
-
-def test_only_k1_in_the_reward_has_the_sequence_level_tilt_as_its_fixed_point():
-    from klppo.kl import follows_sequence_tilt
-
-    assert follows_sequence_tilt("reward", "k1")
-    for mode, estimator in (("reward", "k3"), ("reward", "k2"), ("both", "k1"), ("loss", "k2"), ("none", "k1"),
-                            ("reward", "no_such_estimator")):
-        assert not follows_sequence_tilt(mode, estimator), (mode, estimator)
 
 
 def test_the_estimate_stays_finite_and_ordered_at_extreme_coefficients():
@@ -183,3 +206,137 @@ def test_a_state_saved_before_the_approach_existed_resumes_at_its_beta_without_t
     c.load_state_dict(state)
     assert (c.value, c.coef, c.arrived) == (0.4, 0.4, True)
     assert c.update(0.01, 64) == 0.4  # a low reading no longer scales it
+
+
+# ---------------------------------------------------------------------------------------------
+# every configuration's optimum, and the forward family's estimate (exact math on a one-token bandit)
+
+# one token out of six: the policy's logits are free, so every expectation is a sum
+_REF6 = torch.tensor([0.3, 0.25, 0.2, 0.1, 0.1, 0.05], dtype=torch.float64).log()
+_R6 = torch.tensor([0.0, 1.0, 0.0, 0.5, 1.0, -0.5], dtype=torch.float64)
+
+
+def _expected_ascent(mode, estimator, beta, logp, loss_weight=1.0):
+    """The expected gradient, w.r.t. the logits, that the trainer's terms give at policy exp(logp) on the one-token
+    bandit, exactly: the policy gradient of the score plus the KL rewards (their values detached, as in the return),
+    minus loss_weight * beta times the on-policy gradient of the KL loss term (tokens drawn from the policy itself)."""
+    theta = logp.clone().requires_grad_(True)
+    lp = torch.log_softmax(theta, dim=-1)
+    old = lp.detach()
+
+    def estimate(name):
+        if get_kl_estimator_spec(name).needs_logits:  # one position: the same value for every token
+            return estimate_kl(name, logits=theta[None], ref_logits=_REF6[None]).expand(len(_R6))
+        return estimate_kl(name, lp, _REF6, old_logp=old)
+
+    places = KL_MODES[mode]
+    returns = _R6 - beta * estimate(estimator).detach() if "reward" in places else _R6
+    objective = (lp.exp() * returns).sum()  # its gradient is E[return * grad log pi]
+    if "loss" in places:
+        objective = objective - loss_weight * beta * (old.exp() * estimate(estimator)).sum()
+    (grad,) = torch.autograd.grad(objective, theta)
+    return grad
+
+
+@pytest.mark.parametrize("loss_weight", [1.0, 3.0])
+@pytest.mark.parametrize("mode", ["reward", "loss", "both"])
+def test_each_configuration_is_stationary_exactly_at_the_optimum_it_is_said_to_train_toward(mode, loss_weight):
+    """`kl_optimum_of` against the exact expected gradient of every built-in estimator in every place: zero at the
+    optimum it names (reverse or forward family, at its multiple of beta), and where it names none, zero at none of
+    the candidates."""
+    beta = 0.4
+    for estimator in BUILTIN_KL_ESTIMATORS:
+        optimum = kl_optimum_of(mode, estimator, loss_weight)
+        if optimum is not None:
+            grad = _expected_ascent(mode, estimator, beta, optimum.exact(_REF6, _R6, beta), loss_weight)
+            assert float(grad.abs().max()) < 1e-9, (mode, estimator, optimum)
+            other = KLOptimum(FORWARD if optimum.divergence == REVERSE else REVERSE, optimum.scale)
+            grad = _expected_ascent(mode, estimator, beta, other.exact(_REF6, _R6, beta), loss_weight)
+            assert float(grad.abs().max()) > 1e-3, (mode, estimator, "the other family")
+            continue
+        if get_kl_estimator_spec(estimator).base == "low_var_kl" and "loss" in KL_MODES[mode]:
+            continue  # k3 where no token's output clamp binds (as here): refused for where it does
+        for divergence in (REVERSE, FORWARD):
+            for scale in (0.5, 1.0, 2.0, loss_weight, 1.0 + loss_weight):
+                logp = KLOptimum(divergence, scale).exact(_REF6, _R6, beta)
+                grad = _expected_ascent(mode, estimator, beta, logp, loss_weight)
+                assert float(grad.abs().max()) > 1e-4, (mode, estimator, divergence, scale)
+
+
+def test_the_exact_optima_are_the_closed_forms():
+    beta = 0.4
+    reverse = KLOptimum(REVERSE, 2.0).exact(_REF6, _R6, beta)
+    assert torch.allclose(reverse, _tilt(_REF6, _R6, 0.8), atol=1e-14)
+    forward = KLOptimum(FORWARD).exact(_REF6, _R6, beta).exp()
+    assert float(forward.sum()) == pytest.approx(1.0, abs=1e-13)
+    lam = _R6 + beta * _REF6.exp() / forward  # stationarity of E[r] - beta * KL(ref || pi): r + beta * ref / pi const
+    assert float(lam.max() - lam.min()) < 1e-10
+
+
+# pi and ref on 4 outcomes with probabilities in 1/16ths: a 16-sequence "sample" in proportion is pi itself
+_PI4 = torch.tensor([8, 4, 3, 1], dtype=torch.float64).div(16).log()
+_REF4 = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64).log()
+_R4 = torch.tensor([1.0, -0.5, 0.25, 2.0], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("divergence", [REVERSE, FORWARD])
+@pytest.mark.parametrize("beta", [0.2, 0.5, 2.0])
+def test_the_estimate_of_each_family_is_exact_on_a_sample_that_is_the_distribution(divergence, beta):
+    """The forward family's lam comes from the normalisation estimated on the batch, mean(exp(-d) b / (lam - r)) = 1,
+    which a sample that is pi itself makes exact: sum_y ref(y) b / (lam - r(y))."""
+    idx = _exact_sample(_PI4, 16)
+    optimum = KLOptimum(divergence)
+    got = optimum.kl(math.log(beta), _R4[idx], (_PI4 - _REF4)[idx])
+    assert got == pytest.approx(_kl(optimum.exact(_REF4, _R4, beta), _REF4), rel=1e-11, abs=1e-12)
+
+
+@pytest.mark.parametrize("divergence", [REVERSE, FORWARD])
+def test_at_the_optimum_the_weights_are_equal_and_the_estimate_is_the_mean_log_ratio(divergence):
+    beta, optimum = 0.7, KLOptimum(divergence)
+    opt = optimum.exact(_REF4, _R4, beta)
+    idx = torch.randint(0, 4, (50,), generator=torch.Generator().manual_seed(0))  # any draw that has the best score
+    idx[0] = 3
+    d = (opt - _REF4)[idx]
+    assert optimum.kl(math.log(beta), _R4[idx], d) == pytest.approx(float(d.mean()), abs=1e-10)
+    assert optimum.ess(math.log(beta), _R4[idx], d) == pytest.approx(1.0, abs=1e-10)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_forward_estimate_falls_as_beta_grows(seed):
+    g = torch.Generator().manual_seed(seed)
+    r, d = torch.randn(64, generator=g, dtype=torch.float64), 0.5 * torch.randn(64, generator=g, dtype=torch.float64)
+    values = [KLOptimum(FORWARD).kl(math.log(b), r, d) for b in (1e-3, 0.01, 0.1, 0.5, 2.0, 10.0, 100.0)]
+    assert all(a > b for a, b in zip(values, values[1:])), values
+
+
+@pytest.mark.parametrize("optimum", [KLOptimum(REVERSE), KLOptimum(FORWARD), KLOptimum(REVERSE, 2.0),
+                                     KLOptimum(FORWARD, 3.0)])
+def test_the_solved_coefficient_is_the_one_whose_optimum_has_the_target_kl(optimum):
+    idx = _exact_sample(_PI4, 16)
+    log_beta = optimum.solve(_R4[idx], (_PI4 - _REF4)[idx], 0.3, math.log(1e-4), math.log(1e4))
+    assert _kl(optimum.exact(_REF4, _R4, math.exp(log_beta)), _REF4) == pytest.approx(0.3, rel=1e-9)
+    # out of the bounds' reach: the bound on that side
+    assert optimum.solve(_R4[idx], (_PI4 - _REF4)[idx], 0.3, math.log(1e2), math.log(1e4)) == pytest.approx(
+        math.log(1e2))
+    assert optimum.solve(_R4[idx], (_PI4 - _REF4)[idx], 0.3, math.log(1e-6), math.log(1e-5)) == pytest.approx(
+        math.log(1e-5))
+
+
+def test_the_controller_solves_for_the_optimum_it_is_given():
+    r, d, lengths = _batch()
+    for optimum in (KLOptimum(FORWARD), KLOptimum(REVERSE, 2.0)):
+        c = EquilibriumKLController(0.1, target=0.3, optimum=optimum, approach_power=0.0)
+        c.observe_sequences(r, d, lengths)
+        c.update(0.05, 64)
+        b = optimum.solve(r, d, 0.3, math.log(1e-4), math.log(10.0))
+        ess = optimum.ess(b + math.log(optimum.scale), r, d)
+        assert c.estimate == pytest.approx(b) and c.ess == pytest.approx(ess) and 0 < ess <= 1
+        assert math.log(c.coef) == pytest.approx(math.log(0.1) + ess * (b - math.log(0.1)))
+    # the tilt at 2 beta is the tilt at beta with half the coefficient
+    c1, c2 = EquilibriumKLController(0.1, target=0.3), EquilibriumKLController(0.1, 0.3, optimum=KLOptimum(REVERSE, 2))
+    for c in (c1, c2):
+        c.observe_sequences(r, d, lengths)
+        c.update(0.05, 64)
+    assert c2.estimate == pytest.approx(c1.estimate - math.log(2.0))
+    assert "optimum" not in EquilibriumKLController.constants  # the config passes it; not a constant
+    assert c2.state_dict()["hparams"]["optimum"] == KLOptimum(REVERSE, 2.0).describe()

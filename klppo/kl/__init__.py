@@ -6,6 +6,8 @@
 - ``penalty``: KL into per-token rewards or into the loss; loss aggregation modes.
 - ``reduce``: token-weighted global statistics across ranks (one collective each), ``GlobalSums``.
 - ``monitor``: ``KLDriftMonitor``, which warns when the statistic stays far from its target.
+- ``optimum``: the optimum a KL configuration trains toward as a function of beta (``kl_optimum_of``,
+  ``KLOptimum``), and its KL estimated from a batch: what the equilibrium controller solves for.
 - ``divergence``: which divergence a configuration follows; the estimator table of `docs/kl.md`
   (imported on first use so that ``python -m klppo.kl.divergence`` runs cleanly).
 """
@@ -36,6 +38,7 @@ from .estimators import (
     unregister_kl_estimator,
 )
 from .monitor import KLDriftMonitor
+from .optimum import KLOptimum, kl_optimum_of
 from .penalty import KL_MODES, KL_PLACES, LOSS_AGG_MODES, aggregate_loss, kl_loss, kl_reward
 from .reduce import (
     KL_STATISTIC_UNITS,
@@ -86,12 +89,13 @@ __all__ = [
     "check_same_on_all_ranks",
     "KLDriftMonitor",
     "divergence_followed",
-    "follows_sequence_tilt",
+    "KLOptimum",
+    "kl_optimum_of",
     "DivergenceInfo",
     "estimator_table_markdown",
 ]
 
-_LAZY = {"divergence_followed", "follows_sequence_tilt", "DivergenceInfo", "estimator_table_markdown"}
+_LAZY = {"divergence_followed", "DivergenceInfo", "estimator_table_markdown"}
 
 
 def __getattr__(name):

@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass, field
 
 from .controllers import build_kl_controller, get_kl_controller, kl_controllers
+from .optimum import KLOptimum
 from .estimators import kl_estimators
 from .penalty import KL_MODES, LOSS_AGG_MODES
 from .reduce import KL_STATISTIC_UNITS
@@ -67,12 +68,13 @@ KL_CONTROL_DOC = r"""
             It names the objective `E[r] - beta * KL(pi || ref)` in every `kl_mode`.
         kl_controller (`str` or `None`, *optional*, defaults to `None`):
             How beta changes between updates. `"fixed"`, `"equilibrium"` (beta moves toward the batch's estimate
-            of the coefficient whose KL-regularised optimum has the target KL; needs `k1` in the reward),
-            `"tracking"` (PI control of log beta on the KL and where it is heading, for any KL configuration),
-            `"adaptive"` (Ziegler et al. 2019, Sec. 2.2), `"exponential"` (`beta <- beta * exp(rate * (kl -
-            target))`), `"pid"` (PID on log beta), or a name registered with `klppo.kl.register_kl_controller`.
-            `None`: with a `kl_target`, `"equilibrium"` where it applies (`k1` in the reward) and `"tracking"`
-            for any other KL; without one, `"fixed"`.
+            of the coefficient whose KL-regularised optimum has the target KL; needs a KL whose optimum is known:
+            `k1` in the reward, or `k2`, an `X+` estimator, `corrected_k3`, `full` or `k3` in the loss, as listed in
+            `docs/kl.md`), `"tracking"` (PI control of log beta on the KL and where it is heading, for any KL
+            configuration), `"adaptive"` (Ziegler et al. 2019, Sec. 2.2), `"exponential"` (`beta <- beta *
+            exp(rate * (kl - target))`), `"pid"` (PID on log beta), or a name registered with
+            `klppo.kl.register_kl_controller`. `None`: with a `kl_target`, `"equilibrium"` where it applies and
+            `"tracking"` for any other KL (`KLPPOConfig` logs one warning naming why); without one, `"fixed"`.
         kl_target (`float` or `None`, *optional*, defaults to `None`):
             Target of the controller statistic `kl/value`, in the unit of `kl_target_unit`; turns on the default
             controller. Required by every controller but `"fixed"`. Typical: 6 nats per sequence (trlx) or 0.1
@@ -117,7 +119,7 @@ class KLControlConfig:
     def __post_init__(self):
         self.validate_kl_control()
 
-    # what the KL term optimises, for the controller that solves for its optimum; subclasses add what they know
+    # what the KL term trains toward, for the controller that solves for its optimum; subclasses add what they know
     def _reads_sequences(self) -> bool:
         """Whether the trainer hands the controller every sequence's score and log-ratio (`observe_sequences`)."""
         return True
@@ -126,20 +128,43 @@ class KLControlConfig:
         """Whether the return the KL rewards enter is undiscounted (the sequence-level tilt needs it)."""
         return True
 
-    def optimises_sequence_tilt(self) -> bool:
-        """Whether the KL term's optimum is the sequence-level tilt `ref * exp(r / beta) / Z` that the equilibrium
-        controller solves for: `k1` in the reward, an undiscounted return, no clamp on the penalty."""
-        from .divergence import follows_sequence_tilt
+    def _loss_weight(self) -> tuple[float | None, str]:
+        """The weight of a KL in the loss against the policy gradient, per unit of beta (1: beta names `E[r] - beta *
+        KL` in the loss too), and why it is not known where it is None. The policy gradient is a token mean, so a
+        token-mean KL term weighs 1; the other aggregations weigh by a share of the responses' lengths."""
+        if self.kl_loss_agg_mode == "token-mean":
+            return 1.0, ""
+        return None, (f"kl_loss_agg_mode={self.kl_loss_agg_mode!r} weighs the KL against the policy gradient (a token "
+                      "mean) by the responses' lengths, which move with the policy")  # fmt: skip
 
-        return (self._reads_sequences() and self._undiscounted() and self.kl_value_clamp is None
-                and follows_sequence_tilt(self.kl_mode, self.kl_estimator))  # fmt: skip
+    def kl_optimum(self) -> KLOptimum | None:
+        """The optimum the configured KL term trains toward, as a function of beta (`klppo.kl.optimum.KLOptimum`),
+        where klppo knows it: what the equilibrium controller solves for. None elsewhere."""
+        return self._optimum_and_why()[0]
+
+    def _optimum_and_why(self) -> tuple[KLOptimum | None, str]:
+        from .optimum import kl_optimum_of
+
+        if not self._reads_sequences():
+            return None, "TRL's trainers do not hand it their sequences"
+        if not self._undiscounted() or self.kl_value_clamp is not None:
+            return None, (f"with gamma={getattr(self, 'gamma', 1.0)} or kl_value_clamp={self.kl_value_clamp} that "
+                          "optimum is not the one trained (it needs gamma 1 and no kl_value_clamp)")  # fmt: skip
+        weight, why = self._loss_weight() if "loss" in self.kl_modes_applied else (1.0, "")
+        optimum = kl_optimum_of(self.kl_mode, self.kl_estimator, weight)
+        if optimum is not None:
+            return optimum, ""
+        if weight is None and kl_optimum_of(self.kl_mode, self.kl_estimator, 1.0) is not None:
+            return None, why
+        return None, (f"{self.kl_estimator} in kl_mode={self.kl_mode!r} trains toward no optimum klppo knows in "
+                      "closed form (docs/kl.md, 'Which optimum each KL trains toward')")  # fmt: skip
 
     def default_controller(self) -> str:
-        """`kl_controller=None`: with a `kl_target`, `"equilibrium"` where its optimum is the one trained (`k1` in
-        the reward) and `"tracking"` for any other KL; without one, `"fixed"`."""
+        """`kl_controller=None`: with a `kl_target`, `"equilibrium"` where the optimum the KL trains toward is known
+        (`kl_optimum`) and `"tracking"` elsewhere; without one, `"fixed"`."""
         if self.kl_target is None:
             return "fixed"
-        return "equilibrium" if self.optimises_sequence_tilt() else "tracking"
+        return "equilibrium" if self.kl_optimum() is not None else "tracking"
 
     def validate_kl_control(self) -> None:
         """Check every KL field, naming the valid choices and the fix; resolve `kl_controller=None` (the one
@@ -154,17 +179,17 @@ class KLControlConfig:
             raise choice_error("kl_loss_agg_mode", self.kl_loss_agg_mode, LOSS_AGG_MODES)
         if self.kl_value_clamp is not None and not self.kl_value_clamp > 0:
             raise ValueError(f"`kl_value_clamp` must be > 0 or None (off), got {self.kl_value_clamp}.")
-        tilt = self.optimises_sequence_tilt()
+        optimum, why = self._optimum_and_why()
         if self.kl_controller is None:
             self.kl_controller = self.default_controller()
         if self.kl_controller not in kl_controllers():
             raise choice_error("kl_controller", self.kl_controller, kl_controllers())
-        if hasattr(get_kl_controller(self.kl_controller), "observe_sequences") and not tilt:
+        if hasattr(get_kl_controller(self.kl_controller), "observe_sequences") and optimum is None:
             raise ValueError(
                 f"`kl_controller='{self.kl_controller}'` sets beta from the batch's estimate of the coefficient whose "
-                f"optimum ref * exp(r / beta) / Z has the target KL, but {self._why_not_tilt()}. Use "
-                "kl_controller='tracking' (or 'pid'), which read only the KL statistic, or kl_mode='reward' with "
-                "kl_estimator='k1'."
+                f"KL-regularised optimum has the target KL, but {why}. Use kl_controller='tracking' (or 'pid'), which "
+                "read only the KL statistic, or a KL whose optimum is known: k1 in the reward, or k2, an X+ estimator, "
+                "corrected_k3, full or k3 in the loss (docs/kl.md)."
             )
         self._validate_target()
         if isinstance(self.kl_controller_kwargs, str):  # from a command line
@@ -179,17 +204,6 @@ class KLControlConfig:
             build_kl_controller(self)
         except (ValueError, TypeError) as err:
             raise ValueError(f"`kl_controller='{self.kl_controller}'`: {err}") from None
-
-    def _why_not_tilt(self) -> str:
-        from .divergence import follows_sequence_tilt
-
-        if not self._reads_sequences():
-            return "TRL's trainers do not hand it their sequences"
-        if not follows_sequence_tilt(self.kl_mode, self.kl_estimator):
-            return (f"{self.kl_estimator} in kl_mode={self.kl_mode!r} does not optimise the sequence-level "
-                    "KL(pi || ref) whose optimum it solves for (only k1 in the reward does)")  # fmt: skip
-        return (f"with gamma={getattr(self, 'gamma', 1.0)} or kl_value_clamp={self.kl_value_clamp} that optimum is "
-                "not the one trained (it needs gamma 1 and no kl_value_clamp)")  # fmt: skip
 
     def _validate_target(self) -> None:
         if not get_kl_controller(self.kl_controller).needs_target:

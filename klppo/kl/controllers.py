@@ -15,7 +15,9 @@ Every controller has the same surface:
 - ``.name``: the registry name (``"fixed"``, ``"adaptive"``, ``"exponential"``, ``"pid"``,
   ``"tracking"``, ``"equilibrium"``, or one registered with :func:`register_kl_controller`).
 - ``.observe_sequences(scores, log_ratios, lengths, unit)``: only controllers that read the batch itself
-  (``"equilibrium"``) have it; the trainer calls it before each ``update`` with every rank's sequences.
+  (``"equilibrium"``) have it; the trainer calls it before each ``update`` with every rank's sequences. Such a
+  controller learns which optimum the configured KL trains toward from its constructor's ``optimum``
+  (``klppo.kl.optimum.KLOptimum``), which the config passes.
 
 Controllers live in a registry: a class decorated with ``@register_kl_controller(name)`` is buildable
 by name from a config. Its constants (gains, bounds, windows) are its constructor's keyword
@@ -32,6 +34,8 @@ import inspect
 import math
 from typing import Any, Optional
 
+from .optimum import KLOptimum, equilibrium_log_coef, optimum_kl
+
 __all__ = [
     "register_kl_controller",
     "unregister_kl_controller",
@@ -45,10 +49,14 @@ __all__ = [
     "TrackingKLController",
     "EquilibriumKLController",
     "optimum_kl",
+    "equilibrium_log_coef",
     "build_kl_controller",
 ]
 
 _KL_CONTROLLERS: dict[str, type] = {}
+# constructor parameters that the config passes (not constants): the target, and the optimum the configured KL
+# trains toward (`KLControlConfig.kl_optimum`)
+CONFIG_ARGUMENTS = ("target", "optimum")
 
 
 def register_kl_controller(name: str, needs_target: bool = True):
@@ -60,8 +68,9 @@ def register_kl_controller(name: str, needs_target: bool = True):
             rejects such a controller without a target, and with ``kl_mode='none'``. The target reaches the
             constructor as its ``target`` argument.
 
-    The controller's constants are its constructor's keyword parameters after ``kl_coef`` (and ``target``):
-    ``cls.constants`` maps each to its default, and ``kl_controller_kwargs`` may set exactly those.
+    The controller's constants are its constructor's keyword parameters after ``kl_coef`` (and those the config
+    passes, ``CONFIG_ARGUMENTS``: ``target``, and ``optimum``, the config's ``kl_optimum()``, for a controller that
+    takes it): ``cls.constants`` maps each to its default, and ``kl_controller_kwargs`` may set exactly those.
     """
 
     def decorate(cls):
@@ -72,7 +81,8 @@ def register_kl_controller(name: str, needs_target: bool = True):
         params = list(inspect.signature(cls.__init__).parameters.values())[2:]  # after self, kl_coef
         cls.name = name
         cls.needs_target = bool(needs_target)
-        cls.constants = {p.name: p.default for p in params if p.name != "target" and p.default is not p.empty}
+        cls.constants = {p.name: p.default for p in params
+                         if p.name not in CONFIG_ARGUMENTS and p.default is not p.empty}  # fmt: skip
         _KL_CONTROLLERS[name] = cls
         return cls
 
@@ -111,9 +121,9 @@ def _as_float(x: Any) -> float:
         return math.inf if x > 0 else -math.inf
 
 
-def _json_float(x: float):
-    """JSON has no inf/NaN: store them as strings."""
-    return x if math.isfinite(x) else str(x)
+def _json_float(x):
+    """JSON has no inf/NaN: store them as strings (and strings as they are)."""
+    return x if isinstance(x, str) or math.isfinite(x) else str(x)
 
 
 def _check_positive(value, name: str, fix: str) -> float:
@@ -444,47 +454,11 @@ class PIDKLController(_LogSpaceController):
         self.prev_error = None if prev is None else float(prev)
 
 
-def optimum_kl(inv_beta: float, scores, log_ratios) -> float:
-    """Estimate, from sequences sampled by a policy pi, the KL to the reference of the KL-regularised optimum
-    ``pi_beta = ref * exp(r / beta) / Z`` at ``1 / beta = inv_beta``.
-
-    ``scores`` are the sequences' rewards r, ``log_ratios`` their ``log pi(y) - log ref(y)`` (summed over tokens).
-    Self-normalised importance sampling with weights ``w = exp(r / beta - log_ratio) ∝ pi_beta / pi``::
-
-        KL(pi_beta || ref) = E_pi_beta[r] / beta - log Z,   Z = E_pi[exp(r / beta) * ref / pi]
-
-    Exact when the sample is the distribution itself (every sequence in proportion to its probability). It rises
-    with ``inv_beta``. When ``pi`` is the optimum ``pi_beta`` the weights are all equal and the estimate is the
-    batch's mean log-ratio, the k1 estimate of pi's own KL.
-    """
-    import torch
-
-    r = torch.as_tensor(scores, dtype=torch.float64)
-    d = torch.as_tensor(log_ratios, dtype=torch.float64)
-    w = torch.softmax(inv_beta * r - d, dim=0)
-    # = E_w[r] / beta - log mean(exp(r / beta - d)), written as KL(w || uniform) + E_w[d]: no large terms cancel
-    return float(torch.special.xlogy(w, w).sum() + math.log(r.numel()) + (w * d).sum())
-
-
-def equilibrium_log_coef(scores, log_ratios, target: float, lo: float, hi: float) -> float:
-    """``log beta`` in ``[lo, hi]`` whose optimum has ``optimum_kl == target`` (bisection: the estimate falls as
-    beta grows); the bound on the side the batch cannot reach when the target lies outside its range. The search
-    stays within ``[-30, 30]`` (beta from 1e-13 to 1e13), where ``r / beta`` is finite."""
-    lo, hi = max(lo, -30.0), min(hi, 30.0)
-    for _ in range(60):
-        mid = 0.5 * (lo + hi)
-        if optimum_kl(math.exp(-mid), scores, log_ratios) > target:
-            lo = mid
-        else:
-            hi = mid
-    return 0.5 * (lo + hi)
-
-
 @register_kl_controller("tracking")
 class TrackingKLController(_LogSpaceController):
     """PI control of log(beta) on the KL reading, with a start-up hold: holds a target where integral control
-    winds up while the policy is still on its way. klppo's default with a ``kl_target`` for any KL but ``k1`` in
-    the reward (where ``equilibrium`` is).
+    winds up while the policy is still on its way. klppo's default with a ``kl_target`` for a KL whose optimum is not
+    known (``equilibrium`` is elsewhere), and in TRL's trainers.
 
     Per update, with reading ``kl``::
 
@@ -661,28 +635,33 @@ class EquilibriumKLController(_LogSpaceController):
     """Moves log beta toward the batch's estimate of beta*, the coefficient whose KL-regularised optimum has the
     target KL, by the share of the batch that backs the estimate (its effective sample size); until the KL first
     reaches the target, beta is that times ``(kl / target) ** approach_power``. klppo's default with a ``kl_target``
-    for ``k1`` in the reward; needs that KL.
+    wherever the configured KL's optimum is known (``k1`` in the reward; ``k2``, any ``X+``, ``corrected_k3``,
+    ``full`` or ``k3`` in the loss; the table in `docs/kl.md`).
 
     Per update, from the batch's scores ``r`` and log-ratios ``d = log pi(y) - log ref(y)`` (one per sequence,
-    gathered over all ranks; see :func:`optimum_kl`)::
+    gathered over all ranks; see :class:`klppo.kl.optimum.KLOptimum`)::
 
-        b = log beta such that optimum_kl(1 / beta, r, d) = target     (bisection within the bounds)
-        g = ESS / n of the weights exp(r / exp(b) - d)                 (in (0, 1])
+        b = log beta such that KL_hat(pi_beta || ref) = target         (bisection within the bounds)
+        g = ESS / n of the importance weights pi_beta / pi at b        (in (0, 1])
         log beta <- log beta + g * (b - log beta)
 
-    Why: the optimum of ``E[r] - beta * KL`` is ``pi_beta = ref * exp(r / beta) / Z`` whatever the learning
-    rate, batch or number of optimizer steps, so its KL, estimated from the batch by importance sampling, tells
-    beta* without waiting for the policy to get there: the coefficient does not depend on how fast the policy
-    moves, and a KL still on its way to the target does not wind it up. The estimate is exact when the policy is
-    at the optimum of the current beta (the weights are then all equal). Far from it, a few sequences carry the
-    weights and the estimate leans toward the policy it was drawn from; the gain ``g`` then takes a small step,
-    and a full one when every sequence backs the estimate. A batch whose scores are all equal leaves beta where it
-    is (no coefficient tilts it).
+    ``pi_beta`` is the optimum the configured KL trains toward at beta, given as ``optimum`` by the config
+    (``KLControlConfig.kl_optimum``): the reverse-KL tilt ``ref * exp(r / (s * beta)) / Z`` (``s`` = 1, or 2 for
+    ``k1+`` in both places), or the forward-KL optimum ``s * beta * ref / (lam - r)`` of ``k3`` in the loss; by
+    default the tilt at beta.
 
-    It needs what the configured KL optimises to be the reverse KL of the whole sequence (``kl_mode='reward'``
-    with ``k1``, klppo's default). The optimum is per prompt: with one response per prompt, the prompts'
-    sequences are weighted together, an approximation measured in `docs/results.md`. A target in nats per token
-    is turned into one per sequence by the batch's mean length.
+    Why: the optimum of the regularised objective does not depend on the learning rate, batch or number of
+    optimizer steps, so its KL, estimated from the batch by importance sampling, tells beta* without waiting for
+    the policy to get there: the coefficient does not depend on how fast the policy moves, and a KL still on its
+    way to the target does not wind it up. The estimate is exact when the policy is at the optimum of the current
+    beta (the weights are then all equal). Far from it, a few sequences carry the weights and the estimate leans
+    toward the policy it was drawn from; the gain ``g`` then takes a small step, and a full one when every sequence
+    backs the estimate. A batch whose scores are all equal leaves beta where it is (no coefficient tilts it).
+
+    The optimum is per prompt: with one response per prompt, the prompts' sequences are weighted together, an
+    approximation measured in `docs/results.md`. A KL in the loss gives only the per-token part of the sequence
+    KL's gradient, so on responses longer than one token its optimum is the sequence-level one only approximately.
+    A target in nats per token is turned into one per sequence by the batch's mean length.
 
     The approach: until the KL statistic first reaches the target, the coefficient in force is the one above
     times ``(kl / target) ** approach_power`` (``kl`` the update's statistic; a statistic at or below 0 gives
@@ -697,11 +676,14 @@ class EquilibriumKLController(_LogSpaceController):
     """
 
     def __init__(self, kl_coef: float, target: float, coef_min: float = 1e-4, coef_max: float = 10.0,
-                 approach_power: float = 0.75):
+                 approach_power: float = 0.75, optimum: Optional[KLOptimum] = None):
         kl_coef = _check_positive(kl_coef, "kl_coef", "an adaptive controller needs an initial coefficient > 0 (e.g. 0.05)")
         self.target = _check_positive(target, "target", "set kl_target to the KL you want, e.g. 4 (nats/sequence)")
         self.coef_min, self.coef_max = _check_bounds(coef_min, coef_max)
         self.approach_power = _check_nonnegative(approach_power, "approach_power", "e.g. 0.75 (0 turns the approach off)")
+        if optimum is not None and not isinstance(optimum, KLOptimum):
+            raise TypeError(f"optimum must be a klppo.kl.optimum.KLOptimum, got {optimum!r}")
+        self.optimum = KLOptimum() if optimum is None else optimum
         super().__init__(min(max(kl_coef, self.coef_min), self.coef_max))
         self.coef = self._value  # the equilibrium coefficient; `value` is it times the approach factor until arrival
         self.arrived = self.approach_power == 0  # has a reading reached the target yet
@@ -741,9 +723,8 @@ class EquilibriumKLController(_LogSpaceController):
         if unit == "token":
             target *= float(torch.as_tensor(lengths, dtype=torch.float64).mean())
         lo, hi = self._log_bounds()
-        self.estimate = equilibrium_log_coef(r, d, target, lo, hi)
-        w = torch.softmax(math.exp(-self.estimate) * r - d, dim=0)
-        self.ess = float(1.0 / (w * w).sum()) / r.numel()
+        self.estimate = self.optimum.solve(r, d, target, lo, hi)
+        self.ess = self.optimum.ess(self.estimate + math.log(self.optimum.scale), r, d)
         now = max(_log(self.coef), lo)
         return self._from_log(now + self.ess * (self.estimate - now))
 
@@ -758,7 +739,7 @@ class EquilibriumKLController(_LogSpaceController):
 
     def _hparams(self) -> dict:
         return dict(target=self.target, coef_min=self.coef_min, coef_max=self.coef_max,
-                    approach_power=self.approach_power)
+                    approach_power=self.approach_power, optimum=self.optimum.describe())
 
     def _dynamic_state(self) -> dict:
         return {"coef": self.coef, "arrived": self.arrived}
@@ -802,8 +783,9 @@ def _controller_kwargs_error(cls: type, kwargs) -> Optional[str]:
 
 def build_kl_controller(args) -> KLController:
     """Build the controller named by ``args.kl_controller`` from a config-like object: the class comes from the
-    registry; its constructor gets ``args.kl_coef``, ``args.kl_target`` when it needs a target, and
-    ``args.kl_controller_kwargs`` (checked against the constants it declares)."""
+    registry; its constructor gets ``args.kl_coef``, ``args.kl_target`` when it needs a target, ``args.kl_optimum()``
+    when it takes an ``optimum`` (and the config knows one), and ``args.kl_controller_kwargs`` (checked against the
+    constants it declares)."""
     kind = getattr(args, "kl_controller", "fixed")
     cls = get_kl_controller(kind.lower() if isinstance(kind, str) else kind)
     kwargs = getattr(args, "kl_controller_kwargs", None) or {}
@@ -811,6 +793,10 @@ def build_kl_controller(args) -> KLController:
     if problem:
         raise ValueError(problem)
     kwargs = dict(kwargs)
+    if "optimum" in inspect.signature(cls.__init__).parameters and callable(getattr(args, "kl_optimum", None)):
+        optimum = args.kl_optimum()
+        if optimum is not None:
+            kwargs["optimum"] = optimum
     if cls.needs_target:
         if getattr(args, "kl_target", None) is None:
             raise ValueError(

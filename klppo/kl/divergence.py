@@ -32,7 +32,6 @@ from .penalty import KL_PLACES
 __all__ = [
     "DivergenceInfo",
     "divergence_followed",
-    "follows_sequence_tilt",
     "estimator_table_markdown",
     "replace_readme_table",
     "readme_table_block",
@@ -156,21 +155,6 @@ def divergence_followed(estimator: str, mode: str, off_policy: bool = False) -> 
     if mode == "reward":
         return _reward_info(base, estimator)
     return _loss_info(base, estimator, plus, off_policy)
-
-
-def follows_sequence_tilt(mode: str, estimator: str) -> bool:
-    """Whether the KL term's fixed point is the sequence-level tilt ``ref * exp(r / beta) / Z``: the KL acts only in
-    the reward, through an estimator whose policy gradient is that of the sequence-level KL(pi||ref) (``k1``).
-    The equilibrium controller solves for beta* under that assumption."""
-    from .penalty import KL_MODES
-
-    places = KL_MODES.get(mode, ())
-    if places != ("reward",):
-        return False
-    try:
-        return divergence_followed(estimator, "reward").unbiased
-    except (KeyError, ValueError):
-        return False
 
 
 def _cell(info: DivergenceInfo) -> str:

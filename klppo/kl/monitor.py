@@ -75,15 +75,15 @@ class KLDriftMonitor:
             edge = f"above {self.high:g} x kl_target"
             advice = (
                 "the KL penalty is too weak to hold it: raise kl_coef (or the controller's coef_max in "
-                "kl_controller_kwargs, which may be capping it), use the default controller (equilibrium with k1 "
-                "in the reward, else tracking), or lower the learning rate"
+                "kl_controller_kwargs, which may be capping it), use the default controller (equilibrium where "
+                "the KL's optimum is known, else tracking), or lower the learning rate"
             )
         else:
             edge = f"below {self.low:g} x kl_target"
             advice = (
                 "the KL penalty is too strong and the policy barely moves: lower kl_coef (or the controller's "
                 "coef_min in kl_controller_kwargs, which may be holding it up), or use the default controller "
-                "(equilibrium with k1 in the reward, else tracking)"
+                "(equilibrium where the KL's optimum is known, else tracking)"
             )
         return (
             f"KL drift: {self.name} = {value:.4g} has been {edge} ({self.target:g}) for {self.streak} "

@@ -352,6 +352,26 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
         # the tilt is the optimum of the undiscounted return (gamma 1, or critic-free sequence returns)
         return self.gamma == 1 or self.advantage_estimator != "gae"
 
+    def _loss_weight(self) -> tuple[float | None, str]:
+        # The loss-mode coefficient is beta / s (kl_loss_scale="advantage_std"), and the policy gradient of whitened
+        # advantages is that of E[r] / s: the KL weighs beta against the raw score, as in the reward. The policy loss
+        # is a token mean; another aggregation of the KL weighs it by the responses' lengths, known only when every
+        # response has response_length tokens (no stop token).
+        if self.advantage_estimator == "grpo":
+            return None, ("advantage_estimator='grpo' divides each group's reward by its own spread, which moves with "
+                          "the policy")  # fmt: skip
+        if self.whiten_rewards:
+            return None, "whiten_rewards=True divides the score by the rewards' spread, which moves with the policy"
+        if self.kl_loss_scale == "none" and self.whiten_advantages:
+            return None, ("kl_loss_scale='none' weighs the KL against the whitened advantage, whose scale moves with "
+                          "the policy")  # fmt: skip
+        fixed_length = self.stop_token is None and self.stop_token_id is None
+        if fixed_length and self.kl_loss_agg_mode == "seq-mean-token-sum":
+            return float(self.response_length), ""
+        if fixed_length and self.kl_loss_agg_mode in ("seq-mean-token-mean", "seq-mean-token-sum-norm"):
+            return 1.0, ""
+        return super()._loss_weight()
+
     def _parse_experimental(self) -> ExperimentalSettings:
         given = self.experimental
         if isinstance(given, str):  # from a command line
@@ -378,6 +398,12 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
         chosen = {}
         if self.kl_controller is None:
             self.kl_controller = chosen["kl_controller"] = self.default_controller()
+            if self.kl_target is not None and self.kl_controller == "tracking":
+                logger.warning(
+                    "kl_target is held by the tracking controller, which reads only the KL statistic: the equilibrium "
+                    "controller, which solves for the coefficient whose optimum has the target KL, does not apply, as "
+                    "%s.", self._optimum_and_why()[1],
+                )  # fmt: skip
         x = self._experimental
         statistic, guard = x.kl_statistic, x.kl_guard
         if statistic is None:  # the exact KL over the vocabulary, when a controller reads it
