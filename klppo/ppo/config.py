@@ -365,7 +365,7 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
         if self.kl_loss_scale == "none" and self.whiten_advantages:
             return None, ("kl_loss_scale='none' weighs the KL against the whitened advantage, whose scale moves with "
                           "the policy")  # fmt: skip
-        fixed_length = self.stop_token is None and self.stop_token_id is None
+        fixed_length = self.stop_token is None and getattr(self, "stop_token_id", None) is None
         if fixed_length and self.kl_loss_agg_mode == "seq-mean-token-sum":
             return float(self.response_length), ""
         if fixed_length and self.kl_loss_agg_mode in ("seq-mean-token-mean", "seq-mean-token-sum-norm"):
