@@ -96,6 +96,20 @@ def test_the_approach_scales_beta_until_the_first_reading_at_the_target_then_lea
     assert off.arrived and [off.update(kl, 64) for kl in (0.0, 0.15)] == [0.1, 0.1]
 
 
+def test_a_reference_reset_re_arms_the_approach_and_keeps_the_equilibrium_coefficient():
+    """After a reset the KL to the new reference starts from 0, as at the start of a run: the approach applies again
+    until a reading reaches the target, from the equilibrium coefficient the first segment ended with."""
+    c = EquilibriumKLController(0.1, target=0.3, approach_power=2.0)
+    assert c.update(0.3, 64) == 0.1 and c.arrived
+    c.reference_reset()
+    assert not c.arrived and c.coef == 0.1
+    assert c.update(0.0, 64) == 1e-4 and c.update(0.15, 64) == pytest.approx(0.1 * 0.5**2)
+    assert c.update(0.3, 64) == 0.1 and c.arrived
+    off = EquilibriumKLController(0.1, target=0.3, approach_power=0.0)
+    off.reference_reset()
+    assert off.arrived and off.update(0.0, 64) == 0.1
+
+
 def test_a_per_token_target_becomes_a_per_sequence_one_by_the_mean_length():
     r, d, lengths = _batch()
     a, b = EquilibriumKLController(0.1, target=0.025), EquilibriumKLController(0.1, target=0.3)

@@ -691,6 +691,11 @@ class EquilibriumKLController(_LogSpaceController):
         self.ess: Optional[float] = None
         self._batch = None
 
+    def reference_reset(self) -> None:
+        """The KL to the new reference starts again from 0, as at the start of a run: the approach re-arms (the
+        equilibrium coefficient itself carries over)."""
+        self.arrived = self.approach_power == 0
+
     def observe_sequences(self, scores, log_ratios, lengths, unit: str = "sequence") -> None:
         """The batch the next :meth:`update` reads: each sequence's score, ``log pi(y) - log ref(y)`` and length
         (the trainer calls it with every rank's sequences)."""

@@ -224,7 +224,7 @@ KLPPO_CONFIG_DOC = r"""
             copy takes the policy's weights; with LoRA and the adapter-disabled reference, the adapter is merged into
             the base weights and a new one starts; a pre-trained adapter's frozen copy takes the adapter's weights.
             The optimizer's state is cleared with it (experimental `ref_reset_optimizer`), the KL controller is told
-            (a PI controller's integral and start-up hold start again; the equilibrium controller needs nothing),
+            (a PI controller's integral and start-up hold start again; the equilibrium controller's approach re-arms),
             and `kl/value` is then the KL to the new reference while `kl/initial` is the KL to the model training
             started from. 0: never. Not under DeepSpeed or FSDP.
         critic_init (`str`, *optional*, defaults to `"policy"`):
