@@ -387,17 +387,9 @@ _UNTRUNCATED = {
     "penalty_alpha": (None,),
     "watermarking_config": (None,),
     "prompt_lookup_num_tokens": (None,),
-    "repetition_penalty": (None, 1.0),
-    "encoder_repetition_penalty": (None, 1.0),
-    "no_repeat_ngram_size": (None, 0),
-    "min_new_tokens": (None, 0),
     "min_length": (None, 0),
-    "bad_words_ids": (None,),
-    "sequence_bias": (None,),
-    "exponential_decay_length_penalty": (None,),
-    "forced_bos_token_id": (None,),
-    "forced_eos_token_id": (None,),
-    "begin_suppress_tokens": (None,),
+    # the processors: unset, or the value that adds none
+    **{name: (None,) if neutral is None else (None, neutral) for name, neutral in NEUTRAL_PROCESSORS.items()},
 }
 
 
