@@ -10,7 +10,15 @@ import pytest
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-from klppo.kl import compute_kl, divergence_followed, estimate_kl, full_kl, get_kl_estimator, kl_estimators
+from klppo.kl import (
+    compute_kl,
+    divergence_followed,
+    estimate_kl,
+    full_kl,
+    get_kl_estimator,
+    kl_estimators,
+    kl_from_log_ratio,
+)
 from klppo.kl.divergence import FORWARD, NONE, REVERSE
 from klppo.kl.estimators import BUILTIN_KL_ESTIMATORS, register_kl_estimator, unregister_kl_estimator
 
@@ -57,8 +65,8 @@ def test_full_is_a_logits_estimator_in_the_registry():
 def test_register_custom_estimator_and_twin():
     try:
         @register_kl_estimator("half_k1", formula="d / 2")
-        def half(logp, ref_logp, old_logp=None, log_ratio_clamp=40.0):
-            return 0.5 * (logp - ref_logp)
+        def half(log_ratio, old_log_ratio=None, log_ratio_clamp=40.0):
+            return 0.5 * log_ratio
 
         logp = torch.tensor([0.3, -0.2], dtype=F64, requires_grad=True)
         ref = torch.tensor([0.1, 0.4], dtype=F64)
@@ -83,7 +91,28 @@ def test_get_kl_estimator_matches_compute_kl():
     ref = torch.tensor([-1.5, -1.0, -0.5], dtype=F64)
     old = torch.tensor([-1.2, -2.5, -0.4], dtype=F64)
     for name in PER_TOKEN:
-        assert torch.equal(get_kl_estimator(name)(logp, ref, old), compute_kl(logp, ref, name, old_logp=old))
+        assert torch.equal(get_kl_estimator(name)(logp - ref, logp - old), compute_kl(logp, ref, name, old_logp=old))
+
+
+def test_an_estimate_from_the_log_ratios_equals_the_estimate_from_the_log_probs_with_its_gradient():
+    """The rollout forms `logp - ref_logp` once and every estimate reads it; the loss forms the current log-ratio
+    as the rollout's plus `logp - old_logp`. Both must give `compute_kl`'s value, clamp mask and gradient."""
+    torch.manual_seed(0)
+    ref, old = torch.randn(64, dtype=F64) * 3, torch.randn(64, dtype=F64) * 3
+    for name in PER_TOKEN:
+        logp = (torch.randn(64, dtype=F64) * 3).requires_grad_()
+        expected, expected_clamped = compute_kl(logp, ref, name, old_logp=old, log_ratio_clamp=2.0,
+                                                return_clamped=True)  # fmt: skip
+        (expected_grad,) = torch.autograd.grad(expected.sum(), logp)
+        old_log_ratio = logp - old
+        log_ratio = (old - ref) + old_log_ratio  # the rollout's log-ratio plus the step since sampling
+        kl, clamped = kl_from_log_ratio(log_ratio, name, old_log_ratio, log_ratio_clamp=2.0, return_clamped=True)
+        (grad,) = torch.autograd.grad(kl.sum(), logp)
+        assert torch.allclose(kl, expected, atol=1e-12) and torch.equal(clamped, expected_clamped), name
+        assert torch.allclose(grad, expected_grad, atol=1e-12), name
+        estimated = estimate_kl(name, log_ratio=log_ratio.detach(), old_log_ratio=old_log_ratio.detach(),
+                                log_ratio_clamp=2.0)  # fmt: skip
+        assert torch.allclose(estimated, expected.detach(), atol=1e-12), name
 
 
 def test_values_of_simple_tokens():

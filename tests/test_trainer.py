@@ -165,6 +165,7 @@ def test_seq_mean_token_sum_norm_divides_by_response_length_not_the_padded_width
         rollout, responses=pad(rollout.responses, pad_id), response_mask=pad(rollout.response_mask, 0),
         query_responses=pad(rollout.query_responses, pad_id), attention_mask=pad(rollout.attention_mask, 0),
         logp=pad(rollout.logp, 0.0), ref_logp=pad(rollout.ref_logp, 0.0), values=pad(rollout.values, 0.0),
+        log_ratio=pad(rollout.log_ratio, 0.0),
     )  # fmt: skip
     k1_sum = float(((rollout.logp - rollout.ref_logp) * rollout.response_mask).sum())
     expected = k1_sum / (4 * 6)

@@ -29,6 +29,7 @@ from .controllers import (
 from .estimators import (
     BUILTIN_KL_ESTIMATORS,
     compute_kl,
+    kl_from_log_ratio,
     estimate_kl,
     full_kl,
     get_kl_estimator,
@@ -56,6 +57,7 @@ __all__ = [
     "get_kl_estimator_spec",
     "kl_estimators",
     "compute_kl",
+    "kl_from_log_ratio",
     "estimate_kl",
     "full_kl",
     "register_kl_estimator",

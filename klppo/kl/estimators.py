@@ -11,23 +11,22 @@ estimator gives depends on how it is used: backpropagated through ("loss mode") 
 return ("reward mode"); ``klppo.kl.divergence.divergence_followed`` answers that question for every
 estimator and mode, and each docstring below states the loss-mode answer.
 
-Every registered estimator shares one signature::
+Every per-token estimator is a function of the log-ratios alone, and every registered one shares one signature::
 
-    fn(logp, ref_logp, old_logp=None, log_ratio_clamp=40.0) -> Tensor
+    fn(log_ratio, old_log_ratio=None, log_ratio_clamp=40.0) -> Tensor
 
-- ``logp`` ``[...]``: log-probability of the sampled token under the policy; the only input that
-  carries a gradient.
-- ``ref_logp`` ``[...]``: the same token under the frozen reference; detached.
-- ``old_logp`` ``[...]`` or ``None``: the same token under the policy that sampled the rollout;
-  detached; read by ``corrected_k3`` only.
-- ``log_ratio_clamp``: ``C``; the log-ratios ``d`` (and ``logp - old_logp``) are clamped to
-  ``[-C, C]`` before any ``exp``. ``C = 40`` keeps float32 finite (exp(40) ~ 2.35e17) and therefore
-  also every gradient: a clamp on the output alone would still give ``0 * inf = NaN`` gradients.
-  ``torch.clamp`` passes no gradient outside its range, so a clamped token gets a zero gradient from
-  the log-ratio. ``None`` disables the clamp (then a large ``|d|`` can overflow).
+- ``log_ratio`` ``[...]``: ``d = logp - ref_logp`` of the sampled token, with the reference detached; in the loss
+  it carries the policy's gradient.
+- ``old_log_ratio`` ``[...]`` or ``None``: ``logp - old_logp``, the same token's log-ratio to the policy that
+  sampled the rollout (0 at that policy); read by ``corrected_k3`` only.
+- ``log_ratio_clamp``: ``C``; both log-ratios are clamped to ``[-C, C]`` before any ``exp``. ``C = 40`` keeps
+  float32 finite (exp(40) ~ 2.35e17) and therefore also every gradient: a clamp on the output alone would still
+  give ``0 * inf = NaN`` gradients. ``torch.clamp`` passes no gradient outside its range, so a clamped token gets a
+  zero gradient from the log-ratio. ``None`` disables the clamp (then a large ``|d|`` can overflow).
 
-The output has the broadcast shape of the inputs and their dtype. ``compute_kl`` is the entry point
-that also applies the optional output clamp and reports which tokens hit a clamp.
+The output has the broadcast shape of the inputs and their dtype. ``kl_from_log_ratio`` is the entry point that also
+applies the optional output clamp and reports which tokens hit a clamp; ``compute_kl`` takes log-probs instead and
+forms the log-ratios first. A rollout's log-ratio is formed once and every estimate of it reads that one tensor.
 
 Estimators that need the whole distribution rather than the sampled token's log-probs (the exact
 ``full`` KL) register with ``inputs="logits"`` and the signature ``fn(logits, ref_logits, chunk_size)``;
@@ -36,7 +35,7 @@ Estimators that need the whole distribution rather than the sampled token's log-
 Adding an estimator is one function and one decorator line::
 
     @register_kl_estimator("my_kl", formula="...")
-    def kl_my(logp, ref_logp, old_logp=None, log_ratio_clamp=40.0): ...
+    def kl_my(log_ratio, old_log_ratio=None, log_ratio_clamp=40.0): ...
 
 The decorator also registers the straight-through twin ``my_kl+`` (value of ``my_kl``, gradient
 of ``k2``).
@@ -57,6 +56,7 @@ __all__ = [
     "get_kl_estimator_spec",
     "kl_estimators",
     "compute_kl",
+    "kl_from_log_ratio",
     "estimate_kl",
     "full_kl",
     "BUILTIN_KL_ESTIMATORS",
@@ -184,26 +184,20 @@ def _clamp(x: torch.Tensor, bound: Optional[float]) -> torch.Tensor:
     return x if bound is None else x.clamp(-bound, bound)
 
 
-def _log_ratio(logp: torch.Tensor, ref_logp: torch.Tensor, log_ratio_clamp: Optional[float]):
-    """d = clamp(logp - ref_logp, -C, C), with the reference detached. Shape: broadcast."""
-    return _clamp(logp - ref_logp.detach(), log_ratio_clamp)
+def _k2(d, log_ratio_clamp):
+    return 0.5 * _clamp(d, log_ratio_clamp).square()
 
 
-def _k2(logp, ref_logp, log_ratio_clamp):
-    d = _log_ratio(logp, ref_logp, log_ratio_clamp)
-    return 0.5 * d.square()
-
-
-def _k3(logp, ref_logp, log_ratio_clamp):
-    d = _log_ratio(logp, ref_logp, log_ratio_clamp)
+def _k3(d, log_ratio_clamp):
+    d = _clamp(d, log_ratio_clamp)
     # r - 1 - log r with r = exp(-d); expm1 keeps precision for small |d|.
     return torch.expm1(-d) + d
 
 
 def _make_straight_through(fn: KLEstimatorFn, name: str) -> KLEstimatorFn:
-    def straight_through(logp, ref_logp, old_logp=None, log_ratio_clamp=40.0):
-        value = fn(logp, ref_logp, old_logp, log_ratio_clamp)
-        k2 = _k2(logp, ref_logp, log_ratio_clamp)
+    def straight_through(log_ratio, old_log_ratio=None, log_ratio_clamp=40.0):
+        value = fn(log_ratio, old_log_ratio, log_ratio_clamp)
+        k2 = _k2(log_ratio, log_ratio_clamp)
         # Forward: exactly `value`. Backward: exactly the gradient of k2.
         return k2 - k2.detach() + value.detach()
 
@@ -225,7 +219,7 @@ def _make_straight_through(fn: KLEstimatorFn, name: str) -> KLEstimatorFn:
 
 
 @register_kl_estimator("k1", formula="d")
-def kl_k1(logp, ref_logp, old_logp=None, log_ratio_clamp=40.0):
+def kl_k1(log_ratio, old_log_ratio=None, log_ratio_clamp=40.0):
     """k1 = d = logp - ref_logp.  Shapes: ``[...] -> [...]``.
 
     Value: unbiased for KL(pi_theta || pi_ref), high variance, can be negative.
@@ -234,11 +228,11 @@ def kl_k1(logp, ref_logp, old_logp=None, log_ratio_clamp=40.0):
     Clamping: ``d`` to ``[-C, C]``. Source: Schulman 2020 ("Approximating KL Divergence");
     Ziegler et al. 2019 use it in the reward.
     """
-    return _log_ratio(logp, ref_logp, log_ratio_clamp)
+    return _clamp(log_ratio, log_ratio_clamp)
 
 
 @register_kl_estimator("k2", formula="d^2 / 2")
-def kl_k2(logp, ref_logp, old_logp=None, log_ratio_clamp=40.0):
+def kl_k2(log_ratio, old_log_ratio=None, log_ratio_clamp=40.0):
     """k2 = d**2 / 2.  Shapes: ``[...] -> [...]``.
 
     Value: biased (an f-divergence that matches KL to second order), always >= 0.
@@ -247,11 +241,11 @@ def kl_k2(logp, ref_logp, old_logp=None, log_ratio_clamp=40.0):
     importance weight it follows neither KL direction.
     Clamping: ``d`` to ``[-C, C]``. Source: Schulman 2020; verl calls it ``mse``; OpenRLHF.
     """
-    return _k2(logp, ref_logp, log_ratio_clamp)
+    return _k2(log_ratio, log_ratio_clamp)
 
 
 @register_kl_estimator("k3", formula="exp(-d) - 1 + d")
-def kl_k3(logp, ref_logp, old_logp=None, log_ratio_clamp=40.0):
+def kl_k3(log_ratio, old_log_ratio=None, log_ratio_clamp=40.0):
     """k3 = r - 1 - log r = expm1(-d) + d.  Shapes: ``[...] -> [...]``.
 
     Value: unbiased for KL(pi_theta || pi_ref), low variance, always >= 0.
@@ -260,11 +254,11 @@ def kl_k3(logp, ref_logp, old_logp=None, log_ratio_clamp=40.0):
     grad KL(pi||ref) - grad KL(ref||pi).
     Clamping: ``d`` to ``[-C, C]`` before the exp. Source: Schulman 2020; the GRPO loss.
     """
-    return _k3(logp, ref_logp, log_ratio_clamp)
+    return _k3(log_ratio, log_ratio_clamp)
 
 
 @register_kl_estimator("low_var_kl", formula="clamp(k3, -10, 10)", output_clamp=LOW_VAR_KL_CLAMP)
-def kl_low_var_kl(logp, ref_logp, old_logp=None, log_ratio_clamp=40.0):
+def kl_low_var_kl(log_ratio, old_log_ratio=None, log_ratio_clamp=40.0):
     """low_var_kl = clamp(k3, -10, 10).  Shapes: ``[...] -> [...]``.
 
     Value: k3 with the output clamped, so biased (downwards) where k3 > 10.
@@ -273,11 +267,11 @@ def kl_low_var_kl(logp, ref_logp, old_logp=None, log_ratio_clamp=40.0):
     ``d > 11.0``.
     Clamping: ``d`` to ``[-C, C]``, then the output to ``[-10, 10]``. Source: verl ``low_var_kl``.
     """
-    return _k3(logp, ref_logp, log_ratio_clamp).clamp(-LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP)
+    return _k3(log_ratio, log_ratio_clamp).clamp(-LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP)
 
 
 @register_kl_estimator("abs", formula="abs(d)")
-def kl_abs(logp, ref_logp, old_logp=None, log_ratio_clamp=40.0):
+def kl_abs(log_ratio, old_log_ratio=None, log_ratio_clamp=40.0):
     """abs = |d|.  Shapes: ``[...] -> [...]``.
 
     Value: biased (E|d| >= KL), >= 0.
@@ -285,26 +279,25 @@ def kl_abs(logp, ref_logp, old_logp=None, log_ratio_clamp=40.0):
     ``sum_x |pi_theta(x) - pi_ref(x)|`` (twice the total-variation distance), not of a KL.
     Clamping: ``d`` to ``[-C, C]``. Source: verl ``abs``; old TRL ``kl_penalty="abs"``.
     """
-    return _log_ratio(logp, ref_logp, log_ratio_clamp).abs()
+    return _clamp(log_ratio, log_ratio_clamp).abs()
 
 
 @register_kl_estimator("corrected_k3", formula="w * k3, w = pi / pi_old", uses_old_logp=True)
-def kl_corrected_k3(logp, ref_logp, old_logp=None, log_ratio_clamp=40.0):
+def kl_corrected_k3(log_ratio, old_log_ratio=None, log_ratio_clamp=40.0):
     """corrected_k3 = w * k3 with w = exp(clamp(logp - old_logp)) = pi_theta / pi_old.
 
     Shapes: ``[...] -> [...]``. The gradient flows through both ``w`` and ``k3``:
     ``grad(w * k3) = w * (k3 + 1 - r) * s = w * d * s``, so under tokens sampled from pi_old the
     expected gradient is grad KL(pi_theta || pi_ref), on- and off-policy (DeepSeek-V3.2 Eq. 7).
     Value: ``w * k3`` is an unbiased importance-weighted estimate of KL(pi_theta || pi_ref) under
-    pi_old sampling; at theta = old it equals k3. Without ``old_logp`` it is plain k3.
+    pi_old sampling; at theta = old it equals k3. Without ``old_log_ratio`` it is plain k3.
     Clamping: both log-ratios to ``[-C, C]`` before their exp. Source: DeepSeek-V3.2 Eq. 7;
     Trinity; TRL GRPO ``use_bias_correction_kl``.
     """
-    k3 = _k3(logp, ref_logp, log_ratio_clamp)
-    if old_logp is None:
+    k3 = _k3(log_ratio, log_ratio_clamp)
+    if old_log_ratio is None:
         return k3
-    w = torch.exp(_clamp(logp - old_logp.detach(), log_ratio_clamp))
-    return w * k3
+    return torch.exp(_clamp(old_log_ratio, log_ratio_clamp)) * k3
 
 
 
@@ -322,25 +315,23 @@ def _check_bound(value, name):
     return value
 
 
-def compute_kl(
-    logp: torch.Tensor,
-    ref_logp: torch.Tensor,
+def kl_from_log_ratio(
+    log_ratio: torch.Tensor,
     estimator: str = "k1",
-    old_logp: Optional[torch.Tensor] = None,
+    old_log_ratio: Optional[torch.Tensor] = None,
     log_ratio_clamp: Optional[float] = 40.0,
     value_clamp: Optional[float] = None,
     return_clamped: bool = False,
 ):
-    """Per-token KL estimate, differentiable with respect to ``logp``.
+    """Per-token KL estimate from the log-ratios, differentiable through them.
 
     Args:
-        logp ``[...]``: log pi_theta of the sampled tokens (carries the gradient).
-        ref_logp ``[...]``: log pi_ref of the same tokens (treated as a constant).
-        estimator: a name from ``kl_estimators()``.
-        old_logp ``[...]`` or None: log pi_old of the same tokens (constant); used by
-            ``corrected_k3`` (and its twin) only.
-        log_ratio_clamp: clamp ``d`` (and ``logp - old_logp``) to ``[-C, C]`` before any exp;
-            None disables it.
+        log_ratio ``[...]``: ``d = logp - ref_logp`` of the sampled tokens (the policy's gradient, if any, flows
+            through it).
+        estimator: a per-token name from ``kl_estimators()``.
+        old_log_ratio ``[...]`` or None: ``logp - old_logp``; read by ``corrected_k3`` (and its twin) only. At the
+            policy that sampled the tokens it is 0 (the same as None).
+        log_ratio_clamp: clamp both log-ratios to ``[-C, C]`` before any exp; None disables it.
         value_clamp: opt-in clamp of the output to ``[-value_clamp, value_clamp]`` (10 reproduces
             OpenRLHF's ``compute_approx_kl``); clamped tokens get a zero gradient.
         return_clamped: also return a bool mask of the tokens where any clamp was active (log-ratio,
@@ -359,18 +350,16 @@ def compute_kl(
         )
     log_ratio_clamp = _check_bound(log_ratio_clamp, "log_ratio_clamp")
     value_clamp = _check_bound(value_clamp, "value_clamp")
-    if old_logp is not None:
-        old_logp = old_logp.detach()
-    kl = spec.fn(logp, ref_logp.detach(), old_logp, log_ratio_clamp)
+    kl = spec.fn(log_ratio, old_log_ratio, log_ratio_clamp)
 
     clamped = None
     if return_clamped:
         with torch.no_grad():
             clamped = torch.zeros(kl.shape, dtype=torch.bool, device=kl.device)
             if log_ratio_clamp is not None:
-                clamped |= (logp - ref_logp).abs() > log_ratio_clamp
-                if spec.uses_old_logp and old_logp is not None:
-                    clamped |= (logp - old_logp).abs() > log_ratio_clamp
+                clamped |= log_ratio.abs() > log_ratio_clamp
+                if spec.uses_old_logp and old_log_ratio is not None:
+                    clamped |= old_log_ratio.abs() > log_ratio_clamp
             if spec.output_clamp is not None:
                 clamped |= kl.abs() >= spec.output_clamp
             if value_clamp is not None:
@@ -378,6 +367,23 @@ def compute_kl(
     if value_clamp is not None:
         kl = kl.clamp(-value_clamp, value_clamp)
     return (kl, clamped) if return_clamped else kl
+
+
+def compute_kl(
+    logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    estimator: str = "k1",
+    old_logp: Optional[torch.Tensor] = None,
+    log_ratio_clamp: Optional[float] = 40.0,
+    value_clamp: Optional[float] = None,
+    return_clamped: bool = False,
+):
+    """``kl_from_log_ratio`` from log-probs: ``logp`` ``[...]`` (log pi_theta of the sampled tokens, carries the
+    gradient), ``ref_logp`` and ``old_logp`` (log pi_ref and log pi_old of the same tokens, constants; ``old_logp``
+    is read by ``corrected_k3`` only). The other arguments and the result are ``kl_from_log_ratio``'s."""
+    old_log_ratio = None if old_logp is None else logp - old_logp.detach()
+    return kl_from_log_ratio(logp - ref_logp.detach(), estimator, old_log_ratio, log_ratio_clamp=log_ratio_clamp,
+                             value_clamp=value_clamp, return_clamped=return_clamped)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -528,14 +534,19 @@ def estimate_kl(
     ref_logits: Optional[torch.Tensor] = None,
     chunk_size: int = 1024,
     return_clamped: bool = False,
+    log_ratio: Optional[torch.Tensor] = None,
+    old_log_ratio: Optional[torch.Tensor] = None,
     **clamps,
 ):
-    """Per-position KL by any registered estimator: ``compute_kl`` on log-probs for a per-token one (with
-    ``clamps``: ``log_ratio_clamp``, ``value_clamp``), the estimator on ``logits`` / ``ref_logits``
-    (temperature-scaled, ``[..., V]``) for a logits-based one, whose values are never clamped."""
+    """Per-position KL by any registered estimator. A per-token one reads ``log_ratio`` (and ``old_log_ratio``)
+    when given, else forms them from ``logp``, ``ref_logp`` and ``old_logp`` (``kl_from_log_ratio``, with
+    ``clamps``: ``log_ratio_clamp``, ``value_clamp``); a logits-based one reads ``logits`` / ``ref_logits``
+    (temperature-scaled, ``[..., V]``) and its values are never clamped."""
     spec = get_kl_estimator_spec(estimator)
     if not spec.needs_logits:
-        return compute_kl(logp, ref_logp, estimator, old_logp=old_logp, return_clamped=return_clamped, **clamps)
+        if log_ratio is None:
+            return compute_kl(logp, ref_logp, estimator, old_logp=old_logp, return_clamped=return_clamped, **clamps)
+        return kl_from_log_ratio(log_ratio, estimator, old_log_ratio, return_clamped=return_clamped, **clamps)
     if logits is None or ref_logits is None:
         raise ValueError(f"KL estimator {estimator!r} needs the policy's and the reference's logits.")
     kl = spec.fn(logits, ref_logits.detach(), chunk_size)

@@ -63,12 +63,14 @@ class KLPlan:
         statistic whose generation logits are not kept)."""
         return self.estimator_needs_logits or (self.statistic_needs_logits and not self.keep_generation_logits)
 
-    def estimate(self, name: str, logp=None, ref_logp=None, old_logp=None, logits=None, ref_logits=None,
+    def estimate(self, name: str, log_ratio=None, old_log_ratio=None, logits=None, ref_logits=None,
                  return_clamped: bool = False):  # fmt: skip
-        """Per-position KL by the estimator `name`, with this run's clamps (`klppo.kl.estimate_kl`)."""
+        """Per-position KL by the estimator `name`, with this run's clamps (`klppo.kl.estimate_kl`): a per-token
+        estimator reads the log-ratios `logp - ref_logp` and `logp - old_logp`, a logits-based one the logits."""
         return estimate_kl(
-            name, logp, ref_logp, old_logp=old_logp, logits=logits, ref_logits=ref_logits, chunk_size=self.chunk_size,
-            return_clamped=return_clamped, log_ratio_clamp=self.log_ratio_clamp, value_clamp=self.value_clamp,
+            name, log_ratio=log_ratio, old_log_ratio=old_log_ratio, logits=logits, ref_logits=ref_logits,
+            chunk_size=self.chunk_size, return_clamped=return_clamped, log_ratio_clamp=self.log_ratio_clamp,
+            value_clamp=self.value_clamp,
         )  # fmt: skip
 
 

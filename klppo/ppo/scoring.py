@@ -15,7 +15,8 @@ from trl.trainer.utils import use_adapter
 
 from .callbacks import timed
 from .engines import root_unsharded
-from .plan import KLPlan
+from ..kl import estimate_kl
+from .plan import LOGGED_ESTIMATORS, KLPlan
 from .rollout import Generation, position_ids_from_mask, response_logits, response_logprobs, response_positions
 from .steps import Rollout, Sequences
 
@@ -48,7 +49,7 @@ class RolloutScorer:
         """The `Rollout` of `sequences`: forward passes of `model` (the actor-critic, wrapped or not) for what
         `generated` (what generation read while decoding) does not give: the policy's log-probs and logits as the
         plan needs them, the critic's values; always the reference's log-probs; then the log-ratio and the plan's
-        per-token estimates, once."""
+        per-token estimates, all read from one log-ratio."""
         timings = timings if timings is not None else defaultdict(float)
         generated = generated if generated is not None else Generation(sequences.responses)
         need_policy = generated.logp is None or self.plan.policy_logits_at_scoring
@@ -91,19 +92,21 @@ class RolloutScorer:
         with timed(timings, "time/score_ref", acc):
             ref_logits = self.reference_logits(model, seq)
             ref_logp = response_logprobs(ref_logits, resp)
-        with timed(timings, "time/kl", acc):
-            mask = seq.response_mask
-            kl, clamped = plan.estimate(plan.estimator, logp, ref_logp, old_logp=logp, logits=logits,
-                                        ref_logits=ref_logits, return_clamped=True)  # fmt: skip
-            if plan.statistic == plan.estimator:
-                statistic = kl
-            else:
-                statistic = plan.estimate(plan.statistic, logp, ref_logp, old_logp=logp, logits=logits,
-                                          ref_logits=ref_logits)  # fmt: skip
-            keep, zero = mask.bool(), torch.zeros((), dtype=logp.dtype, device=logp.device)
+        with timed(timings, "time/kl", acc):  # the log-ratio once; every estimate reads it
+            keep = seq.response_mask.bool()
+            zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+            log_ratio = torch.where(keep, logp - ref_logp, zero)
+
+            def estimate(name, **kw):
+                return plan.estimate(name, log_ratio, logits=logits, ref_logits=ref_logits, **kw)
+
+            kl, clamped = estimate(plan.estimator, return_clamped=True)
+            statistic = kl if plan.statistic == plan.estimator else estimate(plan.statistic)
+            logged = torch.stack([estimate_kl(name, log_ratio=log_ratio, log_ratio_clamp=plan.log_ratio_clamp)
+                                  for name in LOGGED_ESTIMATORS], dim=-1)  # fmt: skip
             out.update(
-                logp=logp, ref_logp=ref_logp, log_ratio=torch.where(keep, logp - ref_logp, zero),
-                kl=torch.where(keep, kl, zero), kl_clamped=clamped & keep, statistic_kl=torch.where(keep, statistic, zero),
+                logp=logp, ref_logp=ref_logp, log_ratio=log_ratio, kl=torch.where(keep, kl, zero),
+                kl_clamped=clamped & keep, statistic_kl=torch.where(keep, statistic, zero), logged_kl=logged,
             )  # fmt: skip
         return out
 

@@ -91,6 +91,7 @@ class Rollout(Sequences):
     kl: torch.Tensor  # [B, R] the configured estimator (`kl_estimator`), what the reward or the loss charges
     kl_clamped: torch.Tensor  # [B, R] bool: tokens where a clamp bounded the estimate
     statistic_kl: torch.Tensor  # [B, R] the controller's estimator (`kl_statistic`)
+    logged_kl: torch.Tensor  # [B, R, 3] k1, k2 and k3 (`LOGGED_ESTIMATORS`), each with the log-ratio clamp only
 
 
 @dataclass

@@ -510,9 +510,8 @@ class KLPPOTrainer(Trainer):
         args, acc, plan, mask = self.args, self.accelerator, self.kl_plan, rollout.response_mask
         stats = GlobalSums()
         per_seq_count = mask.shape[0] if plan.unit == "sequence" else mask.sum()
-        for name in LOGGED_ESTIMATORS:  # each estimator's own reading: the log-ratio clamp, no value clamp
-            values = estimate_kl(name, rollout.logp, rollout.ref_logp, log_ratio_clamp=plan.log_ratio_clamp)
-            stats.add(f"kl/{name}", (values * mask).sum(), per_seq_count)
+        for i, name in enumerate(LOGGED_ESTIMATORS):  # each estimator's own reading (scoring masked them)
+            stats.add(f"kl/{name}", rollout.logged_kl[..., i].sum(), per_seq_count)
         if plan.statistic not in LOGGED_ESTIMATORS:
             stats.add(f"kl/{plan.statistic}", rollout.statistic_kl.sum(), per_seq_count)
         stats.add("kl/clamped_frac", rollout.kl_clamped.sum(), mask.sum())
@@ -727,9 +726,12 @@ class KLPPOTrainer(Trainer):
             logits, logp, values, mb.logp, mb.values, advantages.advantages[idx], advantages.returns[idx], mask,
             counts["num_tokens"], share, cliprange=args.cliprange, cliprange_value=args.cliprange_value,
         )  # fmt: skip
+        # the log-ratios at the current policy: to the sampling policy, and to the reference from the rollout's
+        old_log_ratio = logp - mb.logp
+        log_ratio = mb.log_ratio + old_log_ratio
         with torch.no_grad():  # the KL statistic at the current policy, for the guard: k1 importance-weighted
             # by pi / pi_old per token (the tokens were sampled by pi_old)
-            k1 = torch.exp(logp.detach() - mb.logp) * (logp.detach() - mb.ref_logp) * mask
+            k1 = torch.exp(old_log_ratio.detach()) * log_ratio.detach() * mask
             count = mask.shape[0] if plan.unit == "sequence" else mask.sum()
             parts["kl/during_update"] = (k1.sum(), count)
         if "loss" in plan.places and not warming:  # the estimator at the current policy, per kl_loss_agg_mode
@@ -737,7 +739,7 @@ class KLPPOTrainer(Trainer):
             if plan.estimator_needs_logits:
                 with torch.no_grad():
                     ref_logits = self.scorer.reference_logits(self.model_wrapped, mb)
-            kl = plan.estimate(plan.estimator, logp, mb.ref_logp, old_logp=mb.logp, logits=logits, ref_logits=ref_logits)
+            kl = plan.estimate(plan.estimator, log_ratio, old_log_ratio, logits=logits, ref_logits=ref_logits)
             kl_term = kl_loss(kl, mask, advantages.kl_loss_coef, args.kl_loss_agg_mode, **counts,
                               norm_len=args.response_length)  # fmt: skip
             loss = loss + kl_term
