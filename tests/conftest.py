@@ -9,6 +9,8 @@ the cache between runs instead (the SmolLM2 conversion then happens only once).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 import tempfile
@@ -16,6 +18,8 @@ import tempfile
 import pytest
 
 _SESSION_CACHE: str | None = None
+_LOCK_FOLDER: str | None = None
+_RANKS_LOCK = "KLPPO_TEST_RANKS_LOCK"  # the folder of the two lock files, shared by the test processes
 
 
 def pytest_configure(config):
@@ -25,6 +29,10 @@ def pytest_configure(config):
 
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
+    global _LOCK_FOLDER
+    if not os.environ.get("PYTEST_XDIST_WORKER") and _RANKS_LOCK not in os.environ:  # the workers inherit it
+        _LOCK_FOLDER = os.environ[_RANKS_LOCK] = tempfile.mkdtemp(prefix="klppo-test-lock-")
+    config.addinivalue_line("markers", "ranks: starts processes that talk to each other; runs with no other such test")
     keep = os.environ.get("KLPPO_TEST_CACHE")
     if keep:
         os.environ["KLPPO_CACHE"] = keep
@@ -39,9 +47,34 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
+@contextlib.contextmanager
+def _flock(path: str, mode: int):
+    with open(path, "a") as handle:
+        fcntl.flock(handle, mode)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Tests marked `ranks` (ranks that exchange tensors: DeepSpeed, FSDP, torchrun) run one at a time, their
+    fixtures included: two of them at once put 4 busy processes on 2 cores, and a rank that is off its core stalls
+    every collective (a ZeRO-3 command then ran 5x slower than alone)."""
+    folder = os.environ.get(_RANKS_LOCK)
+    if not folder or not os.environ.get("PYTEST_XDIST_WORKER") or item.get_closest_marker("ranks") is None:
+        yield
+        return
+    with _flock(os.path.join(folder, "ranks"), fcntl.LOCK_EX):
+        yield
+
+
 def pytest_unconfigure(config):
     if _SESSION_CACHE is not None:
         shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
+    if _LOCK_FOLDER is not None:
+        shutil.rmtree(_LOCK_FOLDER, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

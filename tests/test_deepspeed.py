@@ -51,6 +51,7 @@ def accelerate_launch(config: str, script_args: list[str], tmp_path) -> None:
     run(launcher + script_args, tmp_path)
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("stage", [2, 3])
 def test_zero_update_equals_ddp(stage, engine_rollout, ddp_update, tmp_path):
     accelerate_launch(accelerate_config(tmp_path, stage), [WORKER, "engine", str(engine_rollout), str(tmp_path)], tmp_path)
@@ -79,6 +80,7 @@ def trainable(folder) -> dict[str, torch.Tensor]:
     return load_file(os.path.join(folder, "klppo_trainable.safetensors"))
 
 
+@pytest.mark.ranks
 def test_zero3_tiny_job_evaluates_saves_and_resumes_exactly(tiny_model_path, tmp_path):  # built before the ranks start
     from transformers import AutoModelForCausalLM
 
@@ -105,6 +107,7 @@ def test_zero3_tiny_job_evaluates_saves_and_resumes_exactly(tiny_model_path, tmp
     assert controllers[0] == controllers[1]
 
 
+@pytest.mark.ranks
 def test_zero3_lora_with_adapter_disabled_reference(tiny_model_path, tmp_path):
     out = tmp_path / "lora"
     train_tiny(accelerate_config(tmp_path, 3), out, tmp_path, "--use_peft", "true", "--lora_r", "4",

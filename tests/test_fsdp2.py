@@ -93,6 +93,7 @@ def fsdp_engine_run(engine_rollout, tiny_model_path, tmp_path_factory):
     return out, alone, evaluation
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
 def test_fsdp2_sampling_with_ranks_that_finish_at_different_steps(fsdp_engine_run):
     out, alone, evaluation = fsdp_engine_run
@@ -110,6 +111,7 @@ def test_fsdp2_sampling_with_ranks_that_finish_at_different_steps(fsdp_engine_ru
     assert ranks[0]["eval"]["eval/perplexity"] == pytest.approx(evaluation["eval/perplexity"], rel=1e-5)
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
 def test_fsdp2_update_equals_ddp(fsdp_engine_run, ddp_update):
     ddp_ranks, ddp_weights = read_engine_run(ddp_update)
@@ -136,6 +138,7 @@ def fsdp_train_tiny(out, tmp_path, *extra: str) -> None:
                  "--max_steps", "3", "--save_strategy", "steps", "--save_steps", "2", *extra], tmp_path)  # fmt: skip
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
 def test_fsdp2_tiny_job_saves_and_resumes_exactly(tiny_model_path, tmp_path):
     from transformers import AutoModelForCausalLM

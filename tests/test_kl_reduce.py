@@ -181,6 +181,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
 def test_two_process_reduction(tmp_path):
     """torchrun with 2 gloo processes holding different slices; both agree with one process."""

@@ -130,6 +130,7 @@ def test_readme_python_example_runs(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().out.strip().splitlines()[-1].split() == [str(trainer.kl_controller.value), str(logged[0]["kl/value"])]
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
 def test_tiny_config_under_torchrun_two_processes(tmp_path):
     """The same script under `torchrun --nproc_per_node 2` (gloo on CPU) runs and exits cleanly."""

@@ -97,6 +97,7 @@ def rollout_file(tmp_path_factory):
     return path
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
 def test_one_process_accumulation_equals_two_processes(rollout_file, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
@@ -127,6 +128,7 @@ def test_one_process_accumulation_equals_two_processes(rollout_file, tmp_path):
     )
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
 def test_two_process_training_keeps_coefficients_identical(tmp_path):
     torchrun(["train", str(tmp_path)], tmp_path)

@@ -503,7 +503,10 @@ def trl_command(name: str, tmp_path, reward_model: str) -> tuple[list[str], dict
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(TRL_PPO_COMMANDS))
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=[pytest.mark.ranks] if command.lstrip().startswith("accelerate launch") else [])
+    for name, command in TRL_PPO_COMMANDS.items()
+])  # fmt: skip
 def test_trl_112_documented_command_runs(name, tiny_path, reward_model_path, tmp_path, monkeypatch):
     """Each PPO command line TRL 1.12 documents runs with its flags unchanged, through klppo's TRL-shaped
     examples (only the import differs), on the offline tiny models: the hub's ids, TRL's script and config paths

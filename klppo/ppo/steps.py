@@ -129,6 +129,7 @@ class Advantages:
     returns: torch.Tensor  # [B, R]
     kl_loss_coef: float  # coef, divided by the advantage std unless kl_loss_scale="none"
     metrics: dict = field(default_factory=dict)
+    kl_loss_baseline: float | None = None  # b of `kl_loss_baseline` (None: no baseline)
 
 
 @dataclass

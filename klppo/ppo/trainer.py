@@ -590,7 +590,24 @@ class KLPPOTrainer(Trainer):
         # (GRPO: each group has its own scale; beta weighs KL against the group-normalised reward, as in TRL)
         rescale = args.kl_loss_scale == "advantage_std" and args.advantage_estimator != "grpo"
         scale = max(std, KL_LOSS_MIN_ADVANTAGE_STD) if rescale else 1.0
-        return Advantages(advantages, returns, penalty.coef / scale, {"policy/advantage_std": std, **metrics})
+        baseline = None
+        if args.kl_loss_baseline and "loss" in self.kl_plan.places and not self.kl_plan.estimator_needs_logits:
+            baseline = self._kl_loss_baseline(rollout)
+            metrics["kl/loss_baseline"] = baseline
+        return Advantages(advantages, returns, penalty.coef / scale, {"policy/advantage_std": std, **metrics},
+                          kl_loss_baseline=baseline)  # fmt: skip
+
+    def _kl_loss_baseline(self, rollout: Rollout) -> float:
+        """`kl_loss_baseline`'s b: the rollout's token mean, over all processes, of the coefficient `g` that the
+        configured estimator puts on `w * grad log pi` in the loss, at the sampling policy (`d/dx` of the estimate
+        at log-ratios `d + x` to the reference and `x` to the sampling policy, x = 0)."""
+        mask = rollout.response_mask
+        with torch.enable_grad():
+            x = torch.zeros_like(rollout.log_ratio, dtype=torch.float64, requires_grad=True)
+            kl = self.kl_plan.estimate(self.kl_plan.estimator, rollout.log_ratio.double() + x, x)
+            (g,) = torch.autograd.grad(kl.sum(), x)
+        total, count = reduce_sum_count((g * mask).sum(), mask.sum(), self.accelerator)
+        return (total / count.clamp(min=1)).item()
 
     # ------------------------------------------------------------------ step 8: optimisation
     def optimise(self, rollout: Rollout, advantages: Advantages, kl_reading: float | None = None) -> OptimiseResult:
@@ -740,6 +757,10 @@ class KLPPOTrainer(Trainer):
                 with torch.no_grad():
                     ref_logits = self.scorer.reference_logits(self.model_wrapped, mb)
             kl = plan.estimate(plan.estimator, log_ratio, old_log_ratio, logits=logits, ref_logits=ref_logits)
+            if advantages.kl_loss_baseline is not None:  # a zero-mean control variate: E_old[w * grad log pi] = 0
+                c = plan.log_ratio_clamp
+                w = (old_log_ratio if c is None else old_log_ratio.clamp(-c, c)).exp()
+                kl = kl - advantages.kl_loss_baseline * (w - w.detach())
             kl_term = kl_loss(kl, mask, advantages.kl_loss_coef, args.kl_loss_agg_mode, **counts,
                               norm_len=args.response_length)  # fmt: skip
             loss = loss + kl_term
