@@ -79,11 +79,13 @@ def test_reward_mode_k1_lands_on_the_tilted_optimum(tiny_path, tmp_path):
     assert objective(end, opt, BETA) - objective(end, end["logp"], BETA) < BETA * 0.02
 
 
-@pytest.mark.parametrize("estimator", ["k2", "k1+", "full"])
-def test_loss_mode_lands_on_the_same_optimum(tiny_path, tmp_path, estimator):
-    """beta names the same objective E[r] - beta * KL in loss mode as in reward mode (kl_loss_scale)."""
+@pytest.mark.parametrize("estimator, baseline", [("k2", False), ("k2", True), ("k1+", False), ("full", False)])
+def test_loss_mode_lands_on_the_same_optimum(tiny_path, tmp_path, estimator, baseline):
+    """beta names the same objective E[r] - beta * KL in loss mode as in reward mode (kl_loss_scale); the KL loss's
+    baseline (`kl_loss_baseline`) leaves the optimum where it is."""
     trainer = bandit_trainer(
-        tiny_path, tmp_path, kl_mode="loss", kl_estimator=estimator, max_steps=240, lr_scheduler_type="linear"
+        tiny_path, tmp_path, kl_mode="loss", kl_estimator=estimator, max_steps=240, lr_scheduler_type="linear",
+        kl_loss_baseline=baseline,
     )
     trainer.train()
     end = one_token_state(trainer)

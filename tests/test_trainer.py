@@ -100,12 +100,12 @@ def moved_policy_rollout(tiny_path, prompts, args, n: int = 4):
     return trainer, trainer.rollout(trainer.prompt_batch(prompts["prompt"][:n]))
 
 
-def kl_loss_term(trainer, rollout) -> tuple[float, dict]:
+def kl_loss_term(trainer, rollout, baseline: float | None = None) -> tuple[float, dict]:
     """The loss-mode KL term (coefficient 1) of one micro-batch holding the whole `rollout`, and the gradient
     it puts on the policy's weights. Advantages are 0 and the critic is separate, so the policy's gradient is
     the KL term's alone."""
     n = rollout.batch_size
-    advantages = Advantages(torch.zeros_like(rollout.values), rollout.values, kl_loss_coef=1.0)
+    advantages = Advantages(torch.zeros_like(rollout.values), rollout.values, kl_loss_coef=1.0, kl_loss_baseline=baseline)
     counts = dict(num_tokens=rollout.response_mask.sum(), num_seqs=n)
     trainer.model.zero_grad()
     loss, parts = trainer.micro_batch_loss(rollout, advantages, torch.arange(n), counts)
@@ -126,6 +126,35 @@ def test_each_estimators_loss_term_is_finite_and_pulls_the_policy(tiny_path, pro
         assert math.isfinite(term), estimator
         norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values() if g is not None))
         assert torch.isfinite(norm) and norm > 0, estimator
+
+
+def test_the_kl_loss_baseline_is_the_token_mean_of_the_estimators_gradient_coefficient(tiny_path, prompts, tmp_path):
+    """`kl_loss_baseline`'s b is the rollout's token mean of the coefficient g that the estimator puts on
+    `w * grad log pi`: `d` for `k2` and `corrected_k3`, `1 - exp(-d)` for `k3`, 1 for `k1` (d the log-ratio)."""
+    expected = {"k2": lambda d: d, "corrected_k3": lambda d: d, "k3": lambda d: 1 - torch.exp(-d), "k1": torch.ones_like}
+    rollout = None
+    for estimator, g in expected.items():
+        args = make_args(tmp_path, kl_mode="loss", kl_estimator=estimator, critic="separate",
+                         experimental={"kl_loss_baseline": True})  # fmt: skip
+        trainer, own = moved_policy_rollout(tiny_path, prompts, args)
+        rollout = rollout or own
+        mask = rollout.response_mask.bool()
+        d = (rollout.logp - rollout.ref_logp).double()[mask]
+        assert trainer._kl_loss_baseline(rollout) == pytest.approx(float(g(d).mean()), rel=1e-6, abs=1e-12), estimator
+
+
+def test_with_the_baseline_k1_in_the_loss_puts_no_gradient_on_the_policy(tiny_path, prompts, tmp_path):
+    """k1 in the loss has gradient `grad log pi`, whose expectation is 0 (pure noise); its coefficient g is 1, so the
+    baseline b is 1 and removes that noise at the sampling policy, up to rounding; the KL term's value is unchanged."""
+    args = make_args(tmp_path, kl_mode="loss", kl_estimator="k1", critic="separate")
+    trainer, rollout = moved_policy_rollout(tiny_path, prompts, args)
+    term, grads = kl_loss_term(trainer, rollout)
+    before = max(float(g.abs().max()) for g in grads.values() if g is not None)
+    with_baseline, grads = kl_loss_term(trainer, rollout, baseline=trainer._kl_loss_baseline(rollout))
+    after = max(float(g.abs().max()) for g in grads.values() if g is not None)
+    assert with_baseline == pytest.approx(term, rel=1e-6)
+    # what remains is w - 1: the log-probs read while decoding and a training forward differ by rounding
+    assert before > 1e-3 and after < 1e-4 * before, (before, after)
 
 
 def test_the_loss_coefficient_is_beta_over_the_advantage_std_within_a_floor(tiny_path, prompts, tmp_path):

@@ -73,7 +73,7 @@ EXPERIMENTAL_DOC = r"""
             advantages are then noise, and `s` would fall to the whitening's epsilon, `beta / s` to `1e4 * beta`).
             Rewards on a scale far below 1 are best rescaled. `"none"` uses `beta` as is: the convention of
             TRL's GRPO and verl, where beta weighs KL against the normalised advantage.
-        kl_loss_baseline (`bool`, *optional*, defaults to `False`):
+        kl_loss_baseline (`bool`, *optional*, defaults to `True`):
             With the KL in the loss: subtract a baseline from its per-token gradient. A sampled estimator's loss
             gradient is `g(d) * w * grad log pi` per token (`d` the log-ratio to the reference, `w = pi / pi_old`;
             `g = d` for `k2`, the `X+` twins and `corrected_k3`), and `g`'s mean over the rollout multiplies a
@@ -81,7 +81,7 @@ EXPERIMENTAL_DOC = r"""
             becomes `kl - b * (w - w.detach())`, with `b` the rollout's token mean of `g` (reduced over all
             processes, logged as `kl/loss_baseline`): the same value and the same expected gradient (under
             `pi_old`, `E[w * grad log pi] = 0` at every step), less noise. No effect on `full`, which has no
-            sampling noise.
+            sampling noise. Measured on the bandit speed grid in `docs/results.md`; False turns it off.
         kl_log_ratio_clamp (`float` or `None`, *optional*, defaults to `40.0`):
             `|log pi - log pi_ref|` is clamped to this before any `exp`, which keeps float32 finite.
         kl_drift_patience (`int`, *optional*, defaults to `5`):
@@ -152,7 +152,7 @@ class ExperimentalSettings:
     kl_statistic: str | None = None
     kl_guard: bool | str | None = None
     kl_loss_scale: str = "advantage_std"
-    kl_loss_baseline: bool = False
+    kl_loss_baseline: bool = True
     kl_log_ratio_clamp: float | None = 40.0
     kl_drift_patience: int = 5
     full_kl_chunk_size: int = 1024
