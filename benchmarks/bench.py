@@ -405,7 +405,7 @@ def kl_memory_check(args, workdir: Path) -> dict:
     results = {}
     for variant in ("chunked", "dense", "naive"):
         cmd = [
-            sys.executable, str(HERE / "bench_klppo.py"), "kl-memory",
+            sys.executable, str(HERE / "bench_kl_memory.py"),
             "--variant", variant,
             "--positions", str(args.kl_positions),
             "--vocab", str(args.kl_vocab),

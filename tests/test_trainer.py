@@ -166,7 +166,7 @@ def test_the_loss_coefficient_is_beta_over_the_advantage_std_within_a_floor(tiny
     args = make_args(tmp_path, kl_mode="loss", kl_estimator="k3", gamma=1.0, lam=1.0, whiten_rewards=False)
     trainer = make_trainer(tiny_path, prompts, args)
     mask = torch.ones(4, 3)
-    rollout = SimpleNamespace(response_mask=mask, values=torch.zeros(4, 3))
+    rollout = SimpleNamespace(response_mask=mask, values=torch.zeros(4, 3), log_ratio=torch.zeros(4, 3))
     rewards = SimpleNamespace(scorable=torch.ones(4, dtype=torch.bool))
     scores = torch.zeros(4, 3)
     scores[:, -1] = torch.tensor([1.0, -1.0, 0.5, -0.5])  # advantages: each sequence's score on all its tokens
