@@ -19,7 +19,7 @@ import pytest
 
 _SESSION_CACHE: str | None = None
 _LOCK_FOLDER: str | None = None
-_RANKS_LOCK = "KLPPO_TEST_RANKS_LOCK"  # the folder of the two lock files, shared by the test processes
+_RANKS_LOCK = "KLPPO_TEST_RANKS_LOCK"  # the folder of the lock file, shared by the test processes
 
 
 def pytest_configure(config):

@@ -100,7 +100,7 @@ def moved_policy_rollout(tiny_path, prompts, args, n: int = 4):
     return trainer, trainer.rollout(trainer.prompt_batch(prompts["prompt"][:n]))
 
 
-def kl_loss_term(trainer, rollout, baseline: float | None = None) -> tuple[float, dict]:
+def kl_loss_term(trainer, rollout, baseline: torch.Tensor | None = None) -> tuple[float, dict]:
     """The loss-mode KL term (coefficient 1) of one micro-batch holding the whole `rollout`, and the gradient
     it puts on the policy's weights. Advantages are 0 and the critic is separate, so the policy's gradient is
     the KL term's alone."""
@@ -129,8 +129,9 @@ def test_each_estimators_loss_term_is_finite_and_pulls_the_policy(tiny_path, pro
 
 
 def test_the_kl_loss_baseline_is_the_token_mean_of_the_estimators_gradient_coefficient(tiny_path, prompts, tmp_path):
-    """`kl_loss_baseline`'s b is the rollout's token mean of the coefficient g that the estimator puts on
-    `w * grad log pi`: `d` for `k2` and `corrected_k3`, `1 - exp(-d)` for `k3`, 1 for `k1` (d the log-ratio)."""
+    """`kl_loss_baseline`'s b for a sequence is the token mean, over every OTHER sequence of the rollout, of the
+    coefficient g that the estimator puts on `w * grad log pi`: `d` for `k2` and `corrected_k3`, `1 - exp(-d)` for
+    `k3`, 1 for `k1` (d the log-ratio); the logged figure is the mean over all sequences."""
     expected = {"k2": lambda d: d, "corrected_k3": lambda d: d, "k3": lambda d: 1 - torch.exp(-d), "k1": torch.ones_like}
     rollout = None
     for estimator, g in expected.items():
@@ -139,8 +140,13 @@ def test_the_kl_loss_baseline_is_the_token_mean_of_the_estimators_gradient_coeff
         trainer, own = moved_policy_rollout(tiny_path, prompts, args)
         rollout = rollout or own
         mask = rollout.response_mask.bool()
-        d = (rollout.logp - rollout.ref_logp).double()[mask]
-        assert trainer._kl_loss_baseline(rollout) == pytest.approx(float(g(d).mean()), rel=1e-6, abs=1e-12), estimator
+        d = (rollout.logp - rollout.ref_logp).double()
+        per_row, mean = trainer._kl_loss_baseline(rollout)
+        assert mean == pytest.approx(float(g(d[mask]).mean()), rel=1e-6, abs=1e-12), estimator
+        assert per_row.shape == (rollout.batch_size, 1)
+        for i in range(rollout.batch_size):
+            others = torch.cat([g(d[j][mask[j]]) for j in range(rollout.batch_size) if j != i])
+            assert float(per_row[i, 0]) == pytest.approx(float(others.mean()), rel=1e-6, abs=1e-12), (estimator, i)
 
 
 def test_with_the_baseline_k1_in_the_loss_puts_no_gradient_on_the_policy(tiny_path, prompts, tmp_path):
@@ -150,7 +156,7 @@ def test_with_the_baseline_k1_in_the_loss_puts_no_gradient_on_the_policy(tiny_pa
     trainer, rollout = moved_policy_rollout(tiny_path, prompts, args)
     term, grads = kl_loss_term(trainer, rollout)
     before = max(float(g.abs().max()) for g in grads.values() if g is not None)
-    with_baseline, grads = kl_loss_term(trainer, rollout, baseline=trainer._kl_loss_baseline(rollout))
+    with_baseline, grads = kl_loss_term(trainer, rollout, baseline=trainer._kl_loss_baseline(rollout)[0])
     after = max(float(g.abs().max()) for g in grads.values() if g is not None)
     assert with_baseline == pytest.approx(term, rel=1e-6)
     # what remains is w - 1: the log-probs read while decoding and a training forward differ by rounding

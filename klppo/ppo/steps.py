@@ -129,7 +129,7 @@ class Advantages:
     returns: torch.Tensor  # [B, R]
     kl_loss_coef: float  # coef, divided by the advantage std unless kl_loss_scale="none"
     metrics: dict = field(default_factory=dict)
-    kl_loss_baseline: float | None = None  # b of `kl_loss_baseline` (None: no baseline)
+    kl_loss_baseline: torch.Tensor | None = None  # [B, 1] b of `kl_loss_baseline` per sequence (None: no baseline)
 
 
 @dataclass

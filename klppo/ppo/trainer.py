@@ -591,23 +591,29 @@ class KLPPOTrainer(Trainer):
         rescale = args.kl_loss_scale == "advantage_std" and args.advantage_estimator != "grpo"
         scale = max(std, KL_LOSS_MIN_ADVANTAGE_STD) if rescale else 1.0
         baseline = None
-        if args.kl_loss_baseline and "loss" in self.kl_plan.places and not self.kl_plan.estimator_needs_logits:
-            baseline = self._kl_loss_baseline(rollout)
-            metrics["kl/loss_baseline"] = baseline
+        # (seq-mean-token-mean weighs a token by 1 / its response's length, which the token itself can set: the
+        # baseline's term would then have a non-zero expectation)
+        if (args.kl_loss_baseline and "loss" in self.kl_plan.places and not self.kl_plan.estimator_needs_logits
+                and args.kl_loss_agg_mode != "seq-mean-token-mean"):  # fmt: skip
+            baseline, metrics["kl/loss_baseline"] = self._kl_loss_baseline(rollout)
         return Advantages(advantages, returns, penalty.coef / scale, {"policy/advantage_std": std, **metrics},
                           kl_loss_baseline=baseline)  # fmt: skip
 
-    def _kl_loss_baseline(self, rollout: Rollout) -> float:
-        """`kl_loss_baseline`'s b: the rollout's token mean, over all processes, of the coefficient `g` that the
-        configured estimator puts on `w * grad log pi` in the loss, at the sampling policy (`d/dx` of the estimate
-        at log-ratios `d + x` to the reference and `x` to the sampling policy, x = 0)."""
+    def _kl_loss_baseline(self, rollout: Rollout) -> tuple[torch.Tensor, float]:
+        """`kl_loss_baseline`'s b per sequence `[B, 1]`, and the rollout's mean for the log. `g` is the coefficient
+        the configured estimator puts on `w * grad log pi` in the loss, at the sampling policy (`d/dx` of the
+        estimate at log-ratios `d + x` to the reference and `x` to the sampling policy, x = 0); a sequence's b is the
+        token mean of `g` over every other sequence of the rollout, on all processes, so that it does not depend on
+        the sequence's own tokens."""
         mask = rollout.response_mask
         with torch.enable_grad():
             x = torch.zeros_like(rollout.log_ratio, dtype=torch.float64, requires_grad=True)
             kl = self.kl_plan.estimate(self.kl_plan.estimator, rollout.log_ratio.double() + x, x)
             (g,) = torch.autograd.grad(kl.sum(), x)
-        total, count = reduce_sum_count((g * mask).sum(), mask.sum(), self.accelerator)
-        return (total / count.clamp(min=1)).item()
+        rows, lengths = (g * mask).sum(dim=1), mask.sum(dim=1).double()
+        total, count = reduce_sum_count(rows.sum(), lengths.sum(), self.accelerator)
+        others = (total - rows) / (count - lengths).clamp(min=1)
+        return others[:, None], (total / count.clamp(min=1)).item()
 
     # ------------------------------------------------------------------ step 8: optimisation
     def optimise(self, rollout: Rollout, advantages: Advantages, kl_reading: float | None = None) -> OptimiseResult:
@@ -744,7 +750,8 @@ class KLPPOTrainer(Trainer):
             counts["num_tokens"], share, cliprange=args.cliprange, cliprange_value=args.cliprange_value,
         )  # fmt: skip
         # the log-ratios at the current policy: to the sampling policy, and to the reference from the rollout's
-        old_log_ratio = logp - mb.logp
+        # (0 after the stop token, where the sampled token was replaced by padding)
+        old_log_ratio = torch.where(mask.bool(), logp - mb.logp, 0.0)
         log_ratio = mb.log_ratio + old_log_ratio
         with torch.no_grad():  # the KL statistic at the current policy, for the guard: k1 importance-weighted
             # by pi / pi_old per token (the tokens were sampled by pi_old)
@@ -760,7 +767,7 @@ class KLPPOTrainer(Trainer):
             if advantages.kl_loss_baseline is not None:  # a zero-mean control variate: E_old[w * grad log pi] = 0
                 c = plan.log_ratio_clamp
                 w = (old_log_ratio if c is None else old_log_ratio.clamp(-c, c)).exp()
-                kl = kl - advantages.kl_loss_baseline * (w - w.detach())
+                kl = kl - advantages.kl_loss_baseline[idx].to(w.dtype) * (w - w.detach())
             kl_term = kl_loss(kl, mask, advantages.kl_loss_coef, args.kl_loss_agg_mode, **counts,
                               norm_len=args.response_length)  # fmt: skip
             loss = loss + kl_term
