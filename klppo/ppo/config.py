@@ -78,10 +78,12 @@ EXPERIMENTAL_DOC = r"""
             gradient is `g(d) * w * grad log pi` per token (`d` the log-ratio to the reference, `w = pi / pi_old`;
             `g = d` for `k2`, the `X+` twins and `corrected_k3`), and `g`'s mean over the rollout multiplies a
             term whose expectation is 0 but whose noise is not: `k2`'s `d` averages the KL itself. The loss term
-            becomes `kl - b * (w - w.detach())`, with `b` the rollout's token mean of `g` (reduced over all
-            processes, logged as `kl/loss_baseline`): the same value and the same expected gradient (under
-            `pi_old`, `E[w * grad log pi] = 0` at every step), less noise. No effect on `full`, which has no
-            sampling noise. Measured on the bandit speed grid in `docs/results.md`; False turns it off.
+            becomes `kl - b * (w - w.detach())`, with a sequence's `b` the token mean of `g` over the rollout's
+            other sequences (all processes; their mean is logged as `kl/loss_baseline`): the same value and the
+            same expected gradient (under `pi_old`, `E[w * grad log pi] = 0` at every step, and `b` does not
+            depend on the sequence's own tokens), less noise. No effect on `full`, which has no sampling noise;
+            off with `kl_loss_agg_mode="seq-mean-token-mean"`, whose weight `1 / length` the token itself can
+            change. Measured on the bandit speed grid in `docs/results.md`; False turns it off.
         kl_log_ratio_clamp (`float` or `None`, *optional*, defaults to `40.0`):
             `|log pi - log pi_ref|` is clamped to this before any `exp`, which keeps float32 finite.
         kl_drift_patience (`int`, *optional*, defaults to `5`):
