@@ -9,8 +9,6 @@ the cache between runs instead (the SmolLM2 conversion then happens only once).
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
 import shutil
 import tempfile
@@ -47,16 +45,6 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
-@contextlib.contextmanager
-def _flock(path: str, mode: int):
-    with open(path, "a") as handle:
-        fcntl.flock(handle, mode)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Tests marked `ranks` (ranks that exchange tensors: DeepSpeed, FSDP, torchrun) run one at a time, their
@@ -66,7 +54,9 @@ def pytest_runtest_protocol(item, nextitem):
     if not folder or not os.environ.get("PYTEST_XDIST_WORKER") or item.get_closest_marker("ranks") is None:
         yield
         return
-    with _flock(os.path.join(folder, "ranks"), fcntl.LOCK_EX):
+    from filelock import FileLock
+
+    with FileLock(os.path.join(folder, "ranks.lock")):
         yield
 
 

@@ -69,3 +69,10 @@ def test_the_documents_built_from_the_docstrings_are_current():
     root = Path(__file__).resolve().parents[1]
     for path, text in built_documents(str(root)).items():
         assert Path(path).read_text(encoding="utf-8") == text, f"{path} is out of date: python -m klppo.config_docs --write"
+
+
+def test_a_switch_of_the_experimental_settings_must_be_a_bool(tmp_path):
+    """A string such as "false" would read as on: `kl_loss_baseline` (like the other switches) is refused at parse
+    time, naming the valid values."""
+    with pytest.raises(ValueError, match="`kl_loss_baseline` must be true or false, got 'false'"):
+        KLPPOConfig(output_dir=str(tmp_path), report_to="none", experimental={"kl_loss_baseline": "false"})

@@ -477,7 +477,8 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
                           ("max_nonfinite_updates", 1), ("generation_logits_max_mb", 0)):  # fmt: skip
             if not getattr(x, name) >= low:
                 raise ValueError(f"`{name}` must be >= {low}, got {getattr(x, name)}.")
-        for name in ("merge_adapter_for_generation", "shared_critic_detach", "whiten_advantages", "ref_reset_optimizer"):
+        for name in ("kl_loss_baseline", "merge_adapter_for_generation", "shared_critic_detach", "whiten_advantages",
+                     "ref_reset_optimizer"):  # fmt: skip
             if not isinstance(getattr(x, name), bool):
                 raise ValueError(f"`{name}` must be true or false, got {getattr(x, name)!r}.")
         if x.nonfinite_rollback is not None and not isinstance(x.nonfinite_rollback, bool):
