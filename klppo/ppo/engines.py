@@ -9,8 +9,11 @@ its hooks sit on every submodule.
 
 from __future__ import annotations
 
+import atexit
+import functools
 from contextlib import contextmanager
 
+import torch
 from torch import nn
 
 
@@ -57,3 +60,16 @@ def load_full_weights(model: nn.Module, weights: dict) -> None:
 
                 value = distribute_tensor(value, param.device_mesh, param.placements)
             param.copy_(value)
+
+
+@functools.cache
+def destroy_process_group_at_exit() -> None:
+    """Destroy the default process group when the interpreter exits, while it is still whole (registered once).
+    Exiting with a Gloo group alive can abort a rank after its work is done ("terminate called without an active
+    exception", PyTorch issue 190489): the group's worker threads are torn down with the interpreter."""
+
+    def destroy() -> None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+    atexit.register(destroy)

@@ -61,7 +61,7 @@ from .advantages import gae_advantages, sequence_advantages
 from .build import build_models, check_trainer_inputs, load_policy_and_tokenizer, prepare_frozen
 from .callbacks import KLProgressCallback, maybe_offline_wandb, now, timed
 from .config import KL_LOSS_MIN_ADVANTAGE_STD, KLPPOConfig
-from .engines import load_full_weights, root_unsharded
+from .engines import destroy_process_group_at_exit, load_full_weights, root_unsharded
 from .guard import LOWER, UPPER, build_kl_guard, reset_momentum
 from .health import NonfiniteGuard, PPOHealthMonitor, TrainingDiverged, policy_outputs_finite, rollout_outputs_finite
 from .losses import ppo_losses
@@ -177,6 +177,8 @@ class KLPPOTrainer(Trainer):
             processing_class=processing_class, callbacks=callbacks,
         )  # fmt: skip
         self.remove_callback(ProgressCallback)
+        if self.accelerator.num_processes > 1:
+            destroy_process_group_at_exit()
         if not self.args.disable_tqdm:
             self.add_callback(KLProgressCallback())
         engines = dict(deepspeed=self.is_deepspeed_enabled, fsdp=self.is_fsdp_enabled)
