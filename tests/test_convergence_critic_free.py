@@ -20,13 +20,18 @@ Measured (CPU, torch 2.13, seeds 0-2, the settings of the PPO tests in `test_con
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from klppo.models import TINY_MODEL, resolve_model_path
-from klppo.testing.bandit import bandit_trainer, coefficient_for_target, kl, one_token_state, tilted
+from klppo.testing.bandit import (
+    bandit_trainer,
+    coefficient_for_target,
+    grpo_advantage_gap,
+    kl,
+    one_token_state,
+    tilted,
+)
 
 pytestmark = pytest.mark.slow
 BETA = 0.5
@@ -74,21 +79,6 @@ def test_grpo_reward_mode_k1_keeps_pi_star_as_its_fixed_point(tiny_path, tmp_pat
     trainer.train()
     end = one_token_state(trainer)
     assert kl(end["logp"], tilted(end["ref"], end["reward"], BETA)) < 0.03
-
-
-def grpo_advantage_gap(q: float, group: int, eps: float = 1e-4) -> float:
-    """`Delta_G(q) = E[A | r = 1] - E[A | r = 0]` for a 0/1 reward whose probability is q, GRPO's advantage
-    `(r - mean) / (unbiased std + eps)` over a group of `group`: the other `group - 1` rewards hold k ones with
-    probability Binomial(group - 1, q)."""
-
-    def std(ones: int) -> float:
-        return math.sqrt(ones * (group - ones) / (group * (group - 1)))
-
-    gap = 0.0
-    for k in range(group):
-        weight = math.comb(group - 1, k) * q**k * (1 - q) ** (group - 1 - k)
-        gap += weight * ((1 - (k + 1) / group) / (std(k + 1) + eps) + (k / group) / (std(k) + eps))
-    return gap
 
 
 def grpo_fixed_point(ref: torch.Tensor, reward: torch.Tensor, beta: float, group: int) -> torch.Tensor:

@@ -16,6 +16,14 @@ values TRL logs as `kl`), feeds it to the controller and sets `trainer.beta` to 
 through TRL's own metric buffer, so they are averaged and logged with TRL's metrics. Its state goes into every
 checkpoint (`checkpoint-N/kl_controller.json`) and comes back with `trainer.train(resume_from_checkpoint=...)`.
 
+With a `kl_target`, the default controller is the equilibrium one, as in `KLPPOConfig`: from each generation batch
+(`SequenceReader`: every completion's score, log-ratio to the reference and length) it estimates the beta whose
+optimum has the target KL. RLOO puts `k1` in the reward, so that optimum is the tilt `ref * exp(r / beta) / Z`.
+GRPO puts `k3` in the loss, whose optimum is the forward-KL one `beta * ref / (lam - r)`, and divides each group's
+rewards by their spread: its loss follows the policy gradient of `E[Delta * r]`, `Delta` the advantage's mean rise
+per unit of reward (`advantage_slope`), so the reader hands the controller `Delta * r` as the score. The measured
+fixed points are in `docs/kl.md` ("TRL's trainers").
+
 What the statistic is (TRL 1.16):
 
 - `GRPOTrainer` puts the KL in the loss: per token, `k3 = exp(ref - logp) - (ref - logp) - 1` at the policy being
@@ -35,16 +43,22 @@ for RLOO this is exactly the mean summed k1 per completion that the reward is ch
 the step's micro-batches hold the whole generation batch with equal token counts, and close otherwise. Every
 process reads the same global value, so every process sets the same beta.
 
-Reading TRL's metric buffer (`trainer._metrics["train"]`) is the one place this relies on TRL's internals: it is
-where TRL keeps the KL it logs, and `add_kl_control` checks that it is there.
+This relies on TRL's internals in two places: the metric buffer (`trainer._metrics["train"]`), where TRL keeps the KL
+it logs, which `add_kl_control` checks is there; and, for the equilibrium controller, three methods of the trainer
+that `SequenceReader` wraps (they compute the log-probs and rewards TRL scores a batch with; TRL's subclasses
+override the same methods). If a TRL version computes them elsewhere, the reader warns once and the equilibrium
+controller keeps beta where it is.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
 import os
+
+import torch
 
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
@@ -85,10 +99,128 @@ def _kind(trainer) -> str:
 
 class TRLKLControl(KLControlConfig):
     """The KL settings of a TRL trainer under `add_kl_control`: TRL decides where the KL acts and how it is
-    estimated, and the callback reads TRL's logged KL, not the sequences."""
+    estimated; the callback reads TRL's logged KL and each generation batch's sequences (`SequenceReader`)."""
 
-    def _reads_sequences(self) -> bool:
-        return False
+    def _loss_weight(self) -> tuple[float | None, str]:
+        # TRL adds beta * KL to the per-token policy loss before aggregating, so both weigh alike whatever its loss_type
+        return 1.0, ""
+
+
+class SequenceReader:
+    """Each generation batch's completions as TRL scored them, for a controller that reads the batch
+    (`observe_sequences`): per completion, the score the policy gradient follows, `log pi(y) - log ref(y)` summed over
+    its tokens, and its length, gathered over all processes.
+
+    It wraps three of the trainer's methods on the instance, without changing what they return:
+    `_generate_and_score_completions` (to know a batch is being scored), `_get_per_token_logps_and_entropies` (the
+    sampling policy's and the reference's log-probs TRL computes there; TRL computes the reference's last) and, for
+    RLOO, `_calculate_rewards` (the rewards of all processes). The score is RLOO's reward (weighted, clipped as TRL
+    does), whose KL-regularised optimum is the tilt; and GRPO's advantage, the group-normalised reward its loss
+    follows (`docs/kl.md`, "TRL's trainers"). GRPO computes the policy's log-probs there only off-policy; on-policy,
+    the reader runs the reference's forward again on the policy (one extra forward pass per generation batch, no
+    gradient)."""
+
+    def __init__(self, trainer, kind: str):
+        self.trainer, self.kind = trainer, kind
+        self.batch = None  # (scores, log_ratios, lengths) of the last generation batch, until the controller reads it
+        self._calls = None  # per-token log-probs computed while a batch is scored: [(args, kwargs, logps)]
+        self._rewards = None
+        self._logps = self._wrap("_get_per_token_logps_and_entropies", self._record_logps)
+        self._wrap("_generate_and_score_completions", self._score)
+        self._wrap("_calculate_rewards", self._record_rewards)
+
+    def _wrap(self, name: str, wrapper):
+        original = getattr(self.trainer, name)
+
+        @functools.wraps(original)
+        def method(*args, **kwargs):
+            return wrapper(original, *args, **kwargs)
+
+        setattr(self.trainer, name, method)
+        return original
+
+    def _record_logps(self, original, *args, **kwargs):
+        out = original(*args, **kwargs)
+        if self._calls is not None:
+            self._calls.append((args, kwargs, out[0].detach()))
+        return out
+
+    def _record_rewards(self, original, *args, **kwargs):
+        out = original(*args, **kwargs)
+        if self._calls is not None:
+            self._rewards = out.detach()
+        return out
+
+    def _score(self, original, *args, **kwargs):
+        if not self.trainer.model.training:  # an evaluation batch: TRL scores it, the controller does not read it
+            return original(*args, **kwargs)
+        self._calls, self._rewards = [], None
+        try:
+            output = original(*args, **kwargs)
+            calls = self._calls
+        finally:
+            self._calls = None
+        self.batch = self._table(output, calls)
+        return output
+
+    @torch.no_grad()
+    def _table(self, output: dict, calls: list):
+        mask = output["completion_mask"]
+        ref = calls[-1][2] if calls else None
+        if self.kind == "RLOOTrainer":
+            policy = calls[0][2] if len(calls) >= 2 else None
+        else:
+            policy = output.get("old_per_token_logps")
+            if policy is None and ref is not None:  # on-policy: the reference's forward again, on the policy
+                args, kwargs, _ = calls[-1]
+                policy = self._logps(self.trainer.model, *args[1:], **kwargs)[0]
+        if ref is None or policy is None or policy.shape != mask.shape or ref.shape != mask.shape:
+            _warn_once(
+                f"add_kl_control found no sampling and reference log-probs in {self.kind}'s scoring of a batch (this "
+                "TRL version computes them elsewhere): the controller is fed the KL alone, so the equilibrium "
+                "controller keeps beta where it is. Use kl_controller='tracking'."
+            )
+            return None
+        mask = mask.to(torch.float64)
+        local = torch.stack([((policy.double() - ref.double()) * mask).sum(1), mask.sum(1)], dim=1)
+        rewards = self._rewards
+        scores = (rewards * self.trainer.reward_weights.to(rewards.device).unsqueeze(0)).nansum(dim=1)
+        clip = getattr(self.trainer, "reward_clip_range", None)
+        if clip:
+            scores = scores.clamp(min=clip[0], max=clip[1])
+        scores[torch.isnan(rewards).all(dim=1)] = torch.nan  # no reward function scored it: left out
+        if self.kind == "GRPOTrainer":
+            advantages = self.trainer.accelerator.gather(output["advantages"].detach())
+            scores = scores * advantage_slope(advantages, scores, self.trainer.num_generations)
+        table = self.trainer.accelerator.gather(local).cpu()
+        scores = scores.to(torch.float64).cpu()
+        keep = torch.isfinite(scores)
+        return scores[keep], table[keep, 0], table[keep, 1]
+
+
+def advantage_slope(advantages: torch.Tensor, rewards: torch.Tensor, group: int) -> float:
+    """How much GRPO's advantage rises per unit of reward, on average: `Delta = sum_i A_i r_i / (G * sum_g s_g^2)`,
+    `s_g^2` the unbiased variance of group g's rewards (groups of `group` consecutive completions).
+
+    Where the expected advantage of a completion is `Delta * (r - mean)` within its prompt (exactly so for a 0/1
+    reward, GRPO's `Delta_G(q)`), `E[sum_i A_i r_i] = G * Delta * var`, and `E[s_g^2] = var`: the ratio estimates
+    `Delta` pooled over prompts. (Regressing A on `r - group mean` would give `Delta * G / (G - 1)`, as each group's
+    own mean moves with its rewards.) GRPO's loss follows the policy gradient of `E[Delta * r]`, so its fixed point
+    is the KL's optimum for the reward `Delta * r`. Rows with a NaN reward are left out; 0 if no group varies."""
+    a, r = advantages.double().view(-1, group), rewards.double().view(-1, group)
+    keep = torch.isfinite(r).all(dim=1)
+    a, r = a[keep], r[keep]
+    spread = r.var(dim=1).sum() if r.shape[0] else r.new_zeros(())
+    return float((a * r).sum() / (group * spread)) if spread > 0 else 0.0
+
+
+_WARNED: set = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        logger.warning(message)
 
 
 def resolve_kl_fields(trainer, kl_fields: dict) -> TRLKLControl:
@@ -116,6 +248,7 @@ class KLControlCallback(TrainerCallback):
         self.settings = settings
         self.kind = _kind(trainer)
         self.controller = build_kl_controller(settings)
+        self.reader = SequenceReader(trainer, self.kind) if hasattr(self.controller, "observe_sequences") else None
         self.resume_from: str | None = None
         self._buffer, self._seen = None, 0  # TRL's "kl" list and how many of its values have been read
         self._mean_length: float | None = None
@@ -148,9 +281,14 @@ class KLControlCallback(TrainerCallback):
             value = sum(readings) / len(readings)
             if self.settings.kl_target_unit == "sequence":
                 value = value * self._mean_length if self._mean_length is not None else math.nan
+            if self.reader is not None and self.reader.batch is not None:  # once per generation batch
+                self.controller.observe_sequences(*self.reader.batch, unit=self.settings.kl_target_unit)
+                self.reader.batch = None
             self.controller.update(value, n_steps=self._sequences_read(args, state))
             self.trainer.beta = self.controller.value
             metrics["kl/value"].append(value)
+            for name, number in getattr(self.controller, "metrics", dict)().items():
+                metrics[name].append(number)
             if self.settings.kl_target is not None:
                 metrics["kl/target"].append(float(self.settings.kl_target))
         metrics["kl/coef"].append(coef)
@@ -205,7 +343,7 @@ def add_kl_control(trainer, **kl_fields):
         trainer: a `trl.GRPOTrainer` or `trl.RLOOTrainer` (or a subclass) whose `beta` is > 0.
         **kl_fields: `KLControlConfig`'s controller fields (`KLPPOConfig` has them too), with the same meaning and
             checks: `kl_controller`
-            (`None`: `"tracking"` with a `kl_target`, else `"fixed"`), `kl_target`, `kl_target_unit` (`"sequence"`,
+            (`None`: `"equilibrium"` with a `kl_target`, else `"fixed"`), `kl_target`, `kl_target_unit` (`"sequence"`,
             the default, or `"token"`: TRL's own `kl`) and `kl_controller_kwargs` (the controller's constants)
             (`klppo.integrations.trl.controller_fields()`). beta starts from `trainer.beta`.
 

@@ -120,10 +120,6 @@ class KLControlConfig:
         self.validate_kl_control()
 
     # what the KL term trains toward, for the controller that solves for its optimum; subclasses add what they know
-    def _reads_sequences(self) -> bool:
-        """Whether the trainer hands the controller every sequence's score and log-ratio (`observe_sequences`)."""
-        return True
-
     def _undiscounted(self) -> bool:
         """Whether the return the KL rewards enter is undiscounted (the sequence-level tilt needs it)."""
         return True
@@ -145,8 +141,6 @@ class KLControlConfig:
     def _optimum_and_why(self) -> tuple[KLOptimum | None, str]:
         from .optimum import kl_optimum_of
 
-        if not self._reads_sequences():
-            return None, "TRL's trainers do not hand it their sequences"
         if not self._undiscounted() or self.kl_value_clamp is not None:
             return None, (f"with gamma={getattr(self, 'gamma', 1.0)} or kl_value_clamp={self.kl_value_clamp} that "
                           "optimum is not the one trained (it needs gamma 1 and no kl_value_clamp)")  # fmt: skip

@@ -458,7 +458,7 @@ class PIDKLController(_LogSpaceController):
 class TrackingKLController(_LogSpaceController):
     """PI control of log(beta) on the KL reading, with a start-up hold: holds a target where integral control
     winds up while the policy is still on its way. klppo's default with a ``kl_target`` for a KL whose optimum is not
-    known (``equilibrium`` is elsewhere), and in TRL's trainers.
+    known (``equilibrium`` is elsewhere).
 
     Per update, with reading ``kl``::
 

@@ -176,14 +176,42 @@ def two_token_kl_to_optimum(trainer: KLPPOTrainer, beta: float) -> tuple[float, 
     return kl_opt, kl_ref
 
 
-def coefficient_for_target(ref_logp: torch.Tensor, reward: torch.Tensor, target: float) -> float:
-    """The beta* whose optimum pi*_beta has KL(pi*_beta || ref) = target, by bisection on log beta (that KL
-    falls monotonically as beta grows)."""
+def grpo_advantage_gap(q: float, group: int, eps: float = 1e-4) -> float:
+    """`Delta_G(q) = E[A | r = 1] - E[A | r = 0]` for a 0/1 reward whose probability is q, GRPO's advantage
+    `(r - mean) / (unbiased std + eps)` over a group of `group`: the other `group - 1` rewards hold k ones with
+    probability Binomial(group - 1, q)."""
+
+    def std(ones: int) -> float:
+        return math.sqrt(ones * (group - ones) / (group * (group - 1)))
+
+    gap = 0.0
+    for k in range(group):
+        weight = math.comb(group - 1, k) * q**k * (1 - q) ** (group - 1 - k)
+        gap += weight * ((1 - (k + 1) / group) / (std(k + 1) + eps) + (k / group) / (std(k) + eps))
+    return gap
+
+
+def coefficient_for_target(ref_logp: torch.Tensor, reward: torch.Tensor, target: float, optimum=tilted) -> float:
+    """The beta* whose optimum `optimum(ref_logp, reward, beta)` (default the tilt) has KL(pi*_beta || ref) =
+    target, by bisection on log beta (that KL falls monotonically as beta grows)."""
     lo, hi = math.log(1e-4), math.log(1e4)
     for _ in range(200):
         mid = 0.5 * (lo + hi)
-        if kl(tilted(ref_logp, reward, math.exp(mid)), ref_logp) > target:
+        if kl(optimum(ref_logp, reward, math.exp(mid)), ref_logp) > target:
             lo = mid
         else:
             hi = mid
     return math.exp(0.5 * (lo + hi))
+
+
+def grpo_coefficient_for_target(ref_logp: torch.Tensor, reward: torch.Tensor, target: float, group: int,
+                                forward: bool) -> float:  # fmt: skip
+    """GRPO's beta* for a KL in the loss on a 0/1 reward: its group normalisation makes the policy gradient that of
+    `E[Delta_G(q) * r]`, so its fixed point at beta is the optimum at `beta / Delta_G(q)` (the forward-KL one for
+    `k3`, the tilt for `k2`), q the fixed point's own reward probability. The optimum with KL `target` has a
+    coefficient b* and a q*; beta* = b* * Delta_G(q*)."""
+    keep = torch.isfinite(ref_logp)
+    optimum = (lambda ref, r, b: forward_kl_optimum(ref, r, b, keep)) if forward else tilted
+    b = coefficient_for_target(ref_logp, reward, target, optimum)
+    q = float((optimum(ref_logp, reward, b).exp() * reward).sum())
+    return b * grpo_advantage_gap(q, group)
