@@ -12,7 +12,8 @@ from datasets import Dataset
 
 from klppo import KLPPOConfig, KLPPOTrainer
 from klppo.models import TINY_MODEL, resolve_model_path
-from klppo.ppo.advantages import grpo_advantages, rloo_advantages, sequence_advantages
+from klppo.ppo.advantages import advantage_slope, grpo_advantages, rloo_advantages, sequence_advantages
+from klppo.testing.bandit import grpo_advantage_gap
 
 F64 = torch.float64
 
@@ -197,3 +198,19 @@ def test_a_critic_free_run_saves_and_resumes(tiny_path, prompts, tmp_path):
         make_trainer(tiny_path, prompts, tmp_path / "gae", save_strategy="steps", save_steps=1).train(
             resume_from_checkpoint=checkpoint
         )
+
+
+def test_advantage_slope_is_the_expected_advantage_per_unit_of_reward():
+    """Exact for centring alone (TRL's `scale_rewards="none"`: (G - 1) / G); for GRPO's group normalisation of a 0/1
+    reward, Delta_G(q) = E[A | r = 1] - E[A | r = 0], to sampling error (40,000 groups)."""
+    rewards = torch.randn(200, dtype=F64)
+    centred = (rewards.view(-1, 4) - rewards.view(-1, 4).mean(dim=1, keepdim=True)).flatten()
+    assert advantage_slope(centred, rewards, 4) == pytest.approx(0.75, rel=1e-12)
+    assert advantage_slope(torch.zeros(8), torch.ones(8), 4) == 0.0  # no group varies: no tilt
+    with_nan = torch.cat([rewards[:8], torch.tensor([float("nan"), 1.0, 0.0, 1.0], dtype=F64)])
+    assert advantage_slope(torch.cat([centred[:8], torch.zeros(4)]), with_nan, 4) == pytest.approx(
+        advantage_slope(centred[:8], rewards[:8], 4), rel=1e-12)  # a group with an unscored row is left out
+    generator = torch.Generator().manual_seed(0)
+    for q in (0.2, 0.7):
+        r = (torch.rand(160000, generator=generator) < q).double()
+        assert advantage_slope(grpo_advantages(r, 4), r, 4) == pytest.approx(grpo_advantage_gap(q, 4), rel=0.02)

@@ -171,7 +171,6 @@ def test_the_default_with_a_target_is_equilibrium_where_the_optimum_is_known_and
     # a loss weight that moves with the policy hides the optimum: tracking, with one warning saying why
     for extra, why in (({"experimental": {"kl_loss_scale": "none"}}, "kl_loss_scale='none'"),
                        ({"kl_loss_agg_mode": "seq-mean-token-sum"}, "kl_loss_agg_mode='seq-mean-token-sum'"),
-                       ({"advantage_estimator": "grpo"}, "advantage_estimator='grpo'"),
                        ({"whiten_rewards": True}, "whiten_rewards=True")):
         caplog.clear()
         with caplog.at_level("WARNING", logger="klppo.ppo.config"):
@@ -181,6 +180,14 @@ def test_the_default_with_a_target_is_equilibrium_where_the_optimum_is_known_and
         assert len(warned) == 1 and why in warned[0], warned
         with pytest.raises(ValueError, match=f"{re.escape(why)}.*kl_controller='tracking'.*k2, an X\\+ estimator"):
             KLPPOConfig(**base, kl_mode="loss", kl_estimator="k2", kl_controller="equilibrium", **extra)
+    # GRPO's loss follows the reward Delta * r: known in the loss; with the KL in the return too, divided by the groups'
+    # spreads, not
+    assert KLPPOConfig(**base, kl_mode="loss", kl_estimator="k3", advantage_estimator="grpo").kl_optimum() == \
+        KLOptimum(FORWARD, 1.0, per_token=True)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="klppo.ppo.config"):
+        c = KLPPOConfig(**base, kl_mode="both", kl_estimator="k1+", advantage_estimator="grpo")
+    assert c.kl_controller == "tracking" and "advantage_estimator='grpo' with kl_mode='both'" in caplog.text
     # without whitened advantages, kl_loss_scale='none' leaves beta as it is: the optimum is known
     c = KLPPOConfig(**base, kl_mode="loss", kl_estimator="k2", experimental={"kl_loss_scale": "none",
                                                                              "whiten_advantages": False})

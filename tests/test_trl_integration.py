@@ -12,12 +12,11 @@ import torch
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
-from klppo.integrations.trl import CONTROLLER_STATE_NAME, add_kl_control, advantage_slope, controller_fields
+from klppo.integrations.trl import CONTROLLER_STATE_NAME, add_kl_control, controller_fields
 from klppo.models import TINY_MODEL, resolve_model_path
 from klppo.testing.bandit import (
     PROMPT,
     coefficient_for_target,
-    grpo_advantage_gap,
     grpo_coefficient_for_target,
     in_set,
     kl,
@@ -157,20 +156,6 @@ def test_the_sequences_read_are_trls(tiny_path, prompts, tmp_path):
             assert all(0 <= s <= 1 for s in scores.tolist())
         else:
             assert scores.abs().max() > 0
-
-
-def test_advantage_slope_is_the_expected_advantage_per_unit_of_reward():
-    """Exact for GRPO's centring alone (`scale_rewards="none"`: (G - 1) / G); for its group normalisation of a 0/1
-    reward, Delta_G(q), to sampling error (40,000 groups)."""
-    rewards = torch.randn(50, 4, dtype=torch.float64)
-    centred = rewards - rewards.mean(dim=1, keepdim=True)
-    assert advantage_slope(centred.flatten(), rewards.flatten(), 4) == pytest.approx(0.75, rel=1e-12)
-    assert advantage_slope(torch.zeros(8), torch.ones(8), 4) == 0.0  # no group varies: no tilt
-    generator = torch.Generator().manual_seed(0)
-    for q in (0.2, 0.7):
-        r = (torch.rand(40000, 4, generator=generator) < q).double()
-        a = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-4)
-        assert advantage_slope(a.flatten(), r.flatten(), 4) == pytest.approx(grpo_advantage_gap(q, 4), rel=0.02)
 
 
 def test_sequence_unit_is_the_token_mean_times_the_mean_completion_length(tiny_path, prompts, tmp_path):

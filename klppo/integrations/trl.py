@@ -65,6 +65,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from ..kl import build_kl_controller
 from ..kl.config import KLControlConfig
+from ..ppo.advantages import advantage_slope
 
 logger = logging.getLogger(__name__)
 
@@ -196,22 +197,6 @@ class SequenceReader:
         scores = scores.to(torch.float64).cpu()
         keep = torch.isfinite(scores)
         return scores[keep], table[keep, 0], table[keep, 1]
-
-
-def advantage_slope(advantages: torch.Tensor, rewards: torch.Tensor, group: int) -> float:
-    """How much GRPO's advantage rises per unit of reward, on average: `Delta = sum_i A_i r_i / (G * sum_g s_g^2)`,
-    `s_g^2` the unbiased variance of group g's rewards (groups of `group` consecutive completions).
-
-    Where the expected advantage of a completion is `Delta * (r - mean)` within its prompt (exactly so for a 0/1
-    reward, GRPO's `Delta_G(q)`), `E[sum_i A_i r_i] = G * Delta * var`, and `E[s_g^2] = var`: the ratio estimates
-    `Delta` pooled over prompts. (Regressing A on `r - group mean` would give `Delta * G / (G - 1)`, as each group's
-    own mean moves with its rewards.) GRPO's loss follows the policy gradient of `E[Delta * r]`, so its fixed point
-    is the KL's optimum for the reward `Delta * r`. Rows with a NaN reward are left out; 0 if no group varies."""
-    a, r = advantages.double().view(-1, group), rewards.double().view(-1, group)
-    keep = torch.isfinite(r).all(dim=1)
-    a, r = a[keep], r[keep]
-    spread = r.var(dim=1).sum() if r.shape[0] else r.new_zeros(())
-    return float((a * r).sum() / (group * spread)) if spread > 0 else 0.0
 
 
 _WARNED: set = set()

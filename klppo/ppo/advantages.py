@@ -98,9 +98,9 @@ def grpo_advantages(returns: torch.Tensor, num_generations: int, eps: float = GR
 
     The division rescales each prompt's reward by a number that depends on the policy (and on the group size), so
     the objective is not `E[r] - beta * KL` any more. With the KL in the loss (TRL's GRPO) the fixed point is not
-    `ref * exp(r / beta) / Z` but a tilt whose strength moves with the policy's own reward spread: for a 0/1 reward
-    of probability q, `ref * exp(r * Delta_G(q) / beta) / Z` with `Delta_G(q) = E[A | r = 1] - E[A | r = 0]`
-    (q = 0.86 where `pi*` has 0.72 on the bandit of `tests/test_convergence_critic_free.py`, G = 4, beta = 0.5).
+    `ref * exp(r / beta) / Z` but the optimum for the reward `Delta * r` (`advantage_slope`), whose strength moves
+    with the policy's own reward spread: for `k2` and a 0/1 reward of probability q, `ref * exp(r * Delta_G(q) /
+    beta) / Z` with `Delta_G(q) = E[A | r = 1] - E[A | r = 0]` (`tests/test_convergence_critic_free.py`).
     With k1 in the reward the whole return `r - beta * KL` is divided by a positive number per group, and
     `ref * exp(r / beta) / Z` stays a fixed point (the return is the same for every response there); the
     normalised advantages keep unit scale next to it, so the steps do not shrink as the policy nears it.
@@ -116,6 +116,23 @@ def grpo_advantages(returns: torch.Tensor, num_generations: int, eps: float = GR
     grouped = _groups(returns, num_generations)
     centred = grouped - grouped.mean(dim=1, keepdim=True)
     return (centred / (grouped.std(dim=1, keepdim=True) + eps)).reshape(-1)
+
+
+def advantage_slope(advantages: torch.Tensor, rewards: torch.Tensor, group: int) -> float:
+    """How much GRPO's advantage rises per unit of reward, on average: `Delta = sum_i A_i r_i / (G * sum_g s_g^2)`
+    from `[B]` advantages and rewards, `s_g^2` the unbiased variance of group g's rewards (groups of `group`
+    consecutive rows).
+
+    Where the expected advantage of a completion is `Delta * (r - mean)` within its prompt (exactly so for a 0/1
+    reward, GRPO's `Delta_G(q)`), `E[sum_i A_i r_i] = G * Delta * var`, and `E[s_g^2] = var`: the ratio estimates
+    `Delta` pooled over prompts. (Regressing A on `r - group mean` would give `Delta * G / (G - 1)`, as each group's
+    own mean moves with its rewards.) GRPO's loss follows the policy gradient of `E[Delta * r]`, so its fixed point
+    is the KL's optimum for the reward `Delta * r`. Rows with a NaN reward are left out; 0 if no group varies."""
+    a, r = _groups(advantages.double(), group), _groups(rewards.double(), group)
+    keep = torch.isfinite(r).all(dim=1)
+    a, r = a[keep], r[keep]
+    spread = r.var(dim=1).sum() if r.shape[0] else r.new_zeros(())
+    return float((a * r).sum() / (group * spread)) if spread > 0 else 0.0
 
 
 CRITIC_FREE_ADVANTAGES = {"rloo": rloo_advantages, "grpo": grpo_advantages}

@@ -210,10 +210,11 @@ KLPPO_CONFIG_DOC = r"""
             (group std + 1e-4)` (Shao et al. 2024, as TRL's GRPOTrainer); advantage whitening and `kl_loss_scale` do
             not apply (the loss-mode coefficient is `kl_coef` as is, weighed against the group-normalised reward).
             The per-group std rescales each prompt's reward by a number that depends on the policy and the group
-            size: with the KL in the loss the fixed point is a tilt of the reference whose strength moves with the
-            policy's own reward spread, not `ref * exp(r / beta) / Z` (`klppo.ppo.advantages.grpo_advantages`); with
-            `k1` in the reward the whole return is rescaled and `ref * exp(r / beta) / Z` stays a fixed point. Use a
-            `kl_target` to hold the KL whatever beta then means. The return of a sequence is its score plus, in
+            size: with the KL in the loss the fixed point is the optimum for the reward `Delta * r`, `Delta` the
+            advantage's mean rise per unit of reward, which moves with the policy's own reward spread
+            (`klppo.ppo.advantages.grpo_advantages`, `docs/kl.md`); with `k1` in the reward the whole return is
+            rescaled and `ref * exp(r / beta) / Z` stays a fixed point. A `kl_target` holds the KL whatever beta
+            then means (the equilibrium controller knows both fixed points). The return of a sequence is its score plus, in
             reward mode, its summed per-token KL rewards; its advantage goes to every response token. `"rloo"` and
             `"grpo"` build and train no critic (`critic`, `critic_init`, `value_model`, `vf_coef`, `cliprange_value`,
             `gamma`, `lam` are ignored, with one logged note).
@@ -369,11 +370,13 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
         # advantages is that of E[r] / s: the KL weighs beta against the raw score, as in the reward. The policy loss
         # is a token mean; another aggregation of the KL weighs it by the responses' lengths, known only when every
         # response has response_length tokens (no stop token).
-        if self.advantage_estimator == "grpo":
-            return None, ("advantage_estimator='grpo' divides each group's reward by its own spread, which moves with "
-                          "the policy")  # fmt: skip
         if self.whiten_rewards:
             return None, "whiten_rewards=True divides the score by the rewards' spread, which moves with the policy"
+        if self.advantage_estimator == "grpo":  # the KL weighs beta against the group-normalised reward, as in TRL
+            if self.kl_mode == "both":
+                return None, ("advantage_estimator='grpo' with kl_mode='both' divides each group's return, KL "
+                              "included, by its own spread, which moves with the policy")  # fmt: skip
+            return 1.0, ""  # its optimum is the one for the reward Delta * r (`_observe_sequences`)
         if self.kl_loss_scale == "none" and self.whiten_advantages:
             return None, ("kl_loss_scale='none' weighs the KL against the whitened advantage, whose scale moves with "
                           "the policy")  # fmt: skip

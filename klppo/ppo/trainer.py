@@ -57,7 +57,7 @@ from ..kl import (
 from ..kl.reduce import all_reduce_sum, explained_variance
 from ..rewards import combine_rewards, load_reward_funcs, reward_func_name
 from . import checkpoint as ckpt
-from .advantages import gae_advantages, sequence_advantages
+from .advantages import advantage_slope, gae_advantages, sequence_advantages
 from .build import build_models, check_trainer_inputs, load_policy_and_tokenizer, prepare_frozen
 from .callbacks import KLProgressCallback, maybe_offline_wandb, now, timed
 from .config import KL_LOSS_MIN_ADVANTAGE_STD, KLPPOConfig
@@ -547,6 +547,11 @@ class KLPPOTrainer(Trainer):
         table = torch.stack([rewards.scores.double(), rollout.log_ratio.double().sum(dim=1), mask.sum(dim=1).double(),
                              rewards.scorable.double()], dim=1)  # fmt: skip
         table = self.accelerator.gather(table).cpu()
+        if self.args.advantage_estimator == "grpo" and "loss" in self.kl_plan.places:
+            # the group-normalised advantage follows the policy gradient of E[Delta * r]: that is the reward the
+            # KL in the loss is weighed against (docs/kl.md, "GRPO's group normalisation")
+            scores, group = table[:, 0], self.args.num_generations
+            table[:, 0] = scores * advantage_slope(sequence_advantages("grpo", scores, group), scores, group)
         table = table[table[:, 3] > 0]
         self.kl_controller.observe_sequences(table[:, 0], table[:, 1], table[:, 2], unit=self.kl_plan.unit)
 
