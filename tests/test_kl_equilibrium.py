@@ -188,6 +188,9 @@ def test_the_default_with_a_target_is_equilibrium_where_the_optimum_is_known_and
     with caplog.at_level("WARNING", logger="klppo.ppo.config"):
         c = KLPPOConfig(**base, kl_mode="both", kl_estimator="k1+", advantage_estimator="grpo")
     assert c.kl_controller == "tracking" and "advantage_estimator='grpo' with kl_mode='both'" in caplog.text
+    c = KLPPOConfig(**base, kl_mode="loss", kl_estimator="k2", advantage_estimator="grpo",
+                    kl_loss_agg_mode="seq-mean-token-sum")  # weighs the KL by the responses' lengths, as without GRPO
+    assert c.kl_controller == "tracking" and c.kl_optimum() is None
     # without whitened advantages, kl_loss_scale='none' leaves beta as it is: the optimum is known
     c = KLPPOConfig(**base, kl_mode="loss", kl_estimator="k2", experimental={"kl_loss_scale": "none",
                                                                              "whiten_advantages": False})

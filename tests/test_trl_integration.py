@@ -12,8 +12,13 @@ import torch
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
-from klppo.integrations.trl import CONTROLLER_STATE_NAME, add_kl_control, controller_fields
+from klppo.integrations.trl import (
+    CONTROLLER_STATE_NAME,
+    add_kl_control,
+    controller_fields,
+)
 from klppo.models import TINY_MODEL, resolve_model_path
+from klppo.ppo.advantages import advantage_slope
 from klppo.testing.bandit import (
     PROMPT,
     coefficient_for_target,
@@ -137,25 +142,60 @@ def test_equilibrium_holds_a_bandit_target_at_the_beta_of_its_fixed_point(kind, 
     assert all("kl/coef_estimate" in h and 0 < h["kl/ess"] <= 1 for h in logs)
 
 
+def read_batches(trainer) -> list:
+    """Every batch the controller is handed, as (scores, log_ratios, lengths)."""
+    seen, observe = [], trainer.kl_control.controller.observe_sequences
+    trainer.kl_control.controller.observe_sequences = lambda *a, **k: (seen.append(a), observe(*a, **k))
+    return seen
+
+
 def test_the_sequences_read_are_trls(tiny_path, prompts, tmp_path):
     """RLOO: the reader's log-ratios and lengths give TRL's own logged KL (its token mean of k1), and its scores
-    are the rewards. GRPO: the scores are the rewards times the advantage's slope on them."""
+    are TRL's rewards. GRPO: the scores are TRL's rewards times the slope of TRL's advantages on them."""
     for kind in ("rloo", "grpo"):
         trainer = add_kl_control(make_trainer(kind, tiny_path, prompts, tmp_path / kind, max_steps=3, learning_rate=1e-2),
                                  kl_target=1.0)  # fmt: skip
-        seen = []
-        observe = trainer.kl_control.controller.observe_sequences
-        trainer.kl_control.controller.observe_sequences = lambda *a, **k: (seen.append(a), observe(*a, **k))
+        seen = read_batches(trainer)
         trainer.train()
         assert len(seen) == 3  # one generation batch per step
         scores, log_ratios, lengths = seen[-1]  # after two updates: the policy has left the reference
         assert scores.shape == log_ratios.shape == lengths.shape == (4,)  # one generation batch
         assert lengths.min() >= 1 and log_ratios.abs().max() > 0
+        rewards = torch.tensor(list(trainer._logs["rewards"]["even_reward"])[-4:], dtype=torch.float64)
         if kind == "rloo":
             assert float(log_ratios.sum() / lengths.sum()) == pytest.approx(step_logs(trainer)[-1]["kl"], rel=1e-5)
-            assert all(0 <= s <= 1 for s in scores.tolist())
+            assert torch.allclose(scores, rewards)
         else:
-            assert scores.abs().max() > 0
+            advantages = torch.tensor(list(trainer._logs["advantages"])[-4:], dtype=torch.float64)
+            slope = advantage_slope(advantages, rewards, 4)
+            assert slope > 0 and torch.allclose(scores, rewards * slope)
+
+
+def test_grpo_off_policy_and_several_generations_per_step_are_read(tiny_path, prompts, tmp_path):
+    """Off-policy (one generation for two steps) the reader takes TRL's own log-probs of the sampling policy; two
+    generations in one optimizer step are read together."""
+    off = add_kl_control(make_trainer("grpo", tiny_path, prompts, tmp_path / "off", max_steps=4, steps_per_generation=2),
+                         kl_target=1.0)  # fmt: skip
+    seen = read_batches(off)
+    off.train()
+    assert [len(batch[0]) for batch in seen] == [8, 8]  # a generation batch every second step
+    two = add_kl_control(make_trainer("grpo", tiny_path, prompts, tmp_path / "two", max_steps=2,
+                                      gradient_accumulation_steps=2, steps_per_generation=1), kl_target=1.0)  # fmt: skip
+    seen = read_batches(two)
+    two.train()
+    assert [len(batch[0]) for batch in seen] == [8, 8]  # two generations of 4 per optimizer step
+    assert all(torch.isfinite(t).all() for batch in seen for t in batch)
+
+
+def test_grpo_settings_that_change_its_objective_get_the_tracking_controller(tiny_path, prompts, tmp_path, caplog):
+    trainer = make_trainer("grpo", tiny_path, prompts, tmp_path, top_entropy_quantile=0.5)
+    with caplog.at_level("WARNING", logger="klppo.integrations.trl"):
+        add_kl_control(trainer, kl_target=1.0)
+    assert trainer.kl_control.settings.kl_controller == "tracking" and trainer.kl_control.reader is None
+    assert "top_entropy_quantile=0.5 masks the policy term" in caplog.text
+    with pytest.raises(ValueError, match="'equilibrium'.*top_entropy_quantile.*kl_controller='tracking'"):
+        add_kl_control(make_trainer("grpo", tiny_path, prompts, tmp_path, top_entropy_quantile=0.5),
+                       kl_controller="equilibrium", kl_target=1.0)  # fmt: skip
 
 
 def test_sequence_unit_is_the_token_mean_times_the_mean_completion_length(tiny_path, prompts, tmp_path):

@@ -57,11 +57,12 @@ import json
 import logging
 import math
 import os
+from dataclasses import dataclass, field
 
 import torch
-
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from trl.models.utils import disable_gradient_checkpointing
 
 from ..kl import build_kl_controller
 from ..kl.config import KLControlConfig
@@ -98,13 +99,35 @@ def _kind(trainer) -> str:
     )
 
 
+@dataclass
 class TRLKLControl(KLControlConfig):
     """The KL settings of a TRL trainer under `add_kl_control`: TRL decides where the KL acts and how it is
-    estimated; the callback reads TRL's logged KL and each generation batch's sequences (`SequenceReader`)."""
+    estimated; the callback reads TRL's logged KL and each generation batch's sequences (`SequenceReader`).
+    `objective_unknown`: why the trainer's settings leave the optimum of its KL term unknown ("" where it is known)."""
+
+    objective_unknown: str = field(default="", repr=False)
 
     def _loss_weight(self) -> tuple[float | None, str]:
         # TRL adds beta * KL to the per-token policy loss before aggregating, so both weigh alike whatever its loss_type
-        return 1.0, ""
+        return (None, self.objective_unknown) if self.objective_unknown else (1.0, "")
+
+
+def _objective_unknown(trainer, kind: str) -> str:
+    """Why a GRPO trainer's settings make the optimum the equilibrium controller solves for unknown, or ""."""
+    if kind != "GRPOTrainer":
+        return ""
+    args, why = trainer.args, []
+    if getattr(args, "top_entropy_quantile", 1.0) < 1.0:
+        why.append(f"top_entropy_quantile={args.top_entropy_quantile} masks the policy term, not the KL, on some tokens")
+    if getattr(args, "off_policy_mask_threshold", None) is not None:
+        why.append("off_policy_mask_threshold masks the policy term, not the KL, on some sequences")
+    if getattr(trainer, "_entropy_bonus_enabled", False):
+        why.append("an entropy bonus (entropy_coef) adds a term to the objective")
+    if getattr(trainer, "multi_objective_aggregation", "sum_then_normalize") != "sum_then_normalize" and len(
+        trainer.reward_funcs
+    ) > 1:
+        why.append("multi_objective_aggregation='normalize_then_sum' normalises each reward function by its own spread")
+    return "; ".join(why)
 
 
 class SequenceReader:
@@ -114,12 +137,13 @@ class SequenceReader:
 
     It wraps three of the trainer's methods on the instance, without changing what they return:
     `_generate_and_score_completions` (to know a batch is being scored), `_get_per_token_logps_and_entropies` (the
-    sampling policy's and the reference's log-probs TRL computes there; TRL computes the reference's last) and, for
-    RLOO, `_calculate_rewards` (the rewards of all processes). The score is RLOO's reward (weighted, clipped as TRL
-    does), whose KL-regularised optimum is the tilt; and GRPO's advantage, the group-normalised reward its loss
-    follows (`docs/kl.md`, "TRL's trainers"). GRPO computes the policy's log-probs there only off-policy; on-policy,
-    the reader runs the reference's forward again on the policy (one extra forward pass per generation batch, no
-    gradient)."""
+    sampling policy's and the reference's log-probs TRL computes there; TRL computes the reference's last) and
+    `_calculate_rewards` (the rewards of all processes). The score is the reward (weighted, clipped as TRL does):
+    RLOO's objective is the tilt for it; for GRPO it is multiplied by the batch's advantage slope
+    (`klppo.ppo.advantages.advantage_slope`), as GRPO's loss follows the reward `Delta * r` (`docs/kl.md`, "GRPO's
+    group normalisation"). GRPO computes the policy's log-probs there only off-policy; on-policy, the reader runs the
+    reference's forward again on the policy (one extra forward pass per generation batch, no gradient). Several
+    generation batches in one optimizer step are read together."""
 
     def __init__(self, trainer, kind: str):
         self.trainer, self.kind = trainer, kind
@@ -161,7 +185,10 @@ class SequenceReader:
             calls = self._calls
         finally:
             self._calls = None
-        self.batch = self._table(output, calls)
+        table = self._table(output, calls)
+        if table is not None and self.batch is not None:  # several generation batches before the controller reads
+            table = tuple(torch.cat([a, b]) for a, b in zip(self.batch, table))
+        self.batch = table
         return output
 
     @torch.no_grad()
@@ -174,17 +201,23 @@ class SequenceReader:
             policy = output.get("old_per_token_logps")
             if policy is None and ref is not None:  # on-policy: the reference's forward again, on the policy
                 args, kwargs, _ = calls[-1]
-                policy = self._logps(self.trainer.model, *args[1:], **kwargs)[0]
-        if ref is None or policy is None or policy.shape != mask.shape or ref.shape != mask.shape:
+                model = self.trainer.model
+                with disable_gradient_checkpointing(model, self.trainer.args.gradient_checkpointing_kwargs):
+                    policy = self._logps(model, *args[1:], **kwargs)[0]
+        rewards = self._rewards
+        if (ref is None or policy is None or rewards is None or policy.shape != mask.shape
+                or ref.shape != mask.shape):  # fmt: skip
             _warn_once(
-                f"add_kl_control found no sampling and reference log-probs in {self.kind}'s scoring of a batch (this "
+                f"add_kl_control found no rewards or no sampling and reference log-probs in {self.kind}'s scoring of a "
+                "batch (this "
                 "TRL version computes them elsewhere): the controller is fed the KL alone, so the equilibrium "
                 "controller keeps beta where it is. Use kl_controller='tracking'."
             )
             return None
+        if "tool_mask" in output:  # tool results are not the policy's tokens: TRL leaves them out of its loss
+            mask = mask * output["tool_mask"]
         mask = mask.to(torch.float64)
         local = torch.stack([((policy.double() - ref.double()) * mask).sum(1), mask.sum(1)], dim=1)
-        rewards = self._rewards
         scores = (rewards * self.trainer.reward_weights.to(rewards.device).unsqueeze(0)).nansum(dim=1)
         clip = getattr(self.trainer, "reward_clip_range", None)
         if clip:
@@ -221,7 +254,13 @@ def resolve_kl_fields(trainer, kl_fields: dict) -> TRLKLControl:
     mode, estimator = TRAINER_KINDS[kind]
     if kind == "GRPOTrainer" and getattr(trainer.args, "use_bias_correction_kl", False):
         estimator = "corrected_k3"
-    return TRLKLControl(kl_mode=mode, kl_estimator=estimator, kl_coef=float(trainer.beta), **kl_fields)
+    unknown = _objective_unknown(trainer, kind)
+    settings = TRLKLControl(kl_mode=mode, kl_estimator=estimator, kl_coef=float(trainer.beta), objective_unknown=unknown,
+                            **kl_fields)  # fmt: skip
+    if unknown and "kl_controller" not in kl_fields and settings.kl_target is not None:
+        logger.warning("add_kl_control: the tracking controller holds kl_target, as the equilibrium controller does "
+                       "not apply here: %s.", unknown)  # fmt: skip
+    return settings
 
 
 class KLControlCallback(TrainerCallback):

@@ -127,7 +127,7 @@ def advantage_slope(advantages: torch.Tensor, rewards: torch.Tensor, group: int)
     reward, GRPO's `Delta_G(q)`), `E[sum_i A_i r_i] = G * Delta * var`, and `E[s_g^2] = var`: the ratio estimates
     `Delta` pooled over prompts. (Regressing A on `r - group mean` would give `Delta * G / (G - 1)`, as each group's
     own mean moves with its rewards.) GRPO's loss follows the policy gradient of `E[Delta * r]`, so its fixed point
-    is the KL's optimum for the reward `Delta * r`. Rows with a NaN reward are left out; 0 if no group varies."""
+    is the KL's optimum for the reward `Delta * r`. A group with a NaN reward is left out; 0 if no group varies."""
     a, r = _groups(advantages.double(), group), _groups(rewards.double(), group)
     keep = torch.isfinite(r).all(dim=1)
     a, r = a[keep], r[keep]

@@ -376,8 +376,8 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
             if self.kl_mode == "both":
                 return None, ("advantage_estimator='grpo' with kl_mode='both' divides each group's return, KL "
                               "included, by its own spread, which moves with the policy")  # fmt: skip
-            return 1.0, ""  # its optimum is the one for the reward Delta * r (`_observe_sequences`)
-        if self.kl_loss_scale == "none" and self.whiten_advantages:
+            # otherwise its optimum is the one for the reward Delta * r (`_observe_sequences`), at the aggregation's weight
+        elif self.kl_loss_scale == "none" and self.whiten_advantages:
             return None, ("kl_loss_scale='none' weighs the KL against the whitened advantage, whose scale moves with "
                           "the policy")  # fmt: skip
         fixed_length = self.stop_token is None and getattr(self, "stop_token_id", None) is None

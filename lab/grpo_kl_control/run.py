@@ -1,5 +1,5 @@
 """TRL's GRPOTrainer on the default sentiment task (SmolLM2-135M-Instruct, offline), with a fixed beta or with
-a klppo controller (`add_kl_control`: `--mode equilibrium`, the default there, or `tracking`). One run per call; writes `<out>/summary.json`. From the
+a klppo controller (`add_kl_control`: `--mode equilibrium`, its default with a target, or `tracking`). One run per call; writes `<out>/summary.json`. From the
 repository root:
 
     python -m lab.grpo_kl_control.run --mode tracking --seed 0 --out results/grpo_kl_control/runs/tracking-0
