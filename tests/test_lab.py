@@ -146,6 +146,10 @@ def test_a_grpo_runs_row_against_the_target():
     r = grpo_summary.row(summary)
     assert r["tracking_error"] == pytest.approx(0.05) and r["in_band"] == 1.0
     assert r["kl_half"] == pytest.approx(0.0315) and r["ppl_change"] == pytest.approx(0.1) and r["beta_end"] == 0.6
+    assert r["peak"] == pytest.approx(2.0)
+    short = grpo_summary.row({**summary, "reward": [0.0, 0.2, 0.4, 0.6]}, first=2)  # a run of the first 2 updates
+    assert short["kl_half"] == pytest.approx(0.06) and short["reward_last5"] == pytest.approx(0.1)
+    assert short["beta_end"] == 0.6 and short["peak"] == pytest.approx(2.0)
 
 
 # ---------------------------------------------------------------------------- reward at equal KL

@@ -20,10 +20,11 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "
 
 
 def row(s, first=None):
-    kl, reward, beta = (s[k][:first] for k in ("kl", "reward", "beta"))
+    kl, beta = s["kl"][:first], s["beta"][:first]
     tracking = tracking_stats(kl, TARGET)
+    reward = s["reward_last5"] if first is None else sum(s["reward"][:first][-5:]) / len(s["reward"][:first][-5:])
     return dict(
-        reward_last5=sum(reward[-5:]) / len(reward[-5:]), kl_half=tracking.mean_ratio * TARGET,
+        reward_last5=reward, kl_half=tracking.mean_ratio * TARGET,
         tracking_error=tracking.error, in_band=tracking.in_band, peak=tracking.peak_ratio,
         ppl_change=s["ppl_after"] / s["ppl_before"] - 1 if first is None else float("nan"),
         beta_end=beta[-1], seconds=s["seconds_per_update"],
