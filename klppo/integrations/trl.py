@@ -67,6 +67,7 @@ from trl.models.utils import disable_gradient_checkpointing
 from ..kl import build_kl_controller
 from ..kl.config import KLControlConfig
 from ..ppo.advantages import advantage_slope
+from ..ppo.config import warn_once
 
 logger = logging.getLogger(__name__)
 
@@ -207,11 +208,11 @@ class SequenceReader:
         rewards = self._rewards
         if (ref is None or policy is None or rewards is None or policy.shape != mask.shape
                 or ref.shape != mask.shape):  # fmt: skip
-            _warn_once(
-                f"add_kl_control found no rewards or no sampling and reference log-probs in {self.kind}'s scoring of a "
-                "batch (this "
-                "TRL version computes them elsewhere): the controller is fed the KL alone, so the equilibrium "
-                "controller keeps beta where it is. Use kl_controller='tracking'."
+            warn_once(
+                "add_kl_control reader",
+                f"add_kl_control found no rewards or no sampling and reference log-probs in {self.kind}'s scoring of "
+                "a batch (this TRL version computes them elsewhere): the controller is fed the KL alone, so the "
+                "equilibrium controller keeps beta where it is. Use kl_controller='tracking'.",
             )
             return None
         if "tool_mask" in output:  # tool results are not the policy's tokens: TRL leaves them out of its loss
@@ -230,15 +231,6 @@ class SequenceReader:
         scores = scores.to(torch.float64).cpu()
         keep = torch.isfinite(scores)
         return scores[keep], table[keep, 0], table[keep, 1]
-
-
-_WARNED: set = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _WARNED:
-        _WARNED.add(message)
-        logger.warning(message)
 
 
 def resolve_kl_fields(trainer, kl_fields: dict) -> TRLKLControl:
