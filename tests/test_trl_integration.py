@@ -6,6 +6,8 @@ with the checkpointed controller, beta = 0 and fields that are not the controlle
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -268,3 +270,32 @@ def test_the_example_runs_offline_on_the_tiny_model(tmp_path, capsys):
     trainer = example.main(["--model", "klppo:tiny-llama", "--max_steps", "2", "--batch", "16", "--output_dir", str(tmp_path)])
     assert [h["step"] for h in step_logs(trainer)] == [1, 2]
     assert trainer.kl_control.settings.kl_controller == "equilibrium" and "kl/coef" in capsys.readouterr().out
+
+
+@pytest.mark.ranks
+def test_two_processes_read_every_ranks_completions_and_hold_one_beta(tiny_path, tmp_path):
+    """torchrun, 2 processes (gloo), RLOO and GRPO with `add_kl_control`: each step's batch handed to the controller
+    is both ranks' completions (8 = 2 x 4), the same on both ranks; beta is the same on both ranks at every step; the
+    batch's log-ratios give TRL's logged KL (RLOO, gathered over ranks) and its scores are TRL's rewards (times the
+    slope of TRL's advantages for GRPO)."""
+    from test_trainer_distributed import free_port, run
+
+    worker = str(Path(__file__).parent / "trl_kl_control_worker.py")
+    run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+         worker, str(tmp_path), str(tiny_path)], tmp_path)  # fmt: skip
+    for kind in ("rloo", "grpo"):
+        ranks = [json.loads((tmp_path / f"{kind}_rank{r}.json").read_text()) for r in range(2)]
+        assert [r["world"] for r in ranks] == [2, 2]
+        assert ranks[0]["batches"] == ranks[1]["batches"] and ranks[0]["coef"] == ranks[1]["coef"]
+        batches, record = ranks[0]["batches"], ranks[0]
+        assert len(batches) == len(record["coef"]) == 3
+        assert all(len(column) == 8 for batch in batches for column in batch)
+        scores, log_ratios, lengths = (torch.tensor(c, dtype=torch.float64) for c in batches[-1])
+        rewards = torch.tensor(record["rewards"][-8:], dtype=torch.float64)
+        if kind == "rloo":
+            assert float(log_ratios.sum() / lengths.sum()) == pytest.approx(record["kl"][-1], rel=1e-5)
+            assert torch.allclose(scores, rewards)
+        else:
+            slope = advantage_slope(torch.tensor(record["advantages"][-8:], dtype=torch.float64), rewards, 4)
+            assert slope > 0 and torch.allclose(scores, rewards * slope)
+        assert len(set(record["coef"])) > 1  # beta moved
