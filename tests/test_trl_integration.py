@@ -274,10 +274,10 @@ def test_the_example_runs_offline_on_the_tiny_model(tmp_path, capsys):
 
 @pytest.mark.ranks
 def test_two_processes_read_every_ranks_completions_and_hold_one_beta(tiny_path, tmp_path):
-    """torchrun, 2 processes (gloo), RLOO and GRPO with `add_kl_control`: each step's batch handed to the controller
-    is both ranks' completions (8 = 2 x 4), the same on both ranks; beta is the same on both ranks at every step; the
-    batch's log-ratios give TRL's logged KL (RLOO, gathered over ranks) and its scores are TRL's rewards (times the
-    slope of TRL's advantages for GRPO)."""
+    """torchrun, 2 processes (gloo), RLOO and GRPO with `add_kl_control`, 4 steps: each step's batch handed to the
+    controller is both ranks' completions (8 = 2 x 4), the same on both ranks; beta is the same on both ranks at every
+    step and after the last; the batch's log-ratios give TRL's logged KL (RLOO, gathered over ranks) and its scores
+    are TRL's rewards (times the slope of TRL's advantages for GRPO)."""
     from test_trainer_distributed import free_port, run
 
     worker = str(Path(__file__).parent / "trl_kl_control_worker.py")
@@ -286,11 +286,14 @@ def test_two_processes_read_every_ranks_completions_and_hold_one_beta(tiny_path,
     for kind in ("rloo", "grpo"):
         ranks = [json.loads((tmp_path / f"{kind}_rank{r}.json").read_text()) for r in range(2)]
         assert [r["world"] for r in ranks] == [2, 2]
-        assert ranks[0]["batches"] == ranks[1]["batches"] and ranks[0]["coef"] == ranks[1]["coef"]
+        assert ranks[0]["batches"] == ranks[1]["batches"]
+        betas = [r["coef"] + [r["final_beta"]] for r in ranks]
+        assert betas[0] == betas[1]
         batches, record = ranks[0]["batches"], ranks[0]
-        assert len(batches) == len(record["coef"]) == 3
+        assert len(batches) == len(record["coef"]) == 4
         assert all(len(column) == 8 for batch in batches for column in batch)
         scores, log_ratios, lengths = (torch.tensor(c, dtype=torch.float64) for c in batches[-1])
+        assert log_ratios.abs().max() > 0  # the policy has left the reference
         rewards = torch.tensor(record["rewards"][-8:], dtype=torch.float64)
         if kind == "rloo":
             assert float(log_ratios.sum() / lengths.sum()) == pytest.approx(record["kl"][-1], rel=1e-5)
@@ -298,4 +301,5 @@ def test_two_processes_read_every_ranks_completions_and_hold_one_beta(tiny_path,
         else:
             slope = advantage_slope(torch.tensor(record["advantages"][-8:], dtype=torch.float64), rewards, 4)
             assert slope > 0 and torch.allclose(scores, rewards * slope)
-        assert len(set(record["coef"])) > 1  # beta moved
+        # beta moved after the policy left the reference (the first step's KL is 0 and puts beta at its bound)
+        assert len(set(record["coef"][2:] + [record["final_beta"]])) > 1

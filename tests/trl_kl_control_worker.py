@@ -1,6 +1,7 @@
 """One rank of `test_trl_integration.py::test_two_processes_read_every_ranks_completions_and_hold_one_beta`
-(torchrun, gloo): TRL's RLOOTrainer and GRPOTrainer with `add_kl_control`, 3 steps on the tiny model. Writes, per
-rank and trainer, the batches the controller was handed, beta after each step and TRL's logged KL and rewards."""
+(torchrun, gloo): TRL's RLOOTrainer and GRPOTrainer with `add_kl_control`, 4 steps on the tiny model. Writes, per
+rank and trainer, the batches the controller was handed, beta in force at each step and after the last, and TRL's
+logged KL and rewards."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def main(out: Path, model: str) -> None:
     for kind, config_cls, trainer_cls in (("rloo", RLOOConfig, RLOOTrainer), ("grpo", GRPOConfig, GRPOTrainer)):
         args = config_cls(
             output_dir=str(out / kind), per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
-            max_steps=3, logging_steps=1, report_to="none", beta=0.05, learning_rate=1e-2, use_cpu=True,
+            max_steps=4, logging_steps=1, report_to="none", beta=0.05, learning_rate=1e-2, use_cpu=True,
             save_strategy="no", seed=0, disable_tqdm=True,
         )  # fmt: skip
         trainer = trainer_cls(model=model, reward_funcs=even_reward, args=args,
@@ -38,6 +39,7 @@ def main(out: Path, model: str) -> None:
             "world": trainer.accelerator.num_processes,
             "batches": [[t.tolist() for t in batch] for batch in seen],
             "coef": [h["kl/coef"] for h in logs],
+            "final_beta": float(trainer.beta),  # set after the last step
             "kl": [h["kl"] for h in logs],
             "rewards": [float(v) for v in list(trainer._logs["rewards"]["even_reward"])],
             "advantages": [float(v) for v in list(trainer._logs["advantages"])] if kind == "grpo" else [],
