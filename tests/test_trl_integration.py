@@ -44,9 +44,12 @@ def tiny_path():
     return resolve_model_path(TINY_MODEL)
 
 
+PROMPTS = ["The day was", "My friend said", "A letter came", "It rained"] * 4
+
+
 @pytest.fixture(scope="module")
 def prompts():
-    return Dataset.from_dict({"prompt": ["The day was", "My friend said", "A letter came", "It rained"] * 4})
+    return Dataset.from_dict({"prompt": PROMPTS})
 
 
 def make_trainer(kind, tiny_path, prompts, output_dir, **overrides):

@@ -1,7 +1,8 @@
 """One rank of `test_trl_integration.py::test_two_processes_read_every_ranks_completions_and_hold_one_beta`
-(torchrun, gloo): TRL's RLOOTrainer and GRPOTrainer with `add_kl_control`, 4 steps on the tiny model. Writes, per
-rank and trainer, the batches the controller was handed, beta in force at each step and after the last, and TRL's
-logged KL and rewards."""
+(torchrun, gloo): TRL's RLOOTrainer and GRPOTrainer with `add_kl_control`, 4 steps on the tiny model, built as that
+file's single-process tests build them (torchrun puts this folder on the path). Writes, per rank and trainer, the
+batches the controller was handed, beta in force at each step and after the last, and TRL's logged KL and
+rewards."""
 
 from __future__ import annotations
 
@@ -11,30 +12,19 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
-from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+from test_trl_integration import PROMPTS, make_trainer, read_batches, step_logs
 
 from klppo.integrations.trl import add_kl_control
 
 
-def even_reward(prompts, completions, completion_ids=None, **kwargs):
-    return [sum(i % 2 == 0 for i in ids) / max(1, len(ids)) for ids in completion_ids]
-
-
 def main(out: Path, model: str) -> None:
-    prompts = Dataset.from_dict({"prompt": ["The day was", "My friend said", "A letter came", "It rained"] * 4})
-    for kind, config_cls, trainer_cls in (("rloo", RLOOConfig, RLOOTrainer), ("grpo", GRPOConfig, GRPOTrainer)):
-        args = config_cls(
-            output_dir=str(out / kind), per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
-            max_steps=4, logging_steps=1, report_to="none", beta=0.05, learning_rate=1e-2, use_cpu=True,
-            save_strategy="no", seed=0, disable_tqdm=True,
-        )  # fmt: skip
-        trainer = trainer_cls(model=model, reward_funcs=even_reward, args=args,
-                              train_dataset=prompts)  # fmt: skip
-        add_kl_control(trainer, kl_target=1.0)
-        seen, observe = [], trainer.kl_control.controller.observe_sequences
-        trainer.kl_control.controller.observe_sequences = lambda *a, **k: (seen.append(a), observe(*a, **k))
+    prompts = Dataset.from_dict({"prompt": PROMPTS})
+    for kind in ("rloo", "grpo"):
+        trainer = add_kl_control(make_trainer(kind, model, prompts, out / kind, max_steps=4, learning_rate=1e-2),
+                                 kl_target=1.0)  # fmt: skip
+        seen = read_batches(trainer)
         trainer.train()
-        logs = [h for h in trainer.state.log_history if "kl/coef" in h]
+        logs = step_logs(trainer)
         record = {
             "world": trainer.accelerator.num_processes,
             "batches": [[t.tolist() for t in batch] for batch in seen],
@@ -44,8 +34,7 @@ def main(out: Path, model: str) -> None:
             "rewards": [float(v) for v in list(trainer._logs["rewards"]["even_reward"])],
             "advantages": [float(v) for v in list(trainer._logs["advantages"])] if kind == "grpo" else [],
         }
-        rank = trainer.accelerator.process_index
-        (out / f"{kind}_rank{rank}.json").write_text(json.dumps(record))
+        (out / f"{kind}_rank{trainer.accelerator.process_index}.json").write_text(json.dumps(record))
 
 
 if __name__ == "__main__":
