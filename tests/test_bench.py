@@ -74,17 +74,30 @@ def test_quick_bench_writes_finite_figures(tmp_path):
         assert extra is None or math.isfinite(extra)
 
 
-@pytest.mark.slow
-def test_quick_growth_writes_a_table_slopes_and_a_plot(tmp_path):
-    cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "bench.py"), "--quick", "--growth", "2x4,2x8,4x4", "--out", str(tmp_path)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+def test_growth_runs_workload_b_at_each_point_and_writes_a_table_slopes_and_a_plot(bench, tmp_path, monkeypatch):
+    """`--growth`: one klppo run of workload b per point, with that point's prompts and length (the runs are faked
+    here, time = 0.01 * length^2 * prompts; the quick test above runs a real one), then the report, the exact
+    slopes, the table and the plot."""
+    cmds = []
+
+    def fake_run_json(cmd, log_path, env=None, **extra_env):
+        cmds.append(cmd)
+        flag = dict(zip(cmd[3::2], cmd[4::2]))
+        run = fake_run("klppo", 0.01 * int(flag["--response-length"]) ** 2 * int(flag["--batch-size"]), None)
+        return {**run, "settings": {"batch_size": int(flag["--batch-size"]), "response_length": int(flag["--response-length"])}}
+
+    monkeypatch.setattr(bench, "run_json", fake_run_json)
+    bench.main(["--quick", "--growth", "2x4,2x8,4x4", "--out", str(tmp_path)])
+    assert [cmd[1].endswith("bench_klppo.py") and cmd[2] for cmd in cmds] == ["train"] * 3
+    flags = [dict(zip(cmd[3::2], cmd[4::2])) for cmd in cmds]
+    assert [(f["--workload"], f["--batch-size"], f["--response-length"]) for f in flags] == [
+        ("b", "2", "4"), ("b", "2", "8"), ("b", "4", "4")]  # fmt: skip
     report = json.loads((tmp_path / "growth.json").read_text())
     assert [(p["batch_size"], p["response_length"]) for p in report["points"]] == [(2, 4), (2, 8), (4, 4)]
-    assert all(positive(p["klppo"]["time_per_update_s"]) for p in report["points"])
-    assert set(report["slopes"]) == {"response_length", "batch_size"}
-    assert all(math.isfinite(v) for slopes in report["slopes"].values() for v in slopes.values())
-    assert (tmp_path / "growth.png").stat().st_size > 0 and "| 4 x 4 |" in (tmp_path / "growth.md").read_text()
+    assert report["slopes"]["response_length"]["klppo time/update"] == pytest.approx(2.0)
+    assert report["slopes"]["batch_size"]["klppo time/update"] == pytest.approx(1.0)
+    assert "| 4 x 4 |" in (tmp_path / "growth.md").read_text()
+    assert (tmp_path / "growth.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_growth_slopes_are_exact_on_power_laws(monkeypatch):

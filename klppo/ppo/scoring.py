@@ -14,7 +14,7 @@ import torch
 from trl.trainer.utils import use_adapter
 
 from .callbacks import timed
-from .engines import root_unsharded
+from .engines import root_unsharded, unwrap
 from ..kl import estimate_kl
 from .plan import LOGGED_ESTIMATORS, KLPlan
 from .rollout import Generation, position_ids_from_mask, response_logits, response_logprobs, response_positions
@@ -72,7 +72,7 @@ class RolloutScorer:
     def _score_chunk(self, model, seq: Sequences, need_policy: bool, need_values: bool, timings: dict,
                      logp: torch.Tensor | None, logits: torch.Tensor | None) -> dict:  # fmt: skip
         acc, plan = self.accelerator, self.plan
-        unwrapped = acc.unwrap_model(model)
+        unwrapped = unwrap(acc, model)
         qr, attn, resp = seq.query_responses, seq.attention_mask, seq.responses
         pos = position_ids_from_mask(attn)
         values = None
@@ -119,7 +119,7 @@ class RolloutScorer:
             logits_to_keep=response_positions(seq.responses.shape[1], seq.query_responses.shape[1], pos.device),
         )  # fmt: skip
         if self.use_adapter_reference:
-            policy = self.accelerator.unwrap_model(model).policy
+            policy = unwrap(self.accelerator, model).policy
             with use_adapter(policy, self.ref_adapter), root_unsharded(model):  # None: adapters disabled
                 logits = policy(**kwargs).logits
         else:

@@ -61,7 +61,7 @@ from .advantages import advantage_slope, gae_advantages, sequence_advantages
 from .build import build_models, check_trainer_inputs, load_policy_and_tokenizer, prepare_frozen
 from .callbacks import KLProgressCallback, maybe_offline_wandb, now, timed
 from .config import KL_LOSS_MIN_ADVANTAGE_STD, KLPPOConfig
-from .engines import destroy_process_group_at_exit, load_full_weights, root_unsharded
+from .engines import destroy_process_group_at_exit, load_full_weights, root_unsharded, unwrap
 from .guard import LOWER, UPPER, build_kl_guard, reset_momentum
 from .health import NonfiniteGuard, PPOHealthMonitor, TrainingDiverged, policy_outputs_finite, rollout_outputs_finite
 from .losses import ppo_losses
@@ -431,8 +431,8 @@ class KLPPOTrainer(Trainer):
         acc, plan = self.accelerator, self.kl_plan
         input_ids, attention_mask = batch.input_ids.to(acc.device), batch.attention_mask.to(acc.device)
         with timed(timings, "time/generation", acc):
-            with unwrap_model_for_generation(self.model_wrapped, acc) as unwrapped, \
-                    root_unsharded(self.model_wrapped), self._sampling_form(unwrapped.policy):  # fmt: skip
+            with self._model_for_generation() as unwrapped, root_unsharded(self.model_wrapped), \
+                    self._sampling_form(unwrapped.policy):  # fmt: skip
                 generated = generate_responses(
                     unwrapped.policy, input_ids, attention_mask, self.generation_config,
                     with_logprobs=plan.read_while_decoding,
@@ -451,6 +451,14 @@ class KLPPOTrainer(Trainer):
     def score(self, sequences: Sequences, timings: dict | None = None) -> Rollout:
         """Step 3 alone: the `Rollout` of `sequences` from forward passes only (nothing read while decoding)."""
         return self.scorer.score(self.model_wrapped, sequences, None, timings)
+
+    def _model_for_generation(self):
+        """The unwrapped actor-critic to generate with: TRL's `unwrap_model_for_generation` where it does work (ZeRO-3
+        gathers the weights, activation checkpointing is turned off around decoding), else the model itself."""
+        unwrapped = unwrap(self.accelerator, self.model_wrapped)
+        if self.is_deepspeed_enabled or unwrapped.is_activation_checkpointing:
+            return unwrap_model_for_generation(self.model_wrapped, self.accelerator)
+        return nullcontext(unwrapped)
 
     @contextmanager
     def _sampling_form(self, policy):
@@ -687,7 +695,7 @@ class KLPPOTrainer(Trainer):
                 stats.add(name, total, count)
         if verdict is None:
             if self.critic_warming_up:  # no step, no weight decay, no optimizer state for the policy's weights
-                for p in self.accelerator.unwrap_model(model).policy.parameters():
+                for p in unwrap(self.accelerator, model).policy.parameters():
                     p.grad = None
             grad_norm = self._step()
             if grad_norm is not None and math.isfinite(grad_norm):
