@@ -114,6 +114,39 @@ def kl_loss_term(trainer, rollout, baseline: torch.Tensor | None = None) -> tupl
     return float(parts["loss/kl"][0]), grads
 
 
+@pytest.mark.parametrize("critic", ["separate", "shared"])
+def test_a_micro_batch_without_its_padding_columns_gives_the_same_loss_and_gradients(tiny_path, prompts, tmp_path, critic):
+    """A micro-batch of short prompts from a rollout padded to a long one: dropping the columns that are padding in
+    every row (what the PPO epochs and the scoring chunks do) changes no loss term and no gradient."""
+    args = make_args(tmp_path, kl_mode="both", kl_estimator="k2", critic=critic)
+    trainer, _ = moved_policy_rollout(tiny_path, prompts, args)
+    torch.manual_seed(0)
+    long = "It rained all day and all night on the quiet town by the sea"
+    rollout = trainer.rollout(trainer.prompt_batch(["The day was", long, "My friend said", "It rained"]))
+    short = rollout.select([0, 2, 3])
+    trimmed = short.without_padding_columns()
+    assert trimmed.query_responses.shape[1] < short.query_responses.shape[1]
+    assert trimmed.query_responses.shape[1] - trimmed.context_length == short.query_responses.shape[1] - short.context_length
+    assert bool(trimmed.attention_mask[:, 0].any()) and trimmed.without_padding_columns() is trimmed
+    advantages = Advantages(torch.randn(rollout.values.shape, generator=torch.Generator().manual_seed(1)),
+                            rollout.values + 0.5, kl_loss_coef=0.1)  # fmt: skip
+    idx = torch.tensor([0, 2, 3])
+    counts = dict(num_tokens=short.response_mask.sum(), num_seqs=3)
+    results = []
+    for mb in (short, trimmed):
+        trainer.model.zero_grad()
+        loss, parts = trainer.micro_batch_loss(mb, advantages, idx, counts)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+        results.append((float(loss.detach()), {k: float(v[0]) for k, v in parts.items()}, grads))
+    (loss_a, parts_a, grads_a), (loss_b, parts_b, grads_b) = results
+    assert loss_b == pytest.approx(loss_a, rel=1e-5, abs=1e-7)
+    assert parts_b == pytest.approx(parts_a, rel=1e-4, abs=1e-6) and "loss/value" in parts_a and "loss/kl" in parts_a
+    assert grads_a.keys() == grads_b.keys() and len(grads_a) > 0
+    for name, grad in grads_a.items():
+        torch.testing.assert_close(grads_b[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_each_estimators_loss_term_is_finite_and_pulls_the_policy(tiny_path, prompts, tmp_path):
     """Every registered estimator in loss mode, away from the reference: the KL term is finite and puts a finite,
     non-zero gradient on the policy (one micro-batch each, on the same rollout)."""

@@ -58,7 +58,7 @@ class RolloutScorer:
         for start in range(0, sequences.batch_size, self.chunk):
             rows = slice(start, start + self.chunk)
             parts.append(self._score_chunk(
-                model, sequences.select(rows), need_policy, need_values, timings,
+                model, sequences.select(rows).without_padding_columns(), need_policy, need_values, timings,
                 logp=None if generated.logp is None else generated.logp[rows],
                 logits=None if generated.logits is None else generated.logits[rows],
             ))  # fmt: skip

@@ -78,6 +78,17 @@ class Sequences(_Selectable):
         """Only the tokens (drops any scores a subclass holds)."""
         return Sequences(**{f.name: getattr(self, f.name) for f in fields(Sequences)})
 
+    def without_padding_columns(self):
+        """The same sequences (and scores) without the leading columns that are padding in every row, as in a
+        micro-batch of a rollout padded to a longer prompt: the same forward passes on fewer positions (attention
+        skips padding, and position ids count real tokens only)."""
+        real = self.attention_mask[:, : self.context_length].any(dim=0)
+        first = int(real.int().argmax())  # every prompt has a token, so some prompt column is real
+        if first == 0:
+            return self
+        return replace(self, query_responses=self.query_responses[:, first:],
+                       attention_mask=self.attention_mask[:, first:], context_length=self.context_length - first)  # fmt: skip
+
 
 @dataclass(kw_only=True)
 class Rollout(Sequences):

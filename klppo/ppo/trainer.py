@@ -680,7 +680,7 @@ class KLPPOTrainer(Trainer):
             # DDP reduces at the boundary only; DeepSpeed is told the boundary in `_backward` (its ZeRO-2/3 refuse no_sync)
             with nullcontext() if boundary or acc.num_processes == 1 or self.is_deepspeed_enabled else acc.no_sync(model):
                 with record_function("klppo/forward"):
-                    loss, parts = self.micro_batch_loss(rollout.select(idx), advantages, idx, counts)
+                    loss, parts = self.micro_batch_loss(rollout.select(idx).without_padding_columns(), advantages, idx, counts)
                 checks[0] += (~torch.isfinite(loss.detach())).double()
                 checks[1:3] += torch.stack([torch.as_tensor(x, dtype=torch.float64, device=checks.device)
                                             for x in parts["kl/during_update"]])  # a count in sequences is a host int
