@@ -329,3 +329,29 @@ def test_the_gpu_script_runs_the_table(bench):
     smoke = [bench.parse_args(line) for line in bench_lines("--cpu-smoke")]
     assert {a.model_shape for a in smoke} == {"tiny"} and {a.device for a in smoke} == {"cpu"}
     assert len({bench.report_name(a) for a in smoke}) == len(smoke)
+
+
+def test_the_padding_benchmarks_three_forms_give_the_same_response_logits(tiny_model_and_tokenizer, monkeypatch):
+    """`benchmarks/padding.py` times a micro-batch padded, trimmed and packed: the three forms must compute the same
+    response logits (packed: transformers reads the sequence boundaries from the position ids), and the packed
+    form must hold the real tokens only."""
+    import random
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "benchmarks"))
+    import padding
+
+    model, tokenizer = tiny_model_and_tokenizer
+    gen = random.Random(0)
+    seqs = padding.rollout(["The day was", "It rained all day by the sea", "Hi"], tokenizer, 5, 100, gen)
+    width = max(len(s) for s in seqs) + 3  # padded to a longer prompt of the rollout
+    forms = {"padded": padding.padded(seqs, width, tokenizer.pad_token_id, "cpu"),
+             "trimmed": padding.padded(seqs, width - 3, tokenizer.pad_token_id, "cpu"),
+             "packed": padding.packed(seqs, "cpu")}  # fmt: skip
+    assert forms["packed"]["input_ids"].numel() == sum(len(s) for s in seqs)
+    with torch.no_grad():
+        alone = torch.stack([model(input_ids=torch.tensor([s])).logits[0, -6:-1] for s in seqs])
+        for form, inputs in forms.items():
+            torch.testing.assert_close(padding.response_logits(model, inputs, seqs, 5, form), alone, rtol=1e-4,
+                                       atol=1e-4, msg=form)  # fmt: skip
