@@ -5,7 +5,8 @@
 #   random-1.7b (SmolLM2-1.7B's shape), workload b, bfloat16,
 # each at 64 prompts x 128 new tokens, 1 warm-up + 2 measured updates, 1 run per side, sides alternating.
 #   random-360m, workload b, bfloat16, klppo alone with a static KV cache (the experimental cache_implementation),
-# then times the token draws of one decoding step (benchmarks/sampling.py).
+# then times the token draws of one decoding step (benchmarks/sampling.py) and a micro-batch padded, trimmed and
+# packed (benchmarks/padding.py).
 # Writes <name>.json/.md per step, summary.md, gpu.log and reports.tar.gz (all of them) into $OUT (default
 # results/bench/gpu).
 #
@@ -45,12 +46,14 @@ if [ "$mode" = gpu ]; then
           --keep-going)
   BIG=1.7b
   SHAPE=360m
+  PADDING=(--device cuda --dtype bfloat16 --model-shape 360m --shapes default gpu --rollouts 2 --repeats 3)
 else
   OUTDIR=${OUT:-$(temp_dir klppo-bench-smoke)}
   COMMON=(--device cpu --batch-size 4 --response-length 8 --warmup 1 --updates 1 --repeats 1 --threads 1
           --keep-going)
   BIG=tiny
   SHAPE=tiny
+  PADDING=(--device cpu --model-shape tiny --shapes default --rollouts 1 --repeats 1)
 fi
 TARGETS=${KLPPO_BENCH_TARGETS:-$(temp_dir klppo-bench-targets)}
 KLPPO_PATH="$TARGETS/klppo:$PWD"   # transformers 5.24, trl 1.16 and the rest klppo needs beyond the image; klppo
@@ -85,6 +88,7 @@ if [ "$dry" = 1 ]; then
     echo "PYTHONPATH=$KLPPO_PATH $PY benchmarks/bench.py ${COMMON[*]} --assets $ASSETS --peer-python $PY" \
       "--peer-pythonpath $PEER_PATH --out $OUTDIR --name ${step%%|*} ${step#*|}"
   done
+  echo "PYTHONPATH=$KLPPO_PATH $PY benchmarks/padding.py ${PADDING[*]} --tokenizer $ASSETS --out $OUTDIR/padding"
   exit 0
 fi
 
@@ -137,6 +141,9 @@ fi
 if [ "$mode" = gpu ]; then  # the three draws of a decoding step on this device (into the log)
   PYTHONPATH="$KLPPO_PATH" "$PY" benchmarks/sampling.py --device cuda --rows 64 256 || status=1
 fi
+# padded, trimmed and packed micro-batches on this device (benchmarks/padding.py)
+PYTHONPATH="$KLPPO_PATH" timeout 120 "$PY" benchmarks/padding.py "${PADDING[@]}" --tokenizer "$ASSETS" \
+  --out "$OUTDIR/padding" || status=1
 # at most 8 files come back from a device machine: every report also goes into one archive
 tar -czf "$OUTDIR/reports.tar.gz" -C "$OUTDIR" --exclude reports.tar.gz . || status=1
 echo "[gpu.sh] finished in ${SECONDS}s (exit $status); reports in $OUTDIR (and $OUTDIR/reports.tar.gz)"

@@ -1,7 +1,7 @@
 """What padded positions cost in klppo's PPO epochs, and whether removing them pays.
 
     python benchmarks/padding.py                      # SmolLM2-135M-Instruct, CPU, one thread
-    python benchmarks/padding.py --device cuda --dtype bfloat16 --model-shape 360m
+    python benchmarks/padding.py --device cuda --dtype bfloat16 --model-shape 360m --tokenizer .bench-assets
 
 A rollout is left-padded to its longest prompt (responses here run to their full length, as they do at the default
 task and in the benchmark's workloads, which have no stop token). For each shape (`prompts per rollout x prompts per
@@ -44,8 +44,11 @@ SHAPE_KEYS = {"default": "default job (32 x 12, micro-batches of 8)", "cpu": "CP
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-shape", default=None, choices=["135m", "360m", "1.7b"],
+    parser.add_argument("--model-shape", default=None, choices=["tiny", "135m", "360m", "1.7b"],
                         help="a random model of SmolLM2's shape instead of SmolLM2-135M-Instruct's weights")
+    parser.add_argument("--tokenizer", default=None,
+                        help="a tokenizer folder (`bench.py --export-assets`'s) instead of the packaged SmolLM2's; with "
+                        "--model-shape, no model weights are needed")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=1)
@@ -63,8 +66,10 @@ def load_model(args):
 
     from klppo.models import load_tokenizer, resolve_model_path
 
-    path = resolve_model_path("klppo:smollm2-135m-instruct")
-    tokenizer = load_tokenizer(path)
+    if args.model_shape is None and args.tokenizer is not None:
+        raise SystemExit("padding.py: --tokenizer goes with --model-shape (SmolLM2's weights come with its tokenizer)")
+    path = resolve_model_path("klppo:smollm2-135m-instruct") if args.tokenizer is None else None
+    tokenizer = load_tokenizer(args.tokenizer or path)
     dtype = getattr(torch, args.dtype)
     if args.model_shape is None:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
