@@ -226,6 +226,9 @@ def run_engine_update(rollout_path: str, out_dir: str, seed: int | None = None, 
         sampled = sample_alone(trainer, rank, seed)
         record["sampled"] = {"responses": sampled.responses.tolist(), "response_mask": sampled.response_mask.tolist(),
                              "logp": sampled.logp.tolist(), "ref_logp": sampled.ref_logp.tolist()}  # fmt: skip
+        rescored = trainer.score(sampled.sequences())  # scored through the wrapped model, not as the rollout scored
+        record["rescored_difference"] = {k: float((getattr(sampled, k) - getattr(rescored, k)).abs().max())
+                                         for k in ("logp", "ref_logp", "values")}  # fmt: skip
         record["eval"] = trainer.evaluate_policy()
         record["steps_sampling"] = len(counts)
     before = full_weights(trainer)

@@ -54,9 +54,16 @@ def accelerate_launch(config: str, script_args: list[str], tmp_path) -> None:
 @pytest.mark.ranks
 @pytest.mark.parametrize("stage", [2, 3])
 def test_zero_update_equals_ddp(stage, engine_rollout, ddp_update, tmp_path):
-    accelerate_launch(accelerate_config(tmp_path, stage), [WORKER, "engine", str(engine_rollout), str(tmp_path)], tmp_path)
+    """One update of a saved rollout under ZeRO-2/3 equals DDP's. Before it each rank samples and scores a rollout
+    of its own: under ZeRO-3 the scoring passes run on the weights gathered for generation, and must give what
+    scoring through the engine gives (the sampled log-probs within float32's KV-cache difference)."""
+    accelerate_launch(accelerate_config(tmp_path, stage), [WORKER, "engine", str(engine_rollout), str(tmp_path), "0"],
+                      tmp_path)  # fmt: skip
     ddp_ranks, ddp_weights = read_engine_run(ddp_update)
     ranks, weights = read_engine_run(tmp_path)
+    for r in ranks:
+        difference = r["rescored_difference"]
+        assert difference["ref_logp"] < 1e-5 and difference["values"] < 1e-5 and difference["logp"] < 1e-4, difference
     assert [r["deepspeed"] for r in ranks] == [True, True] and ddp_ranks[0]["deepspeed"] is False
     assert all(r["world"] == 2 for r in ranks + ddp_ranks)
     # 2 mini-batches of 2 micro-batches: 2 optimizer steps, not one per micro-batch

@@ -32,7 +32,7 @@ import shutil
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -40,6 +40,7 @@ from torch.profiler import record_function
 from transformers import PreTrainedTokenizerBase, Trainer, set_seed
 from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, rotate_checkpoints
+from trl.distributed import DistributedBackend
 from trl.models.utils import unwrap_model_for_generation
 
 from ..kl import (
@@ -430,23 +431,27 @@ class KLPPOTrainer(Trainer):
         timings = timings if timings is not None else defaultdict(float)
         acc, plan = self.accelerator, self.kl_plan
         input_ids, attention_mask = batch.input_ids.to(acc.device), batch.attention_mask.to(acc.device)
-        with timed(timings, "time/generation", acc):
-            with self._model_for_generation() as unwrapped, root_unsharded(self.model_wrapped), \
-                    self._sampling_form(unwrapped.policy):  # fmt: skip
-                generated = generate_responses(
-                    unwrapped.policy, input_ids, attention_mask, self.generation_config,
-                    with_logprobs=plan.read_while_decoding,
-                    value_head=unwrapped.value_head if plan.read_while_decoding else None,
-                    keep_logits=plan.keep_generation_logits, synced=self.is_fsdp_enabled and acc.num_processes > 1,
-                    check_finite=False, cache=self.static_caches(input_ids.shape[0]) if self.static_caches else None,
-                )  # fmt: skip
-        responses, response_mask = truncate_at_stop(generated.tokens, self.stop_token_id, self.processing_class.pad_token_id)
-        sequences = Sequences(
-            prompts=batch.prompts, extra=batch.extra, query_responses=torch.cat([input_ids, responses], dim=1),
-            attention_mask=torch.cat([attention_mask, response_mask], dim=1), responses=responses,
-            response_mask=response_mask, context_length=input_ids.shape[1], sampled_finite=generated.finite,
-        )  # fmt: skip
-        return self.scorer.score(self.model_wrapped, sequences, generated._replace(tokens=responses), timings)
+        with ExitStack() as gathered:
+            with timed(timings, "time/generation", acc):
+                unwrapped = gathered.enter_context(self._model_for_generation())
+                with root_unsharded(self.model_wrapped), self._sampling_form(unwrapped.policy):
+                    generated = generate_responses(
+                        unwrapped.policy, input_ids, attention_mask, self.generation_config,
+                        with_logprobs=plan.read_while_decoding,
+                        value_head=unwrapped.value_head if plan.read_while_decoding else None,
+                        keep_logits=plan.keep_generation_logits, synced=self.is_fsdp_enabled and acc.num_processes > 1,
+                        check_finite=False, cache=self.static_caches(input_ids.shape[0]) if self.static_caches else None,
+                    )  # fmt: skip
+            responses, response_mask = truncate_at_stop(generated.tokens, self.stop_token_id, self.processing_class.pad_token_id)
+            sequences = Sequences(
+                prompts=batch.prompts, extra=batch.extra, query_responses=torch.cat([input_ids, responses], dim=1),
+                attention_mask=torch.cat([attention_mask, response_mask], dim=1), responses=responses,
+                response_mask=response_mask, context_length=input_ids.shape[1], sampled_finite=generated.finite,
+            )  # fmt: skip
+            # ZeRO-3: the weights gathered for generation serve the scoring passes too, one gather per rollout instead
+            # of one per layer and forward pass; elsewhere the scoring passes run through the wrapped model
+            model = unwrapped if DistributedBackend(acc).is_zero3 else self.model_wrapped
+            return self.scorer.score(model, sequences, generated._replace(tokens=responses), timings)
 
     def score(self, sequences: Sequences, timings: dict | None = None) -> Rollout:
         """Step 3 alone: the `Rollout` of `sequences` from forward passes only (nothing read while decoding)."""
