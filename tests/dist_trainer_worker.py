@@ -223,7 +223,11 @@ def run_engine_update(rollout_path: str, out_dir: str, seed: int | None = None, 
     record = {"world": acc.num_processes, "deepspeed": trainer.is_deepspeed_enabled, "fsdp_enabled": trainer.is_fsdp_enabled,
               "fsdp2": is_fsdp2(trainer.model_wrapped)}  # fmt: skip
     if seed is not None:  # first each rank samples its own prompt, then an evaluation; neither changes the update
+        scoring_models, score = [], trainer.scorer.score
+        trainer.scorer.score = lambda model, *a, **k: scoring_models.append(type(model).__name__) or score(model, *a, **k)
         sampled = sample_alone(trainer, rank, seed)
+        trainer.scorer.score = score
+        record["rollout_scored_with"] = scoring_models
         record["sampled"] = {"responses": sampled.responses.tolist(), "response_mask": sampled.response_mask.tolist(),
                              "logp": sampled.logp.tolist(), "ref_logp": sampled.ref_logp.tolist()}  # fmt: skip
         rescored = trainer.score(sampled.sequences())  # scored through the wrapped model, not as the rollout scored

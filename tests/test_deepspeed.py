@@ -61,7 +61,8 @@ def test_zero_update_equals_ddp(stage, engine_rollout, ddp_update, tmp_path):
                       tmp_path)  # fmt: skip
     ddp_ranks, ddp_weights = read_engine_run(ddp_update)
     ranks, weights = read_engine_run(tmp_path)
-    for r in ranks:
+    for r in ranks:  # ZeRO-3 scores the rollout on the gathered module, ZeRO-2 through the engine
+        assert r["rollout_scored_with"] == ["ActorCritic" if stage == 3 else "DeepSpeedEngine"]
         difference = r["rescored_difference"]
         assert difference["ref_logp"] < 1e-5 and difference["values"] < 1e-5 and difference["logp"] < 1e-4, difference
     assert [r["deepspeed"] for r in ranks] == [True, True] and ddp_ranks[0]["deepspeed"] is False

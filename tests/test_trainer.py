@@ -145,6 +145,12 @@ def test_a_micro_batch_without_its_padding_columns_gives_the_same_loss_and_gradi
     assert grads_a.keys() == grads_b.keys() and len(grads_a) > 0
     for name, grad in grads_a.items():
         torch.testing.assert_close(grads_b[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    # scoring in chunks of one sequence (each without its padding columns) gives the whole batch's scores
+    whole = trainer.score(rollout.sequences())
+    trainer.scorer.chunk = 1
+    alone = trainer.score(rollout.sequences())
+    for key in ("logp", "ref_logp", "values"):
+        torch.testing.assert_close(getattr(alone, key), getattr(whole, key), rtol=1e-4, atol=1e-5, msg=key)
 
 
 def test_each_estimators_loss_term_is_finite_and_pulls_the_policy(tiny_path, prompts, tmp_path):

@@ -78,7 +78,7 @@ class Sequences(_Selectable):
         """Only the tokens (drops any scores a subclass holds)."""
         return Sequences(**{f.name: getattr(self, f.name) for f in fields(Sequences)})
 
-    def without_padding_columns(self):
+    def without_padding_columns(self) -> Sequences:
         """The same sequences (and scores) without the leading columns that are padding in every row, as in a
         micro-batch of a rollout padded to a longer prompt: the same forward passes on fewer positions (attention
         skips padding, and position ids count real tokens only)."""

@@ -431,9 +431,9 @@ class KLPPOTrainer(Trainer):
         timings = timings if timings is not None else defaultdict(float)
         acc, plan = self.accelerator, self.kl_plan
         input_ids, attention_mask = batch.input_ids.to(acc.device), batch.attention_mask.to(acc.device)
-        with ExitStack() as gathered:
+        with ExitStack() as generation_context:
             with timed(timings, "time/generation", acc):
-                unwrapped = gathered.enter_context(self._model_for_generation())
+                unwrapped = generation_context.enter_context(self._model_for_generation())
                 with root_unsharded(self.model_wrapped), self._sampling_form(unwrapped.policy):
                     generated = generate_responses(
                         unwrapped.policy, input_ids, attention_mask, self.generation_config,
@@ -451,7 +451,10 @@ class KLPPOTrainer(Trainer):
             # ZeRO-3: the weights gathered for generation serve the scoring passes too, one gather per rollout instead
             # of one per layer and forward pass; elsewhere the scoring passes run through the wrapped model
             model = unwrapped if DistributedBackend(acc).is_zero3 else self.model_wrapped
-            return self.scorer.score(model, sequences, generated._replace(tokens=responses), timings)
+            rollout = self.scorer.score(model, sequences, generated._replace(tokens=responses), timings)
+            with timed(timings, "time/generation", acc):  # ZeRO-3 partitions the weights again
+                generation_context.close()
+        return rollout
 
     def score(self, sequences: Sequences, timings: dict | None = None) -> Rollout:
         """Step 3 alone: the `Rollout` of `sequences` from forward passes only (nothing read while decoding)."""
