@@ -459,7 +459,6 @@ class PPOTrainer(KLPPOTrainer):
         `model response` and `score` (None without `eval_dataset`)."""
         import pandas as pd
         from accelerate.utils import gather_object
-        from trl.models.utils import unwrap_model_for_generation
 
         from .ppo.rollout import truncate_at_stop
         from .ppo.steps import Sequences
@@ -476,7 +475,7 @@ class PPOTrainer(KLPPOTrainer):
         for start in range(0, len(rows) - size + 1, size):  # whole batches, as TRL's eval loader (drop_last)
             batch = self.prompt_batch(list(rows.select(range(start, start + size))))
             input_ids, attention_mask = batch.input_ids.to(acc.device), batch.attention_mask.to(acc.device)
-            with unwrap_model_for_generation(self.model_wrapped, acc) as unwrapped:
+            with self.model_for_generation() as unwrapped:
                 out = unwrapped.policy.generate(input_ids=input_ids, attention_mask=attention_mask,
                                                 generation_config=generation_config)  # fmt: skip
             responses, mask = truncate_at_stop(out[:, input_ids.shape[1] :], self.stop_token_id, self.processing_class.pad_token_id)

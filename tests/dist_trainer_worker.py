@@ -224,6 +224,22 @@ def run_engine_update(rollout_path: str, out_dir: str, seed: int | None = None, 
               "fsdp2": is_fsdp2(trainer.model_wrapped)}  # fmt: skip
     if seed is not None:  # first each rank samples its own prompt, then an evaluation; neither changes the update
         scoring_models, score = [], trainer.scorer.score
+        # a rollout that raises inside the generation context (under ZeRO-3: on gathered weights, hooks off) leaves
+        # the engine as it was: scoring through it afterwards gives what it gave before
+        before_failure = trainer.score(rollout.sequences())
+        def failing(*args, **kwargs):
+            raise RuntimeError("scoring failed")
+
+        trainer.scorer.score = failing
+        try:
+            trainer.rollout(trainer.prompt_batch([PROMPTS["prompt"][rank]]))
+        except RuntimeError as failure:
+            record["failed_rollout"] = str(failure)
+        trainer.scorer.score = score
+        after_failure = trainer.score(rollout.sequences())
+        record["after_failed_rollout_difference"] = max(
+            float((getattr(before_failure, k) - getattr(after_failure, k)).abs().max()) for k in ("logp", "ref_logp", "values")
+        )
         trainer.scorer.score = lambda model, *a, **k: scoring_models.append(type(model).__name__) or score(model, *a, **k)
         sampled = sample_alone(trainer, rank, seed)
         trainer.scorer.score = score

@@ -56,12 +56,14 @@ def accelerate_launch(config: str, script_args: list[str], tmp_path) -> None:
 def test_zero_update_equals_ddp(stage, engine_rollout, ddp_update, tmp_path):
     """One update of a saved rollout under ZeRO-2/3 equals DDP's. Before it each rank samples and scores a rollout
     of its own: under ZeRO-3 the scoring passes run on the weights gathered for generation, and must give what
-    scoring through the engine gives (the sampled log-probs within float32's KV-cache difference)."""
+    scoring through the engine gives (the sampled log-probs within float32's KV-cache difference); a rollout that raises
+    first leaves the engine scoring as it did (ZeRO-3's hooks put back)."""
     accelerate_launch(accelerate_config(tmp_path, stage), [WORKER, "engine", str(engine_rollout), str(tmp_path), "0"],
                       tmp_path)  # fmt: skip
     ddp_ranks, ddp_weights = read_engine_run(ddp_update)
     ranks, weights = read_engine_run(tmp_path)
     for r in ranks:  # ZeRO-3 scores the rollout on the gathered module, ZeRO-2 through the engine
+        assert r["failed_rollout"] == "scoring failed" and r["after_failed_rollout_difference"] == 0.0
         assert r["rollout_scored_with"] == ["ActorCritic" if stage == 3 else "DeepSpeedEngine"]
         difference = r["rescored_difference"]
         assert difference["ref_logp"] < 1e-5 and difference["values"] < 1e-5 and difference["logp"] < 1e-4, difference

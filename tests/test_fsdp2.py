@@ -99,6 +99,8 @@ def test_fsdp2_sampling_with_ranks_that_finish_at_different_steps(fsdp_engine_ru
     out, alone, evaluation = fsdp_engine_run
     ranks, _ = read_engine_run(out)
     assert all(r["fsdp_enabled"] and r["fsdp2"] for r in ranks) and [r["steps_sampling"] for r in ranks] == [0, 0]
+    # a rollout that raised first left the sharded model scoring as before
+    assert all(r["failed_rollout"] == "scoring failed" and r["after_failed_rollout_difference"] == 0.0 for r in ranks)
     sampled = [r["sampled"] for r in ranks]
     assert sampled[0]["response_mask"] == [[1, 1]] and sampled[1]["response_mask"] == [[1] * 6]
     for rank, own in zip(sampled, alone):  # each rank's tokens are those it samples alone

@@ -1266,3 +1266,42 @@ def test_a_stop_token_is_eos_or_any_one_token_given_as_its_text(tiny_path, promp
         make_trainer(tiny_path, prompts, make_args(tmp_path, stop_token="no such token here"))
     with pytest.raises(ValueError, match="`stop_token` must be 'eos'"):
         make_args(tmp_path, stop_token="")
+
+
+@pytest.mark.parametrize("critic", ["shared", "separate"])
+def test_activation_checkpointing_comes_back_after_decoding_with_its_kwargs_even_when_a_rollout_raises(
+    tiny_path, prompts, tmp_path, monkeypatch, critic
+):
+    """Decoding runs with activation checkpointing off; after each rollout it is on again in every part of the
+    actor-critic with the kwargs the run gave (not transformers' defaults), and so after a rollout that raised."""
+    args = make_args(tmp_path, critic=critic, gradient_checkpointing=True,
+                     gradient_checkpointing_kwargs={"use_reentrant": True})  # transformers' default is False
+    trainer = make_trainer(tiny_path, prompts, args)
+    model = trainer.model
+
+    def checkpointing() -> list[dict]:
+        return [m._gradient_checkpointing_func.keywords for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
+
+    on = checkpointing()
+    assert on and all(k == {"use_reentrant": True} for k in on)
+    batch = trainer.prompt_batch(list(prompts.select(range(4))))
+    seen, score = [], trainer.scorer.score
+
+    def scoring(*a, **k):
+        seen.append(model.is_activation_checkpointing)
+        return score(*a, **k)
+
+    monkeypatch.setattr(trainer.scorer, "score", scoring)
+    trainer.rollout(batch)
+    assert seen == [False] and checkpointing() == on
+
+    def failing(*a, **k):
+        raise RuntimeError("scoring failed")
+
+    monkeypatch.setattr(trainer.scorer, "score", failing)
+    with pytest.raises(RuntimeError, match="scoring failed"):
+        trainer.rollout(batch)
+    assert checkpointing() == on
+    monkeypatch.setattr(trainer.scorer, "score", score)
+    trainer.train()  # and it trains
+    assert checkpointing() == on

@@ -32,6 +32,18 @@ def unwrap(accelerator, model: nn.Module) -> nn.Module:
     return unwrapped
 
 
+def restore_zero3_hooks(engine) -> None:
+    """Put back the ZeRO-3 parameter hooks of `engine` (a `DeepSpeedEngine`) that TRL's `remove_hooks` took off for
+    decoding on gathered weights, if they are off: without them every forward pass would see the partitioned, empty
+    parameters. A no-op while the hooks are on (adding them twice would gather twice) or before the first step."""
+    from trl.models.utils import add_hooks
+
+    optimizer = getattr(engine, "optimizer", None)
+    offload = getattr(optimizer, "parameter_offload", optimizer)
+    if offload is not None and getattr(offload, "forward_hooks", None) == []:
+        add_hooks(engine)
+
+
 def is_fsdp2(model: nn.Module) -> bool:
     try:
         from torch.distributed.fsdp import FSDPModule

@@ -62,7 +62,7 @@ from .advantages import advantage_slope, gae_advantages, sequence_advantages
 from .build import build_models, check_trainer_inputs, load_policy_and_tokenizer, prepare_frozen
 from .callbacks import KLProgressCallback, maybe_offline_wandb, now, timed
 from .config import KL_LOSS_MIN_ADVANTAGE_STD, KLPPOConfig
-from .engines import destroy_process_group_at_exit, load_full_weights, root_unsharded, unwrap
+from .engines import destroy_process_group_at_exit, load_full_weights, restore_zero3_hooks, root_unsharded, unwrap
 from .guard import LOWER, UPPER, build_kl_guard, reset_momentum
 from .health import NonfiniteGuard, PPOHealthMonitor, TrainingDiverged, policy_outputs_finite, rollout_outputs_finite
 from .losses import ppo_losses
@@ -162,9 +162,11 @@ class KLPPOTrainer(Trainer):
             ref_adapter_name=getattr(args, "ref_adapter_name", None),
         )  # fmt: skip
         # transformers >= 5.20 names it activation checkpointing; earlier versions have only the gradient_* fields
+        self.checkpointing_kwargs = None  # the kwargs activation checkpointing was turned on with, kept after decoding
         if getattr(args, "activation_checkpointing", False) or args.gradient_checkpointing:
             kwargs = getattr(args, "activation_checkpointing_kwargs", None) or args.gradient_checkpointing_kwargs
             actor_critic.activation_checkpointing_enable(kwargs)
+            self.checkpointing_kwargs = kwargs
             args.gradient_checkpointing = False  # done; not for Trainer to redo
             if hasattr(args, "activation_checkpointing"):
                 args.activation_checkpointing = False
@@ -433,7 +435,7 @@ class KLPPOTrainer(Trainer):
         input_ids, attention_mask = batch.input_ids.to(acc.device), batch.attention_mask.to(acc.device)
         with ExitStack() as generation_context:
             with timed(timings, "time/generation", acc):
-                unwrapped = generation_context.enter_context(self._model_for_generation())
+                unwrapped = generation_context.enter_context(self.model_for_generation())
                 with root_unsharded(self.model_wrapped), self._sampling_form(unwrapped.policy):
                     generated = generate_responses(
                         unwrapped.policy, input_ids, attention_mask, self.generation_config,
@@ -460,13 +462,28 @@ class KLPPOTrainer(Trainer):
         """Step 3 alone: the `Rollout` of `sequences` from forward passes only (nothing read while decoding)."""
         return self.scorer.score(self.model_wrapped, sequences, None, timings)
 
-    def _model_for_generation(self):
+    @contextmanager
+    def model_for_generation(self):
         """The unwrapped actor-critic to generate with: TRL's `unwrap_model_for_generation` where it does work (ZeRO-3
-        gathers the weights, activation checkpointing is turned off around decoding), else the model itself."""
+        gathers the weights, activation checkpointing is turned off around decoding and back on after it, with the
+        run's kwargs), else the model itself. When the block raises, TRL's context restores neither ZeRO-3's hooks nor
+        activation checkpointing; both come back here, for whatever runs next on the model (an evaluation, a save,
+        another `train()`)."""
         unwrapped = unwrap(self.accelerator, self.model_wrapped)
-        if self.is_deepspeed_enabled or unwrapped.is_activation_checkpointing:
-            return unwrap_model_for_generation(self.model_wrapped, self.accelerator)
-        return nullcontext(unwrapped)
+        checkpointing = unwrapped.is_activation_checkpointing
+        if not (self.is_deepspeed_enabled or checkpointing):
+            yield unwrapped
+            return
+        kwargs = self.checkpointing_kwargs
+        try:
+            with unwrap_model_for_generation(self.model_wrapped, self.accelerator, gradient_checkpointing_kwargs=kwargs) as model:
+                yield model
+        except BaseException:
+            if DistributedBackend(self.accelerator).is_zero3:
+                restore_zero3_hooks(self.model_wrapped)
+            if checkpointing and not unwrapped.is_activation_checkpointing:
+                unwrapped.activation_checkpointing_enable(kwargs)
+            raise
 
     @contextmanager
     def _sampling_form(self, policy):

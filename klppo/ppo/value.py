@@ -243,7 +243,10 @@ class ActorCritic(nn.Module):
         for module in self._backbones():
             _checkpointing(module, False)
 
-    gradient_checkpointing_enable = activation_checkpointing_enable
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+        """The name and keyword that transformers < 5.20 and TRL's `unwrap_model_for_generation` use."""
+        self.activation_checkpointing_enable(gradient_checkpointing_kwargs)
+
     gradient_checkpointing_disable = activation_checkpointing_disable
 
     def _backbones(self) -> list[nn.Module]:
