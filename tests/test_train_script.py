@@ -225,3 +225,39 @@ def test_a_prompt_file_smaller_than_a_rollout_batch_is_cycled_and_summarised_as_
     assert summary["updates"] == 1
     assert summary["prompts"] and all(p.startswith("Tell me about ") for p in summary["prompts"])
     assert "'role'" not in out.out
+
+
+def test_wandb_without_credentials_logs_every_update_offline(tmp_path, monkeypatch):
+    """`report_to: wandb` with no credentials (no `WANDB_API_KEY`, no `~/.netrc`): the run logs offline into
+    ./wandb, says so once, and wandb receives every update's KL, controller and PPO-health figures (finite), the
+    evaluation's and the completions table; the wandb run is finished when the script returns."""
+    import wandb
+
+    import klppo.ppo.callbacks as callbacks
+    from klppo.cli import cli
+
+    monkeypatch.setenv("WANDB_MODE", "")  # so that the test's end restores the variable as it was
+    monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    monkeypatch.setattr(callbacks, "_WANDB_NOTICE_GIVEN", False)
+    monkeypatch.chdir(tmp_path)
+    logged, log = [], wandb.Run.log  # `wandb.init` binds the module's `wandb.log` to its run's
+    monkeypatch.setattr(wandb.Run, "log", lambda run, data, *a, **k: logged.append(data) or log(run, data, *a, **k))
+    with pytest.warns(UserWarning, match="wandb has no credentials here: logging offline") as notices:
+        code = cli(["--config", TINY, "--output_dir", str(tmp_path / "out"), "--report_to", "wandb",
+                    "--num_sample_generations", "2", "--disable_tqdm", "true"])  # fmt: skip
+    assert code == 0
+    assert len([n for n in notices if "no credentials" in str(n.message)]) == 1
+    assert os.environ["WANDB_MODE"] == "offline" and wandb.run is None
+    assert len(list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))) == 1
+    updates = [d for d in logged if "train/kl/coef" in d]
+    assert [d["train/global_step"] for d in updates] == [1, 2]
+    for d in updates:
+        for name in ("kl/coef", "kl/value", "kl/k1", "kl/k3", "objective/scores", "objective/rlhf_reward",
+                     "policy/approxkl", "policy/clipfrac", "policy/entropy", "loss/policy", "loss/value",
+                     "val/clipfrac", "time/update"):  # fmt: skip
+            assert math.isfinite(d[f"train/{name}"]), (name, d)
+    # transformers' callback files every key but `eval_*` under "train/"
+    assert any(math.isfinite(d.get("train/eval/perplexity", math.nan)) for d in logged)
+    assert any(isinstance(d.get("completions"), wandb.Table) for d in logged)

@@ -377,6 +377,11 @@ class KLPPOTrainer(Trainer):
         self.optimizer = self.lr_scheduler = None
         acc.free_memory()
         acc.end_training()
+        if "wandb" in (self.args.report_to or []):  # transformers' wandb callback leaves its run open: a next run
+            import wandb  # in the same process would log into it
+
+            if wandb.run is not None:
+                wandb.finish()
 
     # ------------------------------------------------------------------ one update
     def ppo_update(self, batch: PromptBatch) -> dict[str, float]:
