@@ -7,6 +7,7 @@ reuse `parse` and `build_trainer`.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 import warnings
@@ -16,7 +17,7 @@ from .ppo.checkpoint import ResumeMismatch
 from .ppo.health import TrainingDiverged
 from .ppo.lock import OutputDirInUse, OutputDirLock
 from .rewards import RewardFunctionError, load_reward_funcs
-from .utils import write_json
+from .utils import none_from_text, write_json
 
 
 @dataclass
@@ -40,6 +41,9 @@ class ScriptArguments:
     )
     summary_prompts: int = field(default=2, metadata={"help": "Prompts whose completions the summary shows."})
     summary_file: str | None = field(default=None, metadata={"help": "Also write the summary as JSON here."})
+
+    def __post_init__(self):
+        none_from_text(self)  # `--dataset_test_split None` on a command line means None
 
 
 class UserError(Exception):
@@ -69,16 +73,24 @@ def build_trainer(script_args, training_args, model_args):
         reward_funcs, _ = load_reward_funcs(script_args.reward_funcs, training_args.reward_weights)
     except (ValueError, ImportError, OSError) as err:
         raise UserError(f"Could not load the reward functions {script_args.reward_funcs}: {err}") from err
-    return KLPPOTrainer(
-        model=model,
-        args=training_args,
-        processing_class=tokenizer,
-        reward_funcs=reward_funcs,
-        train_dataset=train,
-        eval_dataset=evaluation,
-        peft_config=get_peft_config(model_args),
-        heldout_texts=heldout,
-    )
+    targets = model_args.lora_target_modules
+    if isinstance(targets, str) and targets != "all-linear" and re.fullmatch(r"[\w.]+", targets):
+        # TRL's ModelConfig turns a list of one name into that name, which PEFT reads as a pattern of whole module
+        # names (matching none); as a list it matches the modules whose names end with it, as for two names
+        model_args.lora_target_modules = [targets]
+    try:
+        return KLPPOTrainer(
+            model=model,
+            args=training_args,
+            processing_class=tokenizer,
+            reward_funcs=reward_funcs,
+            train_dataset=train,
+            eval_dataset=evaluation,
+            peft_config=get_peft_config(model_args),
+            heldout_texts=heldout,
+        )
+    except (ValueError, ImportError) as err:  # the trainer checks its inputs against the loaded model and rewards
+        raise UserError(str(err)) from err
 
 
 def _load_model(model_args):
@@ -145,6 +157,14 @@ def _run(script_args, training_args, model_args) -> dict:
 
     start = time.time()
     trainer = build_trainer(script_args, training_args, model_args)
+    try:
+        trainer.setup_optimisation()
+    except (ImportError, ValueError, TypeError) as err:  # transformers builds them from the `optim` and schedule fields
+        raise UserError(
+            f"The optimizer or learning-rate schedule could not be built (optim={training_args.optim.value!r}, "
+            f"lr_scheduler_type={training_args.lr_scheduler_type.value!r}): {err}. Install the package it names, pass "
+            "the schedule's own arguments with --lr_scheduler_kwargs (JSON), or choose another optim / schedule."
+        ) from err
     source = trainer.eval_prompts if trainer.eval_prompts is not None else trainer.train_dataset
     prompts = source["prompt"][: script_args.summary_prompts]
 

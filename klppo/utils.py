@@ -44,3 +44,24 @@ def write_json(path: str | os.PathLike, data, **kwargs) -> None:
     with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         json.dump(data, f, **kwargs)
         f.write("\n")
+
+
+NONE_TEXTS = ("None", "null")
+
+
+def none_from_text(config) -> None:
+    """Set to None every optional field of the dataclass `config` that holds the text 'None' or 'null': a command
+    line cannot give None otherwise (transformers' parser keeps the text of an optional string field as it is)."""
+    import dataclasses
+    import typing
+
+    try:  # the annotations: transformers' parser replaces an optional field's `type` with the type inside
+        hints = typing.get_type_hints(type(config))
+    except (NameError, TypeError):
+        hints = {}
+    for f in dataclasses.fields(config):
+        kind = hints.get(f.name, f.type)
+        optional = type(None) in typing.get_args(kind) or "None" in str(kind) or "Optional" in str(kind)
+        if optional and isinstance(getattr(config, f.name, None), str) and getattr(config, f.name) in NONE_TEXTS:
+            setattr(config, f.name, None)
+

@@ -75,6 +75,14 @@ def write_config(tmp_path, **changes) -> str:
         (dict(kl_controller="adaptive", kl_target=None), "kl_target"),
         (dict(reward_funcs=["no_such_module_xyz:reward"]), "no_such_module_xyz"),
         (dict(dataset_name="missing_prompts.jsonl"), "missing_prompts.jsonl"),
+        # settings klppo's loop cannot honour, refused at parse time
+        (dict(lr_scheduler_type="reduce_lr_on_plateau"), "'linear' (the default)"),
+        (dict(optim="schedule_free_adamw"), "'adamw_torch' (the default)"),
+        # refused once the model and rewards are loaded
+        (dict(critic="separate", critic_init="reward"), "needs a reward model among `reward_funcs`"),
+        (dict(stop_token="</s>"), "is not one token of this tokenizer"),
+        # transformers cannot build the schedule (its own arguments missing)
+        (dict(lr_scheduler_type="warmup_stable_decay"), "--lr_scheduler_kwargs"),
     ],
 )
 def test_bad_input_gives_one_clean_message(tmp_path, capsys, changes, expected):
@@ -86,6 +94,30 @@ def test_bad_input_gives_one_clean_message(tmp_path, capsys, changes, expected):
     assert code == 2
     assert expected in stderr
     assert stderr.count("error:") == 1 and (stderr.startswith("error:") or "\nerror:" in stderr)
+
+
+def test_none_on_a_command_line_is_none():
+    """`None` (or `null`) for an optional field on a command line means None, as in YAML: transformers' parser
+    would keep the text, and `--stop_token None` would then stop responses at the token 'None'."""
+    from klppo.cli import parse
+
+    script_args, training_args, _ = parse(["--config", TINY, "--output_dir", "out", "--stop_token", "None",
+                                           "--dataset_test_split", "null", "--hub_model_id", "None"])  # fmt: skip
+    assert (training_args.stop_token, script_args.dataset_test_split, training_args.hub_model_id) == (None, None, None)
+    assert parse(["--config", TINY, "--output_dir", "out", "--stop_token", "eos"])[1].stop_token == "eos"
+
+
+@pytest.mark.parametrize("targets", [["q_proj"], ["q_proj", "v_proj"]])
+def test_lora_on_one_named_module_kind(tmp_path, targets):
+    """`--lora_target_modules q_proj` puts LoRA on every q_proj, as a list of two names does on both (TRL's
+    ModelConfig turns a one-name list into a string, which PEFT would read as a whole-name pattern)."""
+    from klppo.cli import build_trainer, parse
+
+    parsed = parse(["--config", TINY, "--output_dir", str(tmp_path / "out"), "--use_peft", "true",
+                    "--lora_target_modules", *targets])  # fmt: skip
+    trainer = build_trainer(*parsed)
+    adapted = {name.split(".")[-1] for name, module in trainer.model.policy.named_modules() if hasattr(module, "lora_A")}
+    assert adapted == set(targets)
 
 
 def test_the_script_exits_2_with_one_paragraph_on_a_user_error(tmp_path):

@@ -378,6 +378,16 @@ def test_biased_combination_warns_once(tmp_path, caplog):
     assert len(messages) == 1
 
 
+@pytest.mark.parametrize("kl_mode, warned", [("reward", True), ("both", False), ("loss", False)])
+def test_full_in_the_reward_warns_only_without_full_in_the_loss(tmp_path, caplog, kl_mode, warned):
+    """`full` in the reward misses the part of the gradient that only the loss path sees; with kl_mode='both' the
+    loss adds it, and the warning that asks for it would be wrong."""
+    with caplog.at_level("WARNING"):
+        make_args(tmp_path, kl_mode=kl_mode, kl_estimator="full", kl_controller="fixed")
+    messages = [r.getMessage() for r in caplog.records if "KL configuration" in r.getMessage()]
+    assert bool([m for m in messages if "full also in the loss" in m]) is warned
+
+
 def test_missing_eos_penalty_without_stop_token_warns_once_with_what_happens(tmp_path, caplog, monkeypatch):
     """TRL 1.12's `missing_eos_penalty` with no stop token is accepted, with one warning that says what klppo then
     does, once however often a config is built; a stop token, or no penalty, gives none."""

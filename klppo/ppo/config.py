@@ -19,6 +19,7 @@ from transformers import TrainingArguments
 from ..kl import divergence_followed
 from ..kl.config import KLControlConfig, choice_error, doc_metadata, field_docs
 from ..kl.estimators import kl_estimators
+from ..utils import none_from_text
 
 logger = logging.getLogger(__name__)
 
@@ -351,6 +352,7 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
     logging_steps: float = field(default=1, metadata=_doc("logging_steps"))
 
     def __post_init__(self):
+        none_from_text(self)  # `--stop_token None` on a command line means None
         self._experimental = self._parse_experimental()
         self._resolve_automatic()
         self.validate_kl_control()
@@ -635,6 +637,20 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
                 "`cache_implementation='static'` makes a cache of max_prompt_length + response_length positions, so "
                 "it needs a `max_prompt_length` (e.g. 256). Set one, or leave cache_implementation unset."
             )
+        scheduler = str(getattr(self.lr_scheduler_type, "value", self.lr_scheduler_type))
+        if scheduler == "reduce_lr_on_plateau":
+            raise ValueError(
+                "`lr_scheduler_type='reduce_lr_on_plateau'` is not supported: it steps on a validation metric, and "
+                "klppo steps its schedule once per optimizer step, where PPO has none. Use 'linear' (the default), "
+                "'cosine', 'constant', 'constant_with_warmup' or another schedule of the step count."
+            )
+        optim = str(getattr(self.optim, "value", self.optim))
+        if optim.startswith("schedule_free"):
+            raise ValueError(
+                f"`optim='{optim}'` is not supported: schedule-free optimizers must be switched between train and eval "
+                "mode around every forward pass, which klppo's loop does not do. Use 'adamw_torch' (the default) or "
+                "another optimizer of transformers' `optim` choices."
+            )
         for name in ("save_strategy", "eval_strategy", "logging_strategy"):
             if str(getattr(getattr(self, name), "value", getattr(self, name))) == "epoch":
                 raise ValueError(
@@ -667,6 +683,8 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
     def _warn_biased_gradient(self) -> None:
         for mode in self.kl_modes_applied:
             info = divergence_followed(self.kl_estimator, mode, off_policy=self.is_off_policy)
+            if self.kl_estimator == "full" and mode == "reward" and "loss" in self.kl_modes_applied:
+                continue  # the loss path adds the part the reward path misses: together the exact gradient
             if not info.unbiased:
                 logger.warning("KL configuration: %s", info.message)
 
