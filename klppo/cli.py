@@ -102,9 +102,18 @@ def _load_model(model_args):
             f"The model folder {name!r} does not exist. Pass an existing folder, a hub id such as "
             "'HuggingFaceTB/SmolLM2-135M-Instruct', or the offline default 'klppo:smollm2-135m-instruct'."
         )
+    if model_args.load_in_4bit or model_args.load_in_8bit:
+        raise UserError(
+            "load_in_4bit / load_in_8bit: klppo does not train quantized models (it merges and copies the policy's "
+            "weights, which bitsandbytes' packed weights do not allow). Remove the flag; with little memory, use "
+            "LoRA (--use_peft true), bf16 (--dtype bfloat16) and --activation_checkpointing true."
+        )
     try:
         path = resolve_model_path(name)
-        return load_causal_lm(path, dtype=model_args.dtype or "float32"), load_tokenizer(path)
+        model = load_causal_lm(path, dtype=model_args.dtype or "float32", revision=model_args.model_revision,
+                               attn_implementation=model_args.attn_implementation)  # fmt: skip
+        tokenizer = load_tokenizer(path, revision=model_args.model_revision)
+        return model, tokenizer
     except (OSError, ValueError, ModuleNotFoundError) as err:
         raise UserError(
             f"Could not load the model {name!r}: {err}. Use a local folder, a hub id reachable from this "

@@ -81,6 +81,8 @@ def write_config(tmp_path, **changes) -> str:
         # refused once the model and rewards are loaded
         (dict(critic="separate", critic_init="reward"), "needs a reward model among `reward_funcs`"),
         (dict(stop_token="</s>"), "is not one token of this tokenizer"),
+        (dict(save_strategy="best"), "save_strategy='steps'"),
+        (dict(load_in_4bit=True), "does not train quantized models"),
         # transformers cannot build the schedule (its own arguments missing)
         (dict(lr_scheduler_type="warmup_stable_decay"), "--lr_scheduler_kwargs"),
     ],
@@ -118,6 +120,17 @@ def test_lora_on_one_named_module_kind(tmp_path, targets):
     trainer = build_trainer(*parsed)
     adapted = {name.split(".")[-1] for name, module in trainer.model.policy.named_modules() if hasattr(module, "lora_A")}
     assert adapted == set(targets)
+
+
+def test_the_model_loading_flags_reach_the_loader(tmp_path):
+    """TRL's ModelConfig flags for loading (`attn_implementation`, `model_revision`) are passed on, as TRL's scripts
+    pass them."""
+    from klppo.cli import build_trainer, parse
+
+    parsed = parse(["--config", TINY, "--output_dir", str(tmp_path / "out"), "--attn_implementation", "eager"])
+    assert build_trainer(*parsed).model.policy.config._attn_implementation == "eager"
+    parsed = parse(["--config", TINY, "--output_dir", str(tmp_path / "out")])
+    assert build_trainer(*parsed).model.policy.config._attn_implementation == "sdpa"
 
 
 def test_the_script_exits_2_with_one_paragraph_on_a_user_error(tmp_path):

@@ -378,6 +378,34 @@ def test_biased_combination_warns_once(tmp_path, caplog):
     assert len(messages) == 1
 
 
+def test_training_arguments_klppo_does_not_act_on_warn_once_with_what_to_do(tmp_path, caplog, monkeypatch):
+    from klppo.ppo import config as config_module
+
+    monkeypatch.setattr(config_module, "_WARNED", set())
+    with caplog.at_level("WARNING"):
+        make_args(tmp_path)
+        assert not [r for r in caplog.records if "has no effect in klppo" in r.getMessage()]
+        make_args(tmp_path, eval_on_start=True, neftune_noise_alpha=5.0)
+        make_args(tmp_path, eval_on_start=True)
+    messages = [r.getMessage() for r in caplog.records if "has no effect in klppo" in r.getMessage()]
+    assert len(messages) == 2 and "evaluate_policy()" in messages[0] and "neftune_noise_alpha=5.0" in messages[1]
+
+
+def test_resuming_a_checkpoint_without_optimizer_state_says_so(tiny_path, prompts, tmp_path, caplog):
+    """A checkpoint saved with save_only_model=True resumes with a fresh optimizer and schedule, and one warning
+    says so; a full checkpoint resumes without it."""
+    for only_model in (False, True):
+        out = tmp_path / f"only_model_{only_model}"
+        args = make_args(out, save_strategy="steps", save_steps=1, save_only_model=only_model)
+        make_trainer(tiny_path, prompts, args).train()
+        resumed = make_trainer(tiny_path, prompts, make_args(out, max_steps=2, save_only_model=only_model))
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            resumed.train(resume_from_checkpoint=True)
+        warned = [r for r in caplog.records if "holds no optimizer state" in r.getMessage()]
+        assert len(warned) == int(only_model) and resumed.state.global_step == 2
+
+
 @pytest.mark.parametrize("kl_mode, warned", [("reward", True), ("both", False), ("loss", False)])
 def test_full_in_the_reward_warns_only_without_full_in_the_loss(tmp_path, caplog, kl_mode, warned):
     """`full` in the reward misses the part of the gradient that only the loss path sees; with kl_mode='both' the

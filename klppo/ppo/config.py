@@ -306,6 +306,19 @@ def _doc(name: str) -> dict:
 _WARNED: set[str] = set()
 
 
+# TrainingArguments fields that transformers' own training loop acts on and klppo's PPO loop does not: set, they warn
+IGNORED_TRAINING_ARGUMENTS = {
+    "load_best_model_at_end": "it keeps no best checkpoint; the model at the end is the last update's (choose a "
+                              "checkpoint by its eval/* figures)",
+    "eval_on_start": "scripts/train.py evaluates before the first update anyway; in Python, call "
+                     "`trainer.evaluate_policy()` before `train()`",
+    "neftune_noise_alpha": "it adds no noise to the embeddings",
+    "auto_find_batch_size": "it does not search for a batch size; set per_device_train_batch_size and "
+                            "rollout_forward_batch_size",
+    "use_liger_kernel": "its log-probs and losses do not use Liger kernels",
+}
+
+
 def warn_once(key: str, message: str) -> None:
     """Log `message` as a warning once per process (the first process of a distributed run only), however often
     a config is built (`HfArgumentParser`, `dataclasses.replace`, a saved config)."""
@@ -651,6 +664,14 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
                 "mode around every forward pass, which klppo's loop does not do. Use 'adamw_torch' (the default) or "
                 "another optimizer of transformers' `optim` choices."
             )
+        if str(getattr(self.save_strategy, "value", self.save_strategy)) == "best":
+            raise ValueError(
+                "`save_strategy='best'` is not supported: klppo keeps no best metric. Use save_strategy='steps' with "
+                "save_steps (in PPO updates), and choose a checkpoint by its eval/* figures."
+            )
+        for name, why in IGNORED_TRAINING_ARGUMENTS.items():
+            if getattr(self, name, None):
+                warn_once(name, f"`{name}={getattr(self, name)!r}` has no effect in klppo: {why}.")
         for name in ("save_strategy", "eval_strategy", "logging_strategy"):
             if str(getattr(getattr(self, name), "value", getattr(self, name))) == "epoch":
                 raise ValueError(

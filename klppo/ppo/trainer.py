@@ -39,6 +39,7 @@ from torch import nn
 from torch.profiler import record_function
 from transformers import PreTrainedTokenizerBase, Trainer, set_seed
 from transformers.trainer_callback import ProgressCallback
+from transformers.trainer import OPTIMIZER_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, rotate_checkpoints
 from trl.distributed import DistributedBackend
 from trl.models.utils import unwrap_model_for_generation
@@ -1052,6 +1053,10 @@ class KLPPOTrainer(Trainer):
         else:
             load_full_weights(unwrapped, weights)
         self._load_optimizer_and_scheduler(checkpoint)
+        plain = not (self.is_deepspeed_enabled or self.is_fsdp_enabled)  # the engines keep the optimizer elsewhere
+        if plain and not os.path.isfile(os.path.join(checkpoint, OPTIMIZER_NAME)) and self.is_world_process_zero():
+            logger.warning("%s holds no optimizer state (saved with save_only_model=True): the optimizer's moments and "
+                           "the learning-rate schedule start afresh.", checkpoint)  # fmt: skip
         self._load_rng_state(checkpoint)
         max_steps = self.state.max_steps
         self.state = TrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json"))
