@@ -94,10 +94,10 @@ def build_trainer(script_args, training_args, model_args):
 
 
 def _load_model(model_args):
-    from .models import OFFLINE_DEFAULT_MODEL, load_causal_lm, load_tokenizer, resolve_model_path
+    from .models import OFFLINE_DEFAULT_MODEL, load_causal_lm, load_tokenizer, missing_local_folder, resolve_model_path
 
     name = model_args.model_name_or_path or OFFLINE_DEFAULT_MODEL
-    if _missing_local_folder(name):
+    if missing_local_folder(name):
         raise UserError(
             f"The model folder {name!r} does not exist. Pass an existing folder, a hub id such as "
             "'HuggingFaceTB/SmolLM2-135M-Instruct', or the offline default 'klppo:smollm2-135m-instruct'."
@@ -142,14 +142,6 @@ def _load_data(script_args, training_args):
             "'klppo:offline-prompts', a .jsonl/.csv/.parquet file with a prompt column, or a hub dataset."
         ) from err
     return train, evaluation, heldout
-
-
-def _missing_local_folder(name: str) -> bool:
-    """`name` is meant as a local folder (a path form that no hub id has) and does not exist."""
-    if name.startswith("klppo:") or os.path.isdir(os.path.expanduser(name)):
-        return False
-    parts = name.split("/")
-    return name.startswith((".", "/", "~")) or len(parts) > 2 or (len(parts) == 2 and os.path.isdir(parts[0]))
 
 
 def main(parsed) -> dict:

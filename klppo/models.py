@@ -31,6 +31,7 @@ second one reuses the first one's folder.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from contextlib import contextmanager
 from pathlib import Path
@@ -307,7 +308,11 @@ def load_tokenizer(name_or_path: str, padding_side: str = "left", **kwargs):
     """
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name_or_path), **kwargs)
+    path = resolve_model_path(name_or_path)
+    folder = Path(path) if os.path.isdir(path) else None
+    if folder is not None and (folder / "adapter_config.json").is_file() and not (folder / "tokenizer_config.json").is_file():
+        path = json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"]  # the base's
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(path), **kwargs)
     ensure_pad_token(tokenizer, name_or_path)
     tokenizer.padding_side = padding_side
     return tokenizer
@@ -337,10 +342,30 @@ def load_causal_lm(name_or_path: str, dtype="float32", **kwargs):
     from transformers import AutoModelForCausalLM
     from trl.trainer.utils import create_model_from_path
 
+    if missing_local_folder(name_or_path):
+        raise ValueError(
+            f"The model folder {name_or_path!r} does not exist. Pass an existing folder, a hub id such as "
+            "'HuggingFaceTB/SmolLM2-135M-Instruct', or the offline default 'klppo:smollm2-135m-instruct'."
+        )
     kwargs.setdefault("device_map", None)
-    return create_model_from_path(
-        resolve_model_path(name_or_path), architecture=AutoModelForCausalLM, dtype=dtype, **kwargs
-    )
+    path = resolve_model_path(name_or_path)
+    adapter_config = Path(path) / "adapter_config.json" if os.path.isdir(path) else None
+    if adapter_config is not None and adapter_config.is_file():
+        # a LoRA folder (klppo saves one for a LoRA run): its base model with the adapter, trainable, as peft loads
+        # it; transformers' own adapter loading would give a model that is not a PeftModel
+        from peft import PeftModel
+
+        base = json.loads(adapter_config.read_text())["base_model_name_or_path"]
+        return PeftModel.from_pretrained(load_causal_lm(base, dtype=dtype, **kwargs), path, is_trainable=True)
+    return create_model_from_path(path, architecture=AutoModelForCausalLM, dtype=dtype, **kwargs)
+
+
+def missing_local_folder(name: str) -> bool:
+    """`name` is meant as a local folder (a path form that no hub id has) and does not exist."""
+    if not isinstance(name, str) or name.startswith("klppo:") or os.path.isdir(os.path.expanduser(name)):
+        return False
+    parts = name.split("/")
+    return name.startswith((".", "/", "~")) or len(parts) > 2 or (len(parts) == 2 and os.path.isdir(parts[0]))
 
 
 def tiny_model_and_tokenizer(seed: int = TINY_SEED):

@@ -1312,8 +1312,8 @@ def test_activation_checkpointing_comes_back_after_decoding_with_its_kwargs_even
 ):
     """Decoding runs with activation checkpointing off; after each rollout it is on again in every part of the
     actor-critic with the kwargs the run gave (not transformers' defaults), and so after a rollout that raised."""
-    args = make_args(tmp_path, critic=critic, gradient_checkpointing=True,
-                     gradient_checkpointing_kwargs={"use_reentrant": True})  # transformers' default is False
+    args = make_args(tmp_path, critic=critic, activation_checkpointing=True,
+                     activation_checkpointing_kwargs={"use_reentrant": True})  # transformers' default is False
     trainer = make_trainer(tiny_path, prompts, args)
     model = trainer.model
 
@@ -1343,3 +1343,114 @@ def test_activation_checkpointing_comes_back_after_decoding_with_its_kwargs_even
     monkeypatch.setattr(trainer.scorer, "score", score)
     trainer.train()  # and it trains
     assert checkpointing() == on
+
+
+# ---------------------------------------------------------------------------------------------- the API as users call it
+def test_a_peft_policy_trains_with_a_separate_critic_started_from_its_merged_weights(tiny_path, prompts, tmp_path):
+    """A policy that already carries a LoRA adapter (no `peft_config`) and the default separate critic: the critic
+    starts from the policy's weights as they are (the adapter merged into a plain copy, every weight trainable),
+    not from the PEFT wrapper, and an update runs."""
+    import copy
+
+    import peft
+
+    from klppo.models import load_causal_lm, load_tokenizer
+
+    policy = peft.get_peft_model(load_causal_lm(tiny_path), peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    torch.manual_seed(0)
+    for name, param in policy.named_parameters():
+        if "lora_B" in name:  # a trained adapter: not the identity
+            torch.nn.init.normal_(param, std=0.1)
+    merged = dict(copy.deepcopy(policy).merge_and_unload().named_parameters())
+    trainer = KLPPOTrainer(model=policy, args=make_args(tmp_path, critic="separate"), train_dataset=prompts,
+                           processing_class=load_tokenizer(tiny_path), reward_funcs=length_reward)  # fmt: skip
+    backbone = dict(trainer.model.critic.backbone.named_parameters())
+    assert not any("lora" in name for name in backbone) and all(p.requires_grad for p in backbone.values())
+    torch.testing.assert_close(backbone["layers.0.self_attn.q_proj.weight"], merged["model.layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"],
+                           load_causal_lm(tiny_path).model.layers[0].self_attn.q_proj.weight)  # fmt: skip
+    trainer.train()
+    assert trainer.state.global_step == 1
+
+
+def test_a_lora_folder_a_run_saved_is_a_policy_again(tiny_path, prompts, tmp_path):
+    """The folder a LoRA run saves, given as `model`, loads as its base with the adapter, trainable (a PeftModel), its
+    reference a frozen copy of that adapter; training goes on from it. A model whose adapter transformers loaded
+    is refused with the way to load it."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    first = make_trainer(tiny_path, prompts, make_args(tmp_path / "a"), peft_config=lora)
+    first.train()
+    first.save_model(str(tmp_path / "lora"))
+    again = make_trainer(str(tmp_path / "lora"), prompts, make_args(tmp_path / "b"))
+    policy = again.model.policy
+    assert isinstance(policy, peft.PeftModel) and again.use_adapter_reference and again.ref_adapter_name == "ref"
+    trained = {n: p for n, p in first.model.policy.named_parameters() if "lora" in n}
+    loaded = dict(policy.named_parameters())
+    assert all(torch.equal(p, loaded[n]) and loaded[n].requires_grad for n, p in trained.items())
+    again.train()
+    assert again.state.global_step == 1
+    with pytest.raises(ValueError, match="PeftModel.from_pretrained"):
+        make_trainer(AutoModelForCausalLM.from_pretrained(tmp_path / "lora"), prompts, make_args(tmp_path / "c"),
+                     processing_class=again.processing_class)  # fmt: skip
+
+
+def test_a_second_train_call_says_what_to_do(tiny_path, prompts, tmp_path):
+    trainer = make_trainer(tiny_path, prompts, make_args(tmp_path))
+    trainer.train()
+    with pytest.raises(RuntimeError, match="build a new KLPPOTrainer from `trainer.model`"):
+        trainer.train()
+
+
+def test_evaluate_is_the_policy_evaluation(tiny_path, prompts, tmp_path):
+    trainer = make_trainer(tiny_path, prompts, make_args(tmp_path, heldout_eval_texts=2), eval_dataset=prompts)
+    metrics = trainer.evaluate()
+    assert set(metrics) == set(trainer.evaluate_policy()) and math.isfinite(metrics["eval/perplexity"])
+    assert trainer.state.log_history[-1]["eval/perplexity"] == metrics["eval/perplexity"]
+
+
+def test_a_value_model_path_of_a_sequence_classifier_keeps_its_head(tiny_path, prompts, tmp_path, tiny_reward_model_path):
+    """`value_model` given as the path of a one-output sequence classifier is its backbone and its `score` head,
+    as the same model given as a module is."""
+    from transformers import AutoModelForSequenceClassification
+
+    trainer = make_trainer(tiny_path, prompts, make_args(tmp_path, critic="separate"),
+                           value_model=str(tiny_reward_model_path))  # fmt: skip
+    score = AutoModelForSequenceClassification.from_pretrained(tiny_reward_model_path).score.weight
+    head = [p for n, p in trainer.model.critic.head.named_parameters() if n.endswith("weight")]
+    assert len(head) == 1 and torch.equal(head[0].detach(), score.detach())
+
+
+def test_inputs_a_user_can_get_wrong_are_named_at_init(tiny_path, prompts, tmp_path):
+    from datasets import DatasetDict
+
+    from klppo.models import load_causal_lm, load_tokenizer
+
+    args = make_args(tmp_path)
+    cases = [
+        (dict(model=tiny_path, train_dataset=["a b", "c d"]), TypeError, "must be a datasets.Dataset"),
+        (dict(model=tiny_path, train_dataset=DatasetDict({"train": prompts})), TypeError, "pass one split"),
+        (dict(model=tiny_path, train_dataset=Dataset.from_dict({"prompt": [1, 2]})), TypeError, "got a int"),
+        (dict(model=tiny_path, eval_dataset=Dataset.from_dict({"text": ["a"]})), ValueError, "`eval_dataset` needs"),
+        (dict(model=str(tmp_path / "no" / "such" / "model")), ValueError, "does not exist"),
+    ]
+    policy = load_causal_lm(tiny_path)
+    cases.append((dict(model=policy, ref_model=policy), ValueError, "is the policy itself"))
+    tokenizer = load_tokenizer(tiny_path)
+    tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # a new token the embeddings do not have
+    cases.append((dict(model=load_causal_lm(tiny_path), processing_class=tokenizer), ValueError, "outside the policy"))
+    for kwargs, error, match in cases:
+        kwargs = {"train_dataset": prompts, **kwargs}
+        with pytest.raises(error, match=match):
+            KLPPOTrainer(args=args, reward_funcs=length_reward, **kwargs)
+
+
+def test_reward_functions_of_the_same_name_log_apart(tiny_path, prompts, tmp_path):
+    trainer = make_trainer(tiny_path, prompts, make_args(tmp_path),
+                           reward_funcs=[lambda completions, **kw: [1.0] * len(completions),
+                                         lambda completions, **kw: [2.0] * len(completions)])  # fmt: skip
+    assert trainer.reward_func_names == ["<lambda>", "<lambda>_2"]
+    trainer.train()
+    assert (last_log(trainer)["rewards/<lambda>"], last_log(trainer)["rewards/<lambda>_2"]) == (1.0, 2.0)

@@ -16,27 +16,46 @@ from .value import ActorCritic, CriticModel, ValueHead, hidden_size_of
 logger = logging.getLogger(__name__)
 
 
-def check_trainer_inputs(args: KLPPOConfig | None, train_dataset, reward_funcs) -> KLPPOConfig:
-    """The config to use (a default one for None); errors that name the fix for missing or empty inputs."""
+def check_trainer_inputs(args: KLPPOConfig | None, train_dataset, reward_funcs, eval_dataset=None) -> KLPPOConfig:
+    """The config to use (a default one for None); errors that name the fix for missing, empty or mistyped inputs."""
     if args is None:
         args = KLPPOConfig(output_dir="klppo-output")
     if not isinstance(args, KLPPOConfig):
         raise TypeError(f"`args` must be a KLPPOConfig, got {type(args).__name__}.")
     if train_dataset is None:
         raise ValueError("KLPPOTrainer needs a `train_dataset` with a `prompt` column (or pre-tokenized `input_ids`).")
-    column = next((c for c in ("prompt", "input_ids") if c in train_dataset.column_names), None)
-    if column is None:
-        raise ValueError(
-            f"`train_dataset` needs a `prompt` column (text or conversations) or an `input_ids` column (token ids); "
-            f"it has {train_dataset.column_names}. Rename the prompt column with `dataset.rename_column(old, 'prompt')`."
-        )
-    if len(train_dataset) == 0 or not any(len(p) for p in train_dataset[column]):
-        raise ValueError(
-            f"`train_dataset` has no non-empty prompt ({len(train_dataset)} rows): PPO needs prompts to continue."
-        )
+    check_prompt_dataset("train_dataset", train_dataset)
+    if eval_dataset is not None:
+        check_prompt_dataset("eval_dataset", eval_dataset)
     if reward_funcs is None:
         raise ValueError("KLPPOTrainer needs `reward_funcs`: a callable, a reward model, or a path to one.")
     return args
+
+
+def check_prompt_dataset(name: str, dataset) -> None:
+    """`dataset` is a `datasets.Dataset` with a non-empty `prompt` column (text, or conversations: lists of messages)
+    or an `input_ids` column (token ids); else an error that names the fix."""
+    from datasets import Dataset, DatasetDict
+
+    if isinstance(dataset, DatasetDict):
+        raise TypeError(f"`{name}` is a DatasetDict with splits {list(dataset)}: pass one split, e.g. dataset['train'].")
+    if not isinstance(dataset, Dataset):
+        raise TypeError(
+            f"`{name}` must be a datasets.Dataset, got {type(dataset).__name__}: build one with "
+            "`Dataset.from_dict({'prompt': prompts})` (an IterableDataset is not supported: a run counts its prompts)."
+        )
+    column = next((c for c in ("prompt", "input_ids") if c in dataset.column_names), None)
+    if column is None:
+        raise ValueError(
+            f"`{name}` needs a `prompt` column (text or conversations) or an `input_ids` column (token ids); "
+            f"it has {dataset.column_names}. Rename the prompt column with `dataset.rename_column(old, 'prompt')`."
+        )
+    rows = dataset[column]
+    if column == "prompt" and not all(isinstance(p, (str, list)) for p in rows):
+        kind = next(type(p).__name__ for p in rows if not isinstance(p, (str, list)))
+        raise TypeError(f"`{name}`'s prompts must be text or conversations (lists of messages), got a {kind}.")
+    if len(dataset) == 0 or not any(len(p) for p in rows):
+        raise ValueError(f"`{name}` has no non-empty prompt ({len(dataset)} rows): PPO needs prompts to continue.")
 
 
 def load_policy_and_tokenizer(model, processing_class=None):
@@ -49,7 +68,24 @@ def load_policy_and_tokenizer(model, processing_class=None):
         if not path:
             raise ValueError("Pass `processing_class` (the tokenizer) when `model` is not a path.")
         processing_class = load_tokenizer(path)
+    if not hasattr(processing_class, "pad_token"):
+        raise TypeError(f"`processing_class` must be the policy's tokenizer, got {type(processing_class).__name__}.")
+    if hasattr(model, "peft_config") and not hasattr(model, "get_base_model"):
+        raise ValueError(
+            "The policy carries an adapter that transformers loaded (not a peft PeftModel). Pass the adapter folder's "
+            "path as `model`, or load it with peft: `PeftModel.from_pretrained(base_model, folder, is_trainable=True)`."
+        )
+    if not hasattr(model, "generate") or not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
+        raise TypeError(f"The policy must be a causal LM (it samples text), got {type(model).__name__}.")
     ensure_pad_token(processing_class, path or "the policy")
+    vocab = model.get_input_embeddings().num_embeddings
+    if processing_class.pad_token_id >= vocab:
+        raise ValueError(
+            f"The tokenizer's pad token {processing_class.pad_token!r} (id {processing_class.pad_token_id}) lies "
+            f"outside the policy's {vocab} embeddings. Use the end-of-sequence token for padding "
+            "(`tokenizer.pad_token = tokenizer.eos_token`), or grow the embeddings "
+            "(`model.resize_token_embeddings(len(tokenizer))`)."
+        )
     processing_class.padding_side = "left"
     return model, path or None, processing_class
 
@@ -74,7 +110,16 @@ def build_models(model, given_path: str | None, args: KLPPOConfig, ref_model, va
             args.advantage_estimator, args.critic, ", value_model" if value_model is not None else "",
         )  # fmt: skip
     elif args.critic == "separate" and value_model is None and args.critic_init == "policy":
-        critic_start = given_path or copy_model(model)
+        if hasattr(model, "peft_config"):  # the policy's weights as they are: its adapter merged into a plain copy
+            critic_start = copy_model(model).merge_and_unload().requires_grad_(True)
+        else:
+            critic_start = given_path or copy_model(model)
+    if ref_model is not None and ref_model is model:
+        raise ValueError(
+            "`ref_model` is the policy itself: the reference would move with it (and freezing it would freeze the "
+            "policy). Leave `ref_model` unset (klppo keeps a frozen copy of the initial policy) or pass a copy "
+            "(`copy.deepcopy(model)`)."
+        )
     use_adapter_reference = False
     if peft_config is not None:
         from peft import get_peft_model
@@ -200,7 +245,21 @@ def build_critic(value_model, args: KLPPOConfig, policy_start, reward_funcs) -> 
             raise ValueError("critic_init='reward' needs a reward model among `reward_funcs`.")
         check_critic_reads_policy_tokens(reward_fn)
         return CriticModel.from_model(copy_model(reward_fn.model).requires_grad_(True))  # the reward model is frozen
-    return CriticModel.from_model(load_causal_lm(source))
+    return CriticModel.from_model(load_critic_backbone(source))
+
+
+def load_critic_backbone(source: str) -> nn.Module:
+    """The model at `source` for a critic: a sequence classifier (a reward model) keeps its class and head, as a
+    module given as `value_model` would; anything else loads as a causal LM."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from ..models import resolve_model_path
+
+    path = resolve_model_path(source)
+    architectures = getattr(AutoConfig.from_pretrained(path), "architectures", None) or []
+    if any(a.endswith("ForSequenceClassification") for a in architectures):
+        return AutoModelForSequenceClassification.from_pretrained(path, dtype="float32")
+    return load_causal_lm(source)
 
 
 def check_critic_reads_policy_tokens(reward_fn) -> None:

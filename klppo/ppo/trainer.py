@@ -57,7 +57,7 @@ from ..kl import (
     reduce_sum_count,
 )
 from ..kl.reduce import all_reduce_sum, explained_variance
-from ..rewards import combine_rewards, load_reward_funcs, reward_func_name
+from ..rewards import combine_rewards, load_reward_funcs, reward_func_name, unique_names
 from . import checkpoint as ckpt
 from .advantages import advantage_slope, gae_advantages, sequence_advantages
 from .build import build_models, check_trainer_inputs, load_policy_and_tokenizer, prepare_frozen
@@ -149,14 +149,14 @@ class KLPPOTrainer(Trainer):
         callbacks=None,
         heldout_texts: list[str] | None = None,
     ):
-        args = check_trainer_inputs(args, train_dataset, reward_funcs)
+        args = check_trainer_inputs(args, train_dataset, reward_funcs, eval_dataset)
         set_seed(args.seed)  # value heads and copies are created below, before Trainer seeds
         maybe_offline_wandb(args)
         given_path = model if isinstance(model, str) else None
         model, _, processing_class = load_policy_and_tokenizer(model, processing_class)
         specs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         self.reward_funcs, self.reward_weights = load_reward_funcs(specs, args.reward_weights, policy_tokenizer=processing_class)
-        self.reward_func_names = [reward_func_name(f) for f in self.reward_funcs]
+        self.reward_func_names = unique_names([reward_func_name(f) for f in self.reward_funcs])
         args.resolve_learning_rate(lora=peft_config is not None or hasattr(model, "peft_config"))
         actor_critic, self.ref_model, self.use_adapter_reference, self.ref_adapter_name = build_models(
             model, given_path, args, ref_model, value_model, peft_config, self.reward_funcs,
@@ -291,6 +291,13 @@ class KLPPOTrainer(Trainer):
         (`OutputDirInUse`). `resume_from_checkpoint`: a checkpoint folder, or True for the latest complete one."""
         from .lock import OutputDirLock
 
+        if self.state.global_step and not resume_from_checkpoint:
+            raise RuntimeError(
+                f"This trainer has already run {self.state.global_step} PPO updates, and its learning-rate schedule "
+                "was made for them: `train()` does not start over or extend a run. To train on from the trained "
+                "weights, build a new KLPPOTrainer from `trainer.model`; to extend the run, build one with a larger "
+                "`max_steps` and `resume_from_checkpoint=True`."
+            )
         with OutputDirLock(self.args.output_dir, enabled=self.is_world_process_zero() and self.args.should_save):
             return self._train(resume_from_checkpoint)
 
@@ -1097,6 +1104,17 @@ class KLPPOTrainer(Trainer):
         return rollout, self.compute_rewards(rollout)
 
     @torch.no_grad()
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """`evaluate_policy()`, under the name transformers' Trainer gives evaluation (its loss-based evaluation
+        does not apply to a PPO policy); the metrics are logged too. `eval_dataset` is not supported: the prompts
+        are those of the trainer's `eval_dataset`."""
+        if eval_dataset is not None or metric_key_prefix != "eval":
+            raise ValueError("KLPPOTrainer.evaluate() takes no `eval_dataset` or `metric_key_prefix`: it evaluates "
+                             "the policy on the trainer's eval_dataset and held-out texts (`evaluate_policy`).")
+        metrics = self.evaluate_policy()
+        self.log(dict(metrics))
+        return metrics
+
     def evaluate_policy(self) -> dict[str, float]:
         """`eval/perplexity` of the policy on held-out text (klppo's offline set unless `heldout_texts` were given)
         and, with eval prompts, `eval/scores`: their mean reward, sampled from a private random stream so that

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from .combine import RewardFunctionError, combine_rewards, reward_values
 from .lexical import long_word_reward, long_word_share
-from .loading import BUILTIN_REWARDS, load_reward_funcs, reward_func_name
+from .loading import BUILTIN_REWARDS, load_reward_funcs, reward_func_name, unique_names
 from .reward_model import RewardModelFunction
 from .sentiment import positive_sentiment_reward, sentiment_score
 from .text import completion_text, is_conversational
@@ -32,5 +32,6 @@ __all__ = [
     "positive_sentiment_reward",
     "reward_func_name",
     "reward_values",
+    "unique_names",
     "sentiment_score",
 ]

@@ -85,6 +85,17 @@ def reward_func_name(fn) -> str:
     return name if isinstance(name, str) and name else type(fn).__name__
 
 
+def unique_names(names: list[str]) -> list[str]:
+    """`names` with a repeated name numbered from its second use on (`f`, `f_2`, `f_3`): each reward function gets
+    its own `rewards/<name>` figure, as two lambdas would not."""
+    seen: dict[str, int] = {}
+    unique = []
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        unique.append(name if seen[name] == 1 else f"{name}_{seen[name]}")
+    return unique
+
+
 def _load_one(spec, reward_model_kwargs: dict, policy_tokenizer=None):
     from .reward_model import RewardModelFunction
 
