@@ -135,9 +135,13 @@ def trainable(folder) -> dict[str, torch.Tensor]:
 
 
 def fsdp_train_tiny(out, tmp_path, *extra: str) -> None:
-    """`scripts/train.py` (the worker's `cli` mode) on the tiny job: 3 updates, checkpoints at 2 and at the end."""
+    """`scripts/train.py` (the worker's `cli` mode) on the tiny job: 3 updates, checkpoints at 2 and at the end. The
+    KL is `full`: scoring then runs the policy through the FSDP2 root (for its logits), which leaves the root's
+    weights whole until the next backward; a resume must load into the shards all the same. The reward varies
+    (the tiny model's sentiment is 0 everywhere, and the exact KL of a policy equal to its reference is 0)."""
     fsdp_launch(["cli", "--config", os.path.join(ROOT, "configs", "tiny.yaml"), "--output_dir", str(out),
-                 "--max_steps", "3", "--save_strategy", "steps", "--save_steps", "2", *extra], tmp_path)  # fmt: skip
+                 "--max_steps", "3", "--save_strategy", "steps", "--save_steps", "2", "--kl_estimator", "full",
+                 "--reward_funcs", "dist_trainer_worker:token_reward", *extra], tmp_path)  # fmt: skip
 
 
 @pytest.mark.ranks

@@ -584,10 +584,11 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
             )
         if deepspeed and (self.critic_warmup_steps or self.ref_reset_steps):
             name = "critic_warmup_steps" if self.critic_warmup_steps else "ref_reset_steps"
+            why = ("its optimizer steps every weight it holds, so a warm-up would still move the policy"
+                   if name == "critic_warmup_steps" else "its partitioned reference cannot take the policy's weights")
             raise ValueError(
-                f"`{name}` is not available under DeepSpeed: its optimizer steps every weight it holds, so a warm-up "
-                "would still move the policy, and its partitioned reference cannot take the policy's weights. Run it "
-                f"under plain accelerate or DDP, or set {name} to 0."
+                f"`{name}` is not available under DeepSpeed: {why}. Run it under plain accelerate or DDP, or set {name} "
+                "to 0."
             )
 
     # ------------------------------------------------------------------ validation

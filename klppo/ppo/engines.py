@@ -77,6 +77,8 @@ def load_full_weights(model: nn.Module, weights: dict) -> None:
     that FSDP2 shards (a DTensor) takes its shard of the whole tensor. Weights not named are left as they are."""
     import torch
 
+    if is_fsdp2(model):  # after a no-grad forward through the root, FSDP2 leaves its parameters whole (plain tensors)
+        model.reshard()  # until the next backward: loading into those would be lost, so load into the shards
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, value in weights.items():

@@ -63,7 +63,7 @@ from .advantages import advantage_slope, gae_advantages, sequence_advantages
 from .build import build_models, check_trainer_inputs, load_policy_and_tokenizer, prepare_frozen
 from .callbacks import KLProgressCallback, maybe_offline_wandb, now, timed
 from .config import KL_LOSS_MIN_ADVANTAGE_STD, KLPPOConfig
-from .engines import destroy_process_group_at_exit, load_full_weights, restore_zero3_hooks, root_unsharded, unwrap
+from .engines import destroy_process_group_at_exit, is_fsdp2, load_full_weights, restore_zero3_hooks, root_unsharded, unwrap
 from .guard import LOWER, UPPER, build_kl_guard, reset_momentum
 from .health import NonfiniteGuard, PPOHealthMonitor, TrainingDiverged, policy_outputs_finite, rollout_outputs_finite
 from .losses import ppo_losses
@@ -1051,6 +1051,8 @@ class KLPPOTrainer(Trainer):
 
         state = ckpt.read_controller_state(checkpoint)
         ckpt.check_resume_settings(state.get("settings"), self.args, log=self.is_world_process_zero())
+        if is_fsdp2(self.model_wrapped):  # a forward through the root before now (a rollout scoring the policy, an
+            self.model_wrapped.reshard()  # evaluation) leaves its weights whole: the optimizer's state maps to shards
         unwrapped = self.accelerator.unwrap_model(self.model_wrapped)
         weights = ckpt.load_trainable_weights(checkpoint, unwrapped)
         if self.is_deepspeed_enabled:  # the engine's own checkpoint: sharded weights and optimizer state, exactly
@@ -1062,8 +1064,8 @@ class KLPPOTrainer(Trainer):
         self._load_optimizer_and_scheduler(checkpoint)
         plain = not (self.is_deepspeed_enabled or self.is_fsdp_enabled)  # the engines keep the optimizer elsewhere
         if plain and not os.path.isfile(os.path.join(checkpoint, OPTIMIZER_NAME)) and self.is_world_process_zero():
-            logger.warning("%s holds no optimizer state (saved with save_only_model=True): the optimizer's moments and "
-                           "the learning-rate schedule start afresh.", checkpoint)  # fmt: skip
+            logger.warning("%s holds no optimizer state (saved with save_only_model=True): the optimizer's moments, "
+                           "the learning-rate schedule and the random state start afresh.", checkpoint)  # fmt: skip
         self._load_rng_state(checkpoint)
         max_steps = self.state.max_steps
         self.state = TrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json"))
