@@ -89,7 +89,7 @@ def build_trainer(script_args, training_args, model_args):
             peft_config=get_peft_config(model_args),
             heldout_texts=heldout,
         )
-    except (ValueError, ImportError) as err:  # the trainer checks its inputs against the loaded model and rewards
+    except (ValueError, TypeError, ImportError) as err:  # the trainer checks its inputs against the model and rewards
         raise UserError(str(err)) from err
 
 
@@ -162,9 +162,10 @@ def _run(script_args, training_args, model_args) -> dict:
         trainer.setup_optimisation()
     except (ImportError, ValueError, TypeError) as err:  # transformers builds them from the `optim` and schedule fields
         raise UserError(
-            f"The optimizer or learning-rate schedule could not be built (optim={training_args.optim.value!r}, "
-            f"lr_scheduler_type={training_args.lr_scheduler_type.value!r}): {err}. Install the package it names, pass "
-            "the schedule's own arguments with --lr_scheduler_kwargs (JSON), or choose another optim / schedule."
+            f"The optimizer, learning-rate schedule or distributed engine could not be set up (optim="
+            f"{training_args.optim.value!r}, lr_scheduler_type={training_args.lr_scheduler_type.value!r}): {err}. "
+            "Install the package it names, pass the schedule's own arguments with --lr_scheduler_kwargs (JSON), or "
+            "choose another optim / schedule."
         ) from err
     source = trainer.eval_prompts if trainer.eval_prompts is not None else trainer.train_dataset
     prompts = source["prompt"][: script_args.summary_prompts]

@@ -311,7 +311,7 @@ def load_tokenizer(name_or_path: str, padding_side: str = "left", **kwargs):
     path = resolve_model_path(name_or_path)
     folder = Path(path) if os.path.isdir(path) else None
     if folder is not None and (folder / "adapter_config.json").is_file() and not (folder / "tokenizer_config.json").is_file():
-        path = json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"]  # the base's
+        path = adapter_base(path)  # the base's
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(path), **kwargs)
     ensure_pad_token(tokenizer, name_or_path)
     tokenizer.padding_side = padding_side
@@ -355,9 +355,25 @@ def load_causal_lm(name_or_path: str, dtype="float32", **kwargs):
         # it; transformers' own adapter loading would give a model that is not a PeftModel
         from peft import PeftModel
 
-        base = json.loads(adapter_config.read_text())["base_model_name_or_path"]
+        base = adapter_base(path)
+        if missing_local_folder(base):
+            raise ValueError(
+                f"The LoRA folder {path!r} names its base model {base!r} (in adapter_config.json, "
+                "base_model_name_or_path), which does not exist here. Set that field to the base model's folder or "
+                "hub id."
+            )
         return PeftModel.from_pretrained(load_causal_lm(base, dtype=dtype, **kwargs), path, is_trainable=True)
     return create_model_from_path(path, architecture=AutoModelForCausalLM, dtype=dtype, **kwargs)
+
+
+def adapter_base(folder: str) -> str:
+    """The base model of the LoRA folder `folder` (its adapter_config.json's `base_model_name_or_path`), as a
+    `klppo:` id when it is a klppo model's cache folder (another machine's cache, or a moved one, then still works)."""
+    base = json.loads((Path(folder) / "adapter_config.json").read_text())["base_model_name_or_path"]
+    for model_id, (folder_name, _) in _SPECIAL_MODELS.items():
+        if Path(base).name == folder_name and Path(base).parent.name == "models":
+            return model_id
+    return base
 
 
 def missing_local_folder(name: str) -> bool:

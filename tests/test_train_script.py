@@ -77,6 +77,7 @@ def write_config(tmp_path, **changes) -> str:
         (dict(dataset_name="missing_prompts.jsonl"), "missing_prompts.jsonl"),
         # settings klppo's loop cannot honour, refused at parse time
         (dict(lr_scheduler_type="reduce_lr_on_plateau"), "'linear' (the default)"),
+        (dict(lr_scheduler_type="greedy"), "'linear' (the default)"),
         (dict(optim="schedule_free_adamw"), "'adamw_torch' (the default)"),
         # refused once the model and rewards are loaded
         (dict(critic="separate", critic_init="reward"), "needs a reward model among `reward_funcs`"),

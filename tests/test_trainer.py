@@ -1392,6 +1392,11 @@ def test_a_lora_folder_a_run_saved_is_a_policy_again(tiny_path, prompts, tmp_pat
     assert all(torch.equal(p, loaded[n]) and loaded[n].requires_grad for n, p in trained.items())
     again.train()
     assert again.state.global_step == 1
+    from klppo.models import TINY_MODEL, adapter_base
+
+    assert adapter_base(str(tmp_path / "lora")) == TINY_MODEL  # the cache folder named by its id: portable
+    critic = make_trainer(tiny_path, prompts, make_args(tmp_path / "d", critic="separate"), value_model=str(tmp_path / "lora"))
+    assert not any("lora" in n for n, _ in critic.model.critic.backbone.named_parameters())
     with pytest.raises(ValueError, match="PeftModel.from_pretrained"):
         make_trainer(AutoModelForCausalLM.from_pretrained(tmp_path / "lora"), prompts, make_args(tmp_path / "c"),
                      processing_class=again.processing_class)  # fmt: skip
@@ -1430,9 +1435,9 @@ def test_inputs_a_user_can_get_wrong_are_named_at_init(tiny_path, prompts, tmp_p
 
     args = make_args(tmp_path)
     cases = [
-        (dict(model=tiny_path, train_dataset=["a b", "c d"]), TypeError, "must be a datasets.Dataset"),
+        (dict(model=tiny_path, train_dataset="a b"), TypeError, "must be a datasets.Dataset"),
         (dict(model=tiny_path, train_dataset=DatasetDict({"train": prompts})), TypeError, "pass one split"),
-        (dict(model=tiny_path, train_dataset=Dataset.from_dict({"prompt": [1, 2]})), TypeError, "got a int"),
+        (dict(model=tiny_path, train_dataset=[1, 2]), ValueError, "row 0 holds int 1"),
         (dict(model=tiny_path, eval_dataset=Dataset.from_dict({"text": ["a"]})), ValueError, "`eval_dataset` needs"),
         (dict(model=str(tmp_path / "no" / "such" / "model")), ValueError, "does not exist"),
     ]
@@ -1445,6 +1450,19 @@ def test_inputs_a_user_can_get_wrong_are_named_at_init(tiny_path, prompts, tmp_p
         kwargs = {"train_dataset": prompts, **kwargs}
         with pytest.raises(error, match=match):
             KLPPOTrainer(args=args, reward_funcs=length_reward, **kwargs)
+
+
+def test_prompts_given_as_lists_are_datasets(tiny_path, prompts, tmp_path):
+    texts = list(prompts["prompt"])
+    trainer = make_trainer(tiny_path, texts, make_args(tmp_path, heldout_eval_texts=2), eval_dataset=texts[:4])
+    assert list(trainer.train_dataset["prompt"]) == texts and list(trainer.eval_prompts["prompt"]) == texts[:4]
+    assert math.isfinite(trainer.evaluate_policy()["eval/scores"])
+
+
+def test_numbered_names_never_repeat():
+    from klppo.rewards import unique_names
+
+    assert unique_names(["f", "f_2", "f", "g", "f"]) == ["f", "f_2", "f_3", "g", "f_4"]
 
 
 def test_reward_functions_of_the_same_name_log_apart(tiny_path, prompts, tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import warnings
 
 from torch import nn
@@ -32,6 +33,18 @@ def check_trainer_inputs(args: KLPPOConfig | None, train_dataset, reward_funcs, 
     return args
 
 
+def as_prompt_dataset(data):
+    """A list of prompts (text or conversations) or of rows (dicts with a `prompt`) as a `datasets.Dataset`; anything
+    else as it is."""
+    if not isinstance(data, (list, tuple)):
+        return data
+    from datasets import Dataset
+
+    if data and all(isinstance(row, dict) and ("prompt" in row or "input_ids" in row) for row in data):
+        return Dataset.from_list(list(data))
+    return Dataset.from_dict({"prompt": list(data)})
+
+
 def check_prompt_dataset(name: str, dataset) -> None:
     """`dataset` is a `datasets.Dataset` with a non-empty `prompt` column (text, or conversations: lists of messages)
     or an `input_ids` column (token ids); else an error that names the fix."""
@@ -51,9 +64,10 @@ def check_prompt_dataset(name: str, dataset) -> None:
             f"it has {dataset.column_names}. Rename the prompt column with `dataset.rename_column(old, 'prompt')`."
         )
     rows = dataset[column]
-    if column == "prompt" and not all(isinstance(p, (str, list)) for p in rows):
-        kind = next(type(p).__name__ for p in rows if not isinstance(p, (str, list)))
-        raise TypeError(f"`{name}`'s prompts must be text or conversations (lists of messages), got a {kind}.")
+    bad = next(((i, p) for i, p in enumerate(rows) if not isinstance(p, (str, list))), None) if column == "prompt" else None
+    if bad is not None:
+        raise ValueError(f"`{name}`'s prompts must be text or conversations (lists of messages); row {bad[0]} holds "
+                         f"{type(bad[1]).__name__} {bad[1]!r}.")  # fmt: skip
     if len(dataset) == 0 or not any(len(p) for p in rows):
         raise ValueError(f"`{name}` has no non-empty prompt ({len(dataset)} rows): PPO needs prompts to continue.")
 
@@ -75,10 +89,10 @@ def load_policy_and_tokenizer(model, processing_class=None):
             "The policy carries an adapter that transformers loaded (not a peft PeftModel). Pass the adapter folder's "
             "path as `model`, or load it with peft: `PeftModel.from_pretrained(base_model, folder, is_trainable=True)`."
         )
-    if not hasattr(model, "generate") or not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
+    if not hasattr(model, "generate") or not hasattr(model, "get_input_embeddings"):
         raise TypeError(f"The policy must be a causal LM (it samples text), got {type(model).__name__}.")
     ensure_pad_token(processing_class, path or "the policy")
-    vocab = model.get_input_embeddings().num_embeddings
+    vocab = model.get_input_embeddings().weight.shape[0]
     if processing_class.pad_token_id >= vocab:
         raise ValueError(
             f"The tokenizer's pad token {processing_class.pad_token!r} (id {processing_class.pad_token_id}) lies "
@@ -256,6 +270,8 @@ def load_critic_backbone(source: str) -> nn.Module:
     from ..models import resolve_model_path
 
     path = resolve_model_path(source)
+    if os.path.isfile(os.path.join(path, "adapter_config.json")):  # a LoRA folder: its base with the adapter merged
+        return load_causal_lm(path).merge_and_unload().requires_grad_(True)
     architectures = getattr(AutoConfig.from_pretrained(path), "architectures", None) or []
     if any(a.endswith("ForSequenceClassification") for a in architectures):
         return AutoModelForSequenceClassification.from_pretrained(path, dtype="float32")

@@ -652,9 +652,9 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
                 "it needs a `max_prompt_length` (e.g. 256). Set one, or leave cache_implementation unset."
             )
         scheduler = str(getattr(self.lr_scheduler_type, "value", self.lr_scheduler_type))
-        if scheduler == "reduce_lr_on_plateau":
+        if scheduler in ("reduce_lr_on_plateau", "greedy"):
             raise ValueError(
-                "`lr_scheduler_type='reduce_lr_on_plateau'` is not supported: it steps on a validation metric, and "
+                f"`lr_scheduler_type='{scheduler}'` is not supported: it steps on a validation metric, and "
                 "klppo steps its schedule once per optimizer step, where PPO has none. Use 'linear' (the default), "
                 "'cosine', 'constant', 'constant_with_warmup' or another schedule of the step count."
             )

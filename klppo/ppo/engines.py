@@ -44,6 +44,19 @@ def restore_zero3_hooks(engine) -> None:
         add_hooks(engine)
 
 
+def reshard_all(model: nn.Module) -> None:
+    """Reshard every FSDP2 unit of `model`: after a forward without backward, FSDP2 leaves the root's parameters
+    whole, and every unit's with `reshard_after_forward=False`, as plain tensors; what is written into those is lost
+    at the next reshard, and the optimizer's state maps to the sharded parameters. A no-op for other models."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def is_fsdp2(model: nn.Module) -> bool:
     try:
         from torch.distributed.fsdp import FSDPModule
@@ -77,8 +90,7 @@ def load_full_weights(model: nn.Module, weights: dict) -> None:
     that FSDP2 shards (a DTensor) takes its shard of the whole tensor. Weights not named are left as they are."""
     import torch
 
-    if is_fsdp2(model):  # after a no-grad forward through the root, FSDP2 leaves its parameters whole (plain tensors)
-        model.reshard()  # until the next backward: loading into those would be lost, so load into the shards
+    reshard_all(model)  # load into the shards: whole parameters left by a no-grad forward would be thrown away
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, value in weights.items():

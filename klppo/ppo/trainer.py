@@ -60,10 +60,10 @@ from ..kl.reduce import all_reduce_sum, explained_variance
 from ..rewards import combine_rewards, load_reward_funcs, reward_func_name, unique_names
 from . import checkpoint as ckpt
 from .advantages import advantage_slope, gae_advantages, sequence_advantages
-from .build import build_models, check_trainer_inputs, load_policy_and_tokenizer, prepare_frozen
+from .build import as_prompt_dataset, build_models, check_trainer_inputs, load_policy_and_tokenizer, prepare_frozen
 from .callbacks import KLProgressCallback, maybe_offline_wandb, now, timed
 from .config import KL_LOSS_MIN_ADVANTAGE_STD, KLPPOConfig
-from .engines import destroy_process_group_at_exit, is_fsdp2, load_full_weights, restore_zero3_hooks, root_unsharded, unwrap
+from .engines import destroy_process_group_at_exit, load_full_weights, reshard_all, restore_zero3_hooks, root_unsharded, unwrap
 from .guard import LOWER, UPPER, build_kl_guard, reset_momentum
 from .health import NonfiniteGuard, PPOHealthMonitor, TrainingDiverged, policy_outputs_finite, rollout_outputs_finite
 from .losses import ppo_losses
@@ -149,6 +149,7 @@ class KLPPOTrainer(Trainer):
         callbacks=None,
         heldout_texts: list[str] | None = None,
     ):
+        train_dataset, eval_dataset = as_prompt_dataset(train_dataset), as_prompt_dataset(eval_dataset)
         args = check_trainer_inputs(args, train_dataset, reward_funcs, eval_dataset)
         set_seed(args.seed)  # value heads and copies are created below, before Trainer seeds
         maybe_offline_wandb(args)
@@ -1051,8 +1052,8 @@ class KLPPOTrainer(Trainer):
 
         state = ckpt.read_controller_state(checkpoint)
         ckpt.check_resume_settings(state.get("settings"), self.args, log=self.is_world_process_zero())
-        if is_fsdp2(self.model_wrapped):  # a forward through the root before now (a rollout scoring the policy, an
-            self.model_wrapped.reshard()  # evaluation) leaves its weights whole: the optimizer's state maps to shards
+        reshard_all(self.model_wrapped)  # FSDP2: a forward before now (a rollout scoring the policy, an evaluation)
+        # can leave weights whole, and the optimizer's state maps to the shards
         unwrapped = self.accelerator.unwrap_model(self.model_wrapped)
         weights = ckpt.load_trainable_weights(checkpoint, unwrapped)
         if self.is_deepspeed_enabled:  # the engine's own checkpoint: sharded weights and optimizer state, exactly
@@ -1105,7 +1106,6 @@ class KLPPOTrainer(Trainer):
             raise TrainingDiverged(DIVERGED_SAMPLING)
         return rollout, self.compute_rewards(rollout)
 
-    @torch.no_grad()
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """`evaluate_policy()`, under the name transformers' Trainer gives evaluation (its loss-based evaluation
         does not apply to a PPO policy); the metrics are logged too. `eval_dataset` is not supported: the prompts
@@ -1117,6 +1117,7 @@ class KLPPOTrainer(Trainer):
         self.log(dict(metrics))
         return metrics
 
+    @torch.no_grad()
     def evaluate_policy(self) -> dict[str, float]:
         """`eval/perplexity` of the policy on held-out text (klppo's offline set unless `heldout_texts` were given)
         and, with eval prompts, `eval/scores`: their mean reward, sampled from a private random stream so that

@@ -88,11 +88,13 @@ def reward_func_name(fn) -> str:
 def unique_names(names: list[str]) -> list[str]:
     """`names` with a repeated name numbered from its second use on (`f`, `f_2`, `f_3`): each reward function gets
     its own `rewards/<name>` figure, as two lambdas would not."""
-    seen: dict[str, int] = {}
-    unique = []
+    unique: list[str] = []
     for name in names:
-        seen[name] = seen.get(name, 0) + 1
-        unique.append(name if seen[name] == 1 else f"{name}_{seen[name]}")
+        candidate, n = name, 1
+        while candidate in unique:
+            n += 1
+            candidate = f"{name}_{n}"
+        unique.append(candidate)
     return unique
 
 
