@@ -92,7 +92,9 @@ def load_policy_and_tokenizer(model, processing_class=None):
     if not hasattr(model, "generate") or not hasattr(model, "get_input_embeddings"):
         raise TypeError(f"The policy must be a causal LM (it samples text), got {type(model).__name__}.")
     ensure_pad_token(processing_class, path or "the policy")
-    vocab = model.get_input_embeddings().weight.shape[0]
+    embeddings = model.get_input_embeddings()
+    embeddings = getattr(embeddings, "base_layer", embeddings)  # a LoRA-wrapped embedding
+    vocab = getattr(embeddings, "num_embeddings", None) or embeddings.weight.shape[0]  # ZeRO-3: the weight is empty
     if processing_class.pad_token_id >= vocab:
         raise ValueError(
             f"The tokenizer's pad token {processing_class.pad_token!r} (id {processing_class.pad_token_id}) lies "
