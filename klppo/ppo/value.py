@@ -66,7 +66,8 @@ class ValueHead(nn.Module):
         nn.init.zeros_(self.summary.bias)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.summary(hidden_states.to(self.summary.weight.dtype)).squeeze(-1)
+        # a copy, not the squeezed view: FSDP2 warns at every forward of a module that returns a view
+        return self.summary(hidden_states.to(self.summary.weight.dtype)).squeeze(-1).clone()
 
 
 class CriticModel(nn.Module):
@@ -152,7 +153,7 @@ class _LinearValue(nn.Module):
         self.score = linear
 
     def forward(self, hidden_states):
-        return self.score(hidden_states.to(self.score.weight.dtype)).squeeze(-1)
+        return self.score(hidden_states.to(self.score.weight.dtype)).squeeze(-1).clone()  # not a view, as ValueHead
 
 
 class ActorCritic(nn.Module):
