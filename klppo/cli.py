@@ -94,14 +94,12 @@ def build_trainer(script_args, training_args, model_args):
 
 
 def _load_model(model_args):
-    from .models import OFFLINE_DEFAULT_MODEL, load_causal_lm, load_tokenizer, missing_local_folder, resolve_model_path
+    from .models import (OFFLINE_DEFAULT_MODEL, load_causal_lm, load_tokenizer, missing_folder_message,
+                         missing_local_folder, resolve_model_path)
 
     name = model_args.model_name_or_path or OFFLINE_DEFAULT_MODEL
     if missing_local_folder(name):
-        raise UserError(
-            f"The model folder {name!r} does not exist. Pass an existing folder, a hub id such as "
-            "'HuggingFaceTB/SmolLM2-135M-Instruct', or the offline default 'klppo:smollm2-135m-instruct'."
-        )
+        raise UserError(missing_folder_message(name))
     if model_args.load_in_4bit or model_args.load_in_8bit:
         raise UserError(
             "load_in_4bit / load_in_8bit: klppo does not train quantized models (it merges and copies the policy's "

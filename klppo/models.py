@@ -343,10 +343,7 @@ def load_causal_lm(name_or_path: str, dtype="float32", **kwargs):
     from trl.trainer.utils import create_model_from_path
 
     if missing_local_folder(name_or_path):
-        raise ValueError(
-            f"The model folder {name_or_path!r} does not exist. Pass an existing folder, a hub id such as "
-            "'HuggingFaceTB/SmolLM2-135M-Instruct', or the offline default 'klppo:smollm2-135m-instruct'."
-        )
+        raise ValueError(missing_folder_message(name_or_path))
     kwargs.setdefault("device_map", None)
     path = resolve_model_path(name_or_path)
     adapter_config = Path(path) / "adapter_config.json" if os.path.isdir(path) else None
@@ -374,6 +371,11 @@ def adapter_base(folder: str) -> str:
         if Path(base).name == folder_name and Path(base).parent.name == "models":
             return model_id
     return base
+
+
+def missing_folder_message(name: str) -> str:
+    return (f"The model folder {name!r} does not exist. Pass an existing folder, a hub id such as "
+            "'HuggingFaceTB/SmolLM2-135M-Instruct', or the offline default 'klppo:smollm2-135m-instruct'.")
 
 
 def missing_local_folder(name: str) -> bool:

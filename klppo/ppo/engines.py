@@ -48,12 +48,8 @@ def reshard_all(model: nn.Module) -> None:
     """Reshard every FSDP2 unit of `model`: after a forward without backward, FSDP2 leaves the root's parameters
     whole, and every unit's with `reshard_after_forward=False`, as plain tensors; what is written into those is lost
     at the next reshard, and the optimizer's state maps to the sharded parameters. A no-op for other models."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return
     for module in model.modules():
-        if isinstance(module, FSDPModule):
+        if is_fsdp2(module):
             module.reshard()
 
 

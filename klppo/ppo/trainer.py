@@ -63,7 +63,7 @@ from .advantages import advantage_slope, gae_advantages, sequence_advantages
 from .build import as_prompt_dataset, build_models, check_trainer_inputs, load_policy_and_tokenizer, prepare_frozen
 from .callbacks import KLProgressCallback, maybe_offline_wandb, now, timed
 from .config import KL_LOSS_MIN_ADVANTAGE_STD, KLPPOConfig
-from .engines import destroy_process_group_at_exit, load_full_weights, reshard_all, restore_zero3_hooks, root_unsharded, unwrap
+from .engines import destroy_process_group_at_exit, load_full_weights, restore_zero3_hooks, root_unsharded, unwrap
 from .guard import LOWER, UPPER, build_kl_guard, reset_momentum
 from .health import NonfiniteGuard, PPOHealthMonitor, TrainingDiverged, policy_outputs_finite, rollout_outputs_finite
 from .losses import ppo_losses
@@ -1052,15 +1052,13 @@ class KLPPOTrainer(Trainer):
 
         state = ckpt.read_controller_state(checkpoint)
         ckpt.check_resume_settings(state.get("settings"), self.args, log=self.is_world_process_zero())
-        reshard_all(self.model_wrapped)  # FSDP2: a forward before now (a rollout scoring the policy, an evaluation)
-        # can leave weights whole, and the optimizer's state maps to the shards
         unwrapped = self.accelerator.unwrap_model(self.model_wrapped)
         weights = ckpt.load_trainable_weights(checkpoint, unwrapped)
         if self.is_deepspeed_enabled:  # the engine's own checkpoint: sharded weights and optimizer state, exactly
             from transformers.integrations.deepspeed import deepspeed_load_checkpoint
 
             deepspeed_load_checkpoint(self.model_wrapped, checkpoint, load_module_strict=False)
-        else:
+        else:  # FSDP2: into the shards, where the optimizer's state maps (a forward before now may leave them whole)
             load_full_weights(unwrapped, weights)
         self._load_optimizer_and_scheduler(checkpoint)
         plain = not (self.is_deepspeed_enabled or self.is_fsdp_enabled)  # the engines keep the optimizer elsewhere
