@@ -112,8 +112,8 @@ def parse_args(argv=None):
                         help="the PYTHONPATH of the peer's processes instead of this process's (e.g. a folder "
                         "holding trl 1.12 first); without it the peer gets no PYTHONPATH")  # fmt: skip
     parser.add_argument("--workloads", default="a,b", help="comma-separated: a, b")
-    parser.add_argument("--klppo-experimental", default=None,
-                        help="JSON: klppo's experimental settings for its side, e.g. '{\"cache_implementation\": \"static\"}'")
+    parser.add_argument("--klppo-config", default=None,
+                        help="JSON: KLPPOConfig keywords for klppo's side, e.g. '{\"cache_implementation\": \"dynamic\"}'")
     parser.add_argument("--updates", type=int, default=3, help="measured PPO updates per run")
     parser.add_argument("--warmup", type=int, default=1,
                         help="PPO updates per run before measuring (reported apart as the first update)")
@@ -319,7 +319,7 @@ def train_cmd(side: str, args, workload: str, model_path: str, prompts: Path) ->
         "--device", args.device,
     ]  # fmt: skip
     if side == "klppo":
-        extra = ["--experimental", args.klppo_experimental] if args.klppo_experimental else []
+        extra = ["--config", args.klppo_config] if args.klppo_config else []
         return [sys.executable, str(HERE / "bench_klppo.py"), "train", *common, *extra]
     return [PEER["env"].python, str(HERE / "bench_peer.py"), *common]
 
@@ -353,6 +353,8 @@ def summarise_side(runs: list[dict], side: str) -> dict:
         "tokens_per_s": settings["batch_size"] * settings["response_length"] / time_per_update,
         # apart from the measured updates: the first update (lazy initialisation, kernel selection) and setup
         "first_update_s": median_of(runs, "first_update_s"),
+        # the whole run's updates, the first (compilation, warm-up) included: what a run of this length costs
+        "all_updates_s": statistics.median(sum(u[wall] for u in r["per_update"]) for r in runs),
         "setup_s": median_of(runs, "setup_s"),
         "process_s": median_of(runs, "process_s"),
         "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in runs),
@@ -367,6 +369,9 @@ def summarise_side(runs: list[dict], side: str) -> dict:
     }
     if side == "klppo":
         summary["kl_share"] = statistics.median(u.get("time/kl", 0.0) / u["time/update"] for u in measured)
+        # how generation decoded, and what each update compiled and recorded (reports before these fields lack them)
+        summary["decoding"] = runs[0].get("decoding")
+        summary["compiles_per_update"] = [r.get("compiles_per_update") for r in runs]
     else:
         summary["kl_window_share"] = statistics.median(u.get("time/kl_rewards_gae", 0.0) / u[wall] for u in measured)
     return summary
@@ -447,6 +452,15 @@ def workload_table(name: str, result: dict) -> list[str]:
         "",
         f"- klppo: {k['layout']}",
     ]
+    if k.get("decoding"):
+        counts = "; ".join(
+            " ".join(f"{c['graphs']}/{c['cudagraph_recordings']}" for c in run) for run in k.get("compiles_per_update") or []
+            if run
+        )
+        lines.append(f"- klppo decoding: {k['decoding']['cache']} KV cache"
+                     + (f", compiled ({k['decoding']['compile_config']})" if k["decoding"]["compile_config"] else "")
+                     + (f"; graphs compiled / CUDA graphs recorded in each update (warm-up first): {counts}"
+                        if counts else ""))  # fmt: skip
     if p:
         lines.append(f"- peer ({p['implementation']}): {p['layout']}")
     lines += ["", "| metric | klppo | peer | klppo / peer |", "| --- | ---: | ---: | ---: |"]
@@ -465,6 +479,8 @@ def workload_table(name: str, result: dict) -> list[str]:
     if k.get("first_update_s") is not None:
         row("first update (s; a warm-up update, not in the median)", k["first_update_s"],
             p and p.get("first_update_s"), ratio.get("first_update_ratio_klppo_over_peer"))  # fmt: skip
+        row("all updates of a run, the first included (s)",
+            k.get("all_updates_s"), p and p.get("all_updates_s"), _ratio(k.get("all_updates_s"), p and p.get("all_updates_s")))
         row("setup: load the models, build the trainer (s)", k.get("setup_s"), p and p.get("setup_s"),
             ratio.get("setup_ratio_klppo_over_peer"))  # fmt: skip
         row("whole process, imports included (s)", k.get("process_s"), p and p.get("process_s"),

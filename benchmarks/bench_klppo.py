@@ -23,11 +23,13 @@ callbacks (the first from `on_train_begin`), so it includes what klppo's `time/u
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
 
 import torch
+from compile_counts import CompileCounter, per_step
 from bench_workload import (  # this script's folder is on sys.path
     add_workload_arguments,
     emit,
@@ -62,6 +64,8 @@ def train(args) -> dict:
     setup_s = time.perf_counter() - setup_start
     wall = UpdateClock(args)
     trainer.add_callback(wall)
+    compiles = CompileCounts()
+    trainer.add_callback(compiles)
     profiler = UpdateProfiler(args.warmup) if args.profile else None
     if profiler is not None:
         trainer.add_callback(profiler)
@@ -90,6 +94,10 @@ def train(args) -> dict:
         "workload": args.workload,
         "layout": layout,
         **timing_record(args, per_update, "time/update_wall", setup_s),
+        "decoding": {"cache": "static" if trainer.static_caches is not None else "dynamic",
+                     "compile_config": str(trainer.generation_config.compile_config)
+                     if trainer.static_caches is not None else None},
+        "compiles_per_update": compiles.per_update(),
         "kl_share": statistics.median(u.get("time/kl", 0.0) / u["time/update"] for u in measured),
         "generated_length": [h.get("objective/response_length") for h in logs],
         **memory_record(args, rss_start, rss_setup),
@@ -116,6 +124,23 @@ class UpdateClock(TrainerCallback):
         now = time.perf_counter()
         self.seconds.append(now - self.last)
         self.last = now
+
+
+class CompileCounts(TrainerCallback):
+    """Graphs compiled, CUDA graphs recorded and eager warm-ups of CUDA graph trees in each update
+    (`compile_counts.CompileCounter`)."""
+
+    def __init__(self):
+        self.counter, self.snapshots = None, []
+
+    def on_train_begin(self, *a, **k):
+        self.counter = CompileCounter()
+
+    def on_step_end(self, *a, **k):
+        self.snapshots.append(self.counter.snapshot())
+
+    def per_update(self) -> list[dict]:
+        return per_step(self.snapshots)
 
 
 class UpdateProfiler(TrainerCallback):
@@ -176,7 +201,7 @@ def build_trainer(args, tokenizer):
         max_steps=args.warmup + args.updates, stop_token=None, missing_eos_penalty=None, logging_steps=1,
         save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True, num_sample_generations=0,
         use_cpu=args.device == "cpu", bf16=args.dtype == "bfloat16", seed=args.seed,
-        experimental=getattr(args, "experimental", None),
+        **(json.loads(args.config) if getattr(args, "config", None) else {}),
     )  # fmt: skip
     dataset = Dataset.from_dict({"prompt": repeated_prompts(args)})
     trainer = KLPPOTrainer(model=load_causal_lm(args), args=config, processing_class=tokenizer, train_dataset=dataset, **kwargs)
@@ -189,7 +214,8 @@ def parse_args(argv=None):
     run = jobs.add_parser("train", help="time PPO updates of KLPPOTrainer")
     add_workload_arguments(run)
     run.add_argument("--profile", action="store_true", help="torch.profiler over the measured updates")
-    run.add_argument("--experimental", default=None, help="JSON: KLPPOConfig's experimental settings")
+    run.add_argument("--config", default=None,
+                     help="JSON: KLPPOConfig keywords for this side, e.g. '{\"cache_implementation\": \"dynamic\"}'")
     return parser.parse_args(argv)
 
 

@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # The GPU table of benchmarks/bench.py on a machine with no network (benchmarks/README.md says how to
-# prepare it): installs the wheels of .whl/ into two target folders, one per side, then runs
-#   random-360m (SmolLM2-360M's shape), workloads a and b, bfloat16 and float32,
+# prepare it): installs the wheels of .whl/ into two target folders, one per side, then runs, klppo with its defaults
+# (on a GPU: a static KV cache with the decoding step compiled) against TRL 1.12's PPO, most wanted first:
+#   random-360m (SmolLM2-360M's shape), workloads a and b, bfloat16,
 #   random-1.7b (SmolLM2-1.7B's shape), workload b, bfloat16,
-# each at 64 prompts x 128 new tokens, 1 warm-up + 2 measured updates, 1 run per side, sides alternating.
-#   random-360m, workload b, bfloat16, klppo alone with a static KV cache (the experimental cache_implementation),
-# then times the token draws of one decoding step (benchmarks/sampling.py) and a micro-batch padded, trimmed and
-# packed (benchmarks/padding.py).
-# Writes <name>.json/.md per step, summary.md, gpu.log and reports.tar.gz (all of them) into $OUT (default
-# results/bench/gpu).
+#   benchmarks/decode.py: plain compiled `generate` against klppo's rollout generation, same batch, each under
+#     torch.profiler once (where the difference goes), with TORCH_LOGS=recompiles (why anything recompiled),
+#   random-360m, workloads a and b, float32,
+#   random-360m, workload a, bfloat16, a whole run of 20 updates on each side, compilation included,
+# each at 64 prompts x 128 new tokens, 1 warm-up + 2 measured updates (the run: 20), 1 run per side, sides
+# alternating; every klppo run reports the graphs compiled and the CUDA graphs recorded in each update. Then it
+# times the token draws of one decoding step (benchmarks/sampling.py) and a micro-batch padded, trimmed and packed
+# (benchmarks/padding.py).
+# Writes summary.md, gpu.log and reports.tar.gz (every step's <name>.json/.md, decode.json/.md and padding/) into
+# $OUT (default results/bench/gpu): at most 8 files come back from a device machine.
 #
 #   bash benchmarks/gpu.sh              # on the GPU machine, from the repository root
 #   bash benchmarks/gpu.sh --cpu-smoke  # the same steps on the CPU with the tiny shape and a tiny workload
@@ -18,7 +23,8 @@
 # KLPPO_BENCH_ASSETS (default .bench-assets), KLPPO_BENCH_TARGETS (default a new temporary folder),
 # KLPPO_BENCH_BUDGET_S (default 440: no step starts with under KLPPO_BENCH_MIN_STEP_S, default 60, seconds left,
 # and a step still running at the end is stopped, its finished workloads kept),
-# KLPPO_BENCH_KL_MEMORY=1 (also the full-vocabulary KL memory check, in the last step).
+# KLPPO_BENCH_KL_MEMORY=1 (also the full-vocabulary KL memory check, in the float32 step), KLPPO_BENCH_EXTRAS=0
+# (skip sampling.py and padding.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -47,6 +53,8 @@ if [ "$mode" = gpu ]; then
   BIG=1.7b
   SHAPE=360m
   PADDING=(--device cuda --dtype bfloat16 --model-shape 360m --shapes default gpu --rollouts 2 --repeats 3)
+  DECODE=(--device cuda --model-shape 360m --dtype bfloat16 --batch-size 64 --response-length 128 --calls 4)
+  RUN=20
 else
   OUTDIR=${OUT:-$(temp_dir klppo-bench-smoke)}
   COMMON=(--device cpu --batch-size 4 --response-length 8 --warmup 1 --updates 1 --repeats 1 --threads 1
@@ -54,6 +62,8 @@ else
   BIG=tiny
   SHAPE=tiny
   PADDING=(--device cpu --model-shape tiny --shapes default --rollouts 1 --repeats 1)
+  DECODE=(--device cpu --model-shape tiny --dtype float32 --batch-size 4 --response-length 8 --calls 3 --force-compile)
+  RUN=3
 fi
 TARGETS=${KLPPO_BENCH_TARGETS:-$(temp_dir klppo-bench-targets)}
 KLPPO_PATH="$TARGETS/klppo:$PWD"   # transformers 5.24, trl 1.16 and the rest klppo needs beyond the image; klppo
@@ -64,13 +74,14 @@ PEER_PATH="$TARGETS/peer:$TARGETS/klppo"   # trl 1.12 first; datasets and its he
 KLPPO_WHEELS=(transformers==5.24.0 trl==1.16.0 datasets dill multiprocess vaderSentiment)
 PEER_WHEELS=(trl==1.12.0)
 
-# the report's name (<name>.json and .md), then bench.py's arguments; most wanted first (a step cut short by the
-# budget keeps the workloads it finished)
+# the report's name (<name>.json and .md), then bench.py's arguments (or `decode`); most wanted first (a step cut
+# short by the budget keeps the workloads it finished)
 STEPS=(
   "random-$SHAPE-bf16|--model-shape $SHAPE --dtype bfloat16 --workloads a,b --no-kl-memory"
   "random-$BIG-bf16-b|--model-shape $BIG --dtype bfloat16 --workloads b --no-kl-memory"
+  "decode|decode"
   "random-$SHAPE-fp32|--model-shape $SHAPE --dtype float32 --workloads a,b $KL"
-  "random-$SHAPE-bf16-static|--model-shape $SHAPE --dtype bfloat16 --workloads b --no-kl-memory --no-peer --klppo-experimental {\"cache_implementation\":\"static\"}"
+  "random-$SHAPE-bf16-a-run$RUN|--model-shape $SHAPE --dtype bfloat16 --workloads a --no-kl-memory --warmup 0 --updates $RUN"
 )
 
 # run_bench SECONDS ARGS...: one bench.py call, stopped (with every run it started) after SECONDS
@@ -85,6 +96,11 @@ if [ "$dry" = 1 ]; then
   echo "$PY -m pip install --no-compile --no-index --no-deps --find-links $WHEELS --target $TARGETS/klppo ${KLPPO_WHEELS[*]}"
   echo "$PY -m pip install --no-compile --no-index --no-deps --find-links $WHEELS --target $TARGETS/peer ${PEER_WHEELS[*]}"
   for step in "${STEPS[@]}"; do
+    if [ "${step#*|}" = decode ]; then
+      echo "TORCH_LOGS=recompiles PYTHONPATH=$KLPPO_PATH $PY benchmarks/decode.py ${DECODE[*]} --assets $ASSETS" \
+        "--variants plain,klppo --profile --out $OUTDIR"
+      continue
+    fi
     echo "PYTHONPATH=$KLPPO_PATH $PY benchmarks/bench.py ${COMMON[*]} --assets $ASSETS --peer-python $PY" \
       "--peer-pythonpath $PEER_PATH --out $OUTDIR --name ${step%%|*} ${step#*|}"
   done
@@ -124,8 +140,13 @@ for step in "${STEPS[@]}"; do
     continue
   fi
   echo "[gpu.sh] step $name (at ${SECONDS}s, ${left}s left)"
-  # shellcheck disable=SC2086  # the step's arguments are words
-  run_bench "$left" --name "$name" ${step#*|}
+  if [ "${step#*|}" = decode ]; then
+    TORCH_LOGS=recompiles PYTHONPATH="$KLPPO_PATH" timeout --kill-after=10 "$left" "$PY" benchmarks/decode.py \
+      "${DECODE[@]}" --assets "$ASSETS" --variants plain,klppo --profile --out "$OUTDIR"
+  else
+    # shellcheck disable=SC2086  # the step's arguments are words
+    run_bench "$left" --name "$name" ${step#*|}
+  fi
   rc=$?
   [ "$rc" -ne 0 ] && { echo "[gpu.sh] step $name failed or was stopped (exit $rc)"; status=1; }
   echo "[gpu.sh] step $name done at ${SECONDS}s"
@@ -133,18 +154,26 @@ done
 
 reports=()
 for step in "${STEPS[@]}"; do
-  [ -f "$OUTDIR/${step%%|*}.json" ] && reports+=("$OUTDIR/${step%%|*}.json")
+  [ "${step#*|}" != decode ] && [ -f "$OUTDIR/${step%%|*}.json" ] && reports+=("$OUTDIR/${step%%|*}.json")
 done
 if [ "${#reports[@]}" -gt 0 ]; then
   PYTHONPATH="$KLPPO_PATH" "$PY" benchmarks/bench.py --combine "${reports[@]}" --out "$OUTDIR" || status=1
 fi
-if [ "$mode" = gpu ]; then  # the three draws of a decoding step on this device (into the log)
-  PYTHONPATH="$KLPPO_PATH" "$PY" benchmarks/sampling.py --device cuda --rows 64 256 || status=1
+if [ "${KLPPO_BENCH_EXTRAS:-1}" = 1 ]; then
+  if [ "$mode" = gpu ]; then  # the three draws of a decoding step on this device (into the log)
+    PYTHONPATH="$KLPPO_PATH" "$PY" benchmarks/sampling.py --device cuda --rows 64 256 || status=1
+  fi
+  # padded, trimmed and packed micro-batches on this device (benchmarks/padding.py)
+  PYTHONPATH="$KLPPO_PATH" timeout 120 "$PY" benchmarks/padding.py "${PADDING[@]}" --tokenizer "$ASSETS" \
+    --out "$OUTDIR/padding" || status=1
 fi
-# padded, trimmed and packed micro-batches on this device (benchmarks/padding.py)
-PYTHONPATH="$KLPPO_PATH" timeout 120 "$PY" benchmarks/padding.py "${PADDING[@]}" --tokenizer "$ASSETS" \
-  --out "$OUTDIR/padding" || status=1
-# at most 8 files come back from a device machine: every report also goes into one archive
-tar -czf "$OUTDIR/reports.tar.gz" -C "$OUTDIR" --exclude reports.tar.gz . || status=1
+# at most 8 files come back from a device machine: every report goes into one archive, beside summary.md and gpu.log
+# (the archived files are removed from $OUT, the device machine's return folder, alone)
+archive=$(mktemp /tmp/klppo-reports-XXXXXX.tar.gz)  # written outside the folder it archives
+tar -czf "$archive" -C "$OUTDIR" --exclude reports.tar.gz --exclude gpu.log --exclude summary.md . \
+  && mv "$archive" "$OUTDIR/reports.tar.gz" || status=1
+if [ -n "${OUT:-}" ] && [ "$OUTDIR" = "$OUT" ]; then
+  find "$OUTDIR" -mindepth 1 -not -name reports.tar.gz -not -name gpu.log -not -name summary.md -delete || status=1
+fi
 echo "[gpu.sh] finished in ${SECONDS}s (exit $status); reports in $OUTDIR (and $OUTDIR/reports.tar.gz)"
 exit "$status"

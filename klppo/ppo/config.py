@@ -32,6 +32,10 @@ DEFAULT_LORA_LEARNING_RATE = 5e-4
 DEFAULT_FULL_LEARNING_RATE = 3e-5
 CRITIC_KINDS = ("separate", "shared")
 ADVANTAGE_ESTIMATORS = ("gae", "rloo", "grpo")
+CACHE_IMPLEMENTATIONS = ("auto", "static", "dynamic")
+# the compiled decoding step's settings (transformers' `CompileConfig`) unless `generation_compile_config` says otherwise:
+# one graph per batch size (`dynamic=False`: the static cache fixes every other shape)
+DEFAULT_GENERATION_COMPILE = {"mode": "reduce-overhead", "dynamic": False}
 CRITIC_FREE_DEFAULT_GENERATIONS = 4
 
 
@@ -130,15 +134,6 @@ EXPERIMENTAL_DOC = r"""
             consecutive updates (`klppo.ppo.health`).
         max_nonfinite_updates (`int`, *optional*, defaults to `3`):
             Updates with a non-finite loss or KL are skipped; this many in a row abort training.
-        cache_implementation (`str` or `None`, *optional*, defaults to `None`):
-            The KV cache generation decodes into. `None`: transformers' dynamic cache. `"static"`: one cache of
-            `max_prompt_length + response_length` positions per batch size, made once and reused, so that on a GPU
-            `generate` compiles the decoding step (transformers' automatic compilation: `torch.compile` with CUDA
-            graphs) once per batch size, at the first rollout, whatever the prompts' width. Needs
-            `max_prompt_length`. A model that transformers does not mark as compilable, and runs under DeepSpeed
-            or FSDP, keep the dynamic cache (one log line says so). A LoRA policy then samples unmerged
-            (`merge_adapter_for_generation` does not apply: its copies of the weights would move at
-            every rollout).
         ref_reset_optimizer (`bool`, *optional*, defaults to `True`):
             With `ref_reset_steps`: clear the optimizer's state (Adam's moments and step counts, the critic's too) at
             each reset, as ProRL does; False keeps it.
@@ -166,7 +161,6 @@ class ExperimentalSettings:
     nonfinite_rollback: bool | None = None
     health_patience: int = 3
     max_nonfinite_updates: int = 3
-    cache_implementation: str | None = None
     ref_reset_optimizer: bool = True
 
 
@@ -268,6 +262,22 @@ KLPPO_CONFIG_DOC = r"""
             TRL's PPO), 16 on a CPU.
         max_prompt_length (`int` or `None`, *optional*, defaults to `256`):
             Prompts are truncated (from the left) to this many tokens.
+        cache_implementation (`str`, *optional*, defaults to `"auto"`):
+            The KV cache generation decodes into. `"static"`: one cache of `max_prompt_length + response_length`
+            positions per batch size, made once and reused, into which `generate` decodes with its decoding step
+            compiled (`torch.compile`, `generation_compile_config`): the step compiles once, at the first rollout,
+            whatever the prompts' width, and a smaller batch (an evaluation, the last prompts) is padded to the
+            rollout's size so that it reuses it. `"dynamic"`: transformers' dynamic cache, nothing compiled.
+            `"auto"`: static on a GPU, dynamic on a CPU (where the compiled step is slower to build than it saves),
+            and dynamic with one log line that says why for a model that transformers does not mark as compilable,
+            under DeepSpeed ZeRO-3 or FSDP (whose weights are gathered anew for every rollout) and without a
+            `max_prompt_length`. With a static cache, a LoRA policy samples with its adapter merged into a copy of
+            the base weights kept for the whole run (one extra copy of the adapted weights), so that the compiled
+            step reads the same tensors at every rollout.
+        generation_compile_config (`dict` or `None`, *optional*, defaults to `None`):
+            How the decoding step compiles with a static cache: fields of transformers' `CompileConfig` (`mode`,
+            `fullgraph`, `dynamic`, `backend`, `options`; on a command line, a JSON string). `None`: klppo's
+            default, `{"mode": "default", "dynamic": false}` (see README, "Performance").
 
         > Optimisation
 
@@ -356,6 +366,8 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
     reward_weights: list[float] | None = field(default=None, metadata=_doc("reward_weights"))
     rollout_forward_batch_size: int | None = field(default=None, metadata=_doc("rollout_forward_batch_size"))
     max_prompt_length: int | None = field(default=256, metadata=_doc("max_prompt_length"))
+    cache_implementation: str = field(default="auto", metadata=_doc("cache_implementation"))
+    generation_compile_config: dict | str | None = field(default=None, metadata=_doc("generation_compile_config"))
 
     # Optimisation, diagnostics
     learning_rate: float | None = field(default=None, metadata=_doc("learning_rate"))
@@ -563,10 +575,6 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
     def ref_reset_optimizer(self):
         return self._experimental.ref_reset_optimizer
 
-    @property
-    def cache_implementation(self):
-        return self._experimental.cache_implementation
-
     def _deepspeed_settings(self) -> None:
         """Under DeepSpeed: on a machine with no GPU (DeepSpeed's CPU accelerator), accelerate only counts the
         processes of a named backend, so without one every rank would believe it is alone: `ddp_backend` defaults
@@ -644,13 +652,7 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
                 raise ValueError(f"`{name}` must be >= {low}, got {getattr(self, name)}.")
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             raise ValueError(f"`max_prompt_length` must be >= 1 or None, got {self.max_prompt_length}.")
-        if self.cache_implementation not in (None, "static"):
-            raise choice_error("cache_implementation", self.cache_implementation, (None, "static"))
-        if self.cache_implementation == "static" and self.max_prompt_length is None:
-            raise ValueError(
-                "`cache_implementation='static'` makes a cache of max_prompt_length + response_length positions, so "
-                "it needs a `max_prompt_length` (e.g. 256). Set one, or leave cache_implementation unset."
-            )
+        self._validate_decoding()
         scheduler = str(getattr(self.lr_scheduler_type, "value", self.lr_scheduler_type))
         if scheduler in ("reduce_lr_on_plateau", "greedy"):
             raise ValueError(
@@ -679,6 +681,47 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
                     f"`{name}='epoch'` is not supported: klppo counts PPO updates, not epochs. Use "
                     f"`{name}='steps'` with `{name.split('_')[0]}_steps` (in PPO updates)."
                 )
+
+    def _validate_decoding(self) -> None:
+        """`cache_implementation` and `generation_compile_config`, parsed and checked (`compile_config`)."""
+        if self.cache_implementation not in CACHE_IMPLEMENTATIONS:
+            raise choice_error("cache_implementation", self.cache_implementation, CACHE_IMPLEMENTATIONS)
+        if self.cache_implementation == "static" and self.max_prompt_length is None:
+            raise ValueError(
+                "`cache_implementation='static'` makes a cache of max_prompt_length + response_length positions, so "
+                "it needs a `max_prompt_length` (e.g. 256). Set one, or set cache_implementation to 'auto' or "
+                "'dynamic'."
+            )
+        self.compile_config()
+
+    def compile_config(self):
+        """transformers' `CompileConfig` of the compiled decoding step: `DEFAULT_GENERATION_COMPILE` updated with
+        `generation_compile_config`."""
+        from transformers import CompileConfig
+
+        given = self.generation_compile_config
+        if isinstance(given, str):  # from a command line
+            try:
+                given = json.loads(given)
+            except json.JSONDecodeError as err:
+                raise ValueError(
+                    f"`generation_compile_config` must be a mapping (JSON on a command line), got {given!r}: {err}."
+                ) from None
+            self.generation_compile_config = given
+        if given is not None and not isinstance(given, dict):
+            raise ValueError(f"`generation_compile_config` must be a mapping or None, got {given!r}.")
+        known = ("mode", "fullgraph", "dynamic", "backend", "options")
+        unknown = sorted(set(given or {}) - set(known))
+        if unknown:
+            raise ValueError(
+                f"`generation_compile_config` has no field {', '.join(map(repr, unknown))}; its fields are those of "
+                f"transformers' CompileConfig: {', '.join(known)}. Remove the others."
+            )
+        settings = {**DEFAULT_GENERATION_COMPILE, **(given or {})}
+        modes = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+        if settings["mode"] not in modes:
+            raise choice_error("generation_compile_config's mode", settings["mode"], modes)
+        return CompileConfig(**settings)
 
     def _validate_advantage_fields(self) -> None:
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:

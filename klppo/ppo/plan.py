@@ -32,7 +32,7 @@ class KLPlan:
         log_ratio_clamp, value_clamp, chunk_size: the estimators' clamps and `full`'s chunk size.
         read_while_decoding: the sampling policy's log-probs (and a shared critic's values) are read at each decoding
             step instead of by a scoring forward pass: only when the policy computes in float32 (in bf16 the KV-cache
-            path and a full forward differ, `docs/results.md`), no logits-based estimator needs the policy's logits
+            path and a full forward differ, `docs/results.md`), the decoding step is not compiled, no logits-based estimator needs the policy's logits
             at scoring, and a logits-based statistic's logits fit in `generation_logits_max_mb` (else the scoring
             forward that computes them gives the log-probs too).
         keep_generation_logits: the logits-based statistic reads the generation's logits (they fit in
@@ -74,16 +74,19 @@ class KLPlan:
         )  # fmt: skip
 
 
-def make_kl_plan(args, policy: torch.nn.Module, mixed_precision: bool, vocab_size: int) -> KLPlan:
-    """The plan of a run from its `KLPPOConfig`, the policy (its weights' dtype) and whether accelerate or the
-    arguments set mixed precision."""
+def make_kl_plan(args, policy: torch.nn.Module, mixed_precision: bool, vocab_size: int,
+                 compiled_decoding: bool = False) -> KLPlan:  # fmt: skip
+    """The plan of a run from its `KLPPOConfig`, the policy (its weights' dtype), whether accelerate or the
+    arguments set mixed precision and whether generation runs a compiled decoding step (a static cache: the scoring
+    forward then gives the log-probs, which costs far less than reading them in every compiled step, where a shared
+    critic's read of the hidden states would split the compiled graph)."""
     estimator = get_kl_estimator_spec(args.kl_estimator)
     statistic = get_kl_estimator_spec(args.kl_statistic)
     float32 = not mixed_precision and all(p.dtype == torch.float32 for p in policy.parameters() if p.is_floating_point())
     # a rollout's response logits, float32, per process: decided from the configured size, so every process agrees
     logits_bytes = args.local_rollout_batch_size * args.response_length * vocab_size * 4
     fits = logits_bytes <= args.generation_logits_max_mb * 2**20
-    read = float32 and not estimator.needs_logits and (fits or not statistic.needs_logits)
+    read = float32 and not compiled_decoding and not estimator.needs_logits and (fits or not statistic.needs_logits)
     return KLPlan(
         estimator=args.kl_estimator, statistic=args.kl_statistic, places=args.kl_modes_applied,
         unit=args.kl_target_unit, log_ratio_clamp=args.kl_log_ratio_clamp, value_clamp=args.kl_value_clamp,

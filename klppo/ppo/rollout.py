@@ -240,18 +240,22 @@ def mergeable_lora_layers(model) -> list | None:
 
 
 @contextmanager
-def merged_lora(model):
+def merged_lora(model, buffers: dict | None = None):
     """Sample from `model` with its active LoRA adapters merged into the base weights, then give the base weights
     back bit for bit.
 
     An unmerged LoRA layer runs its base matmul plus two small ones and a few elementwise ops; over the hundreds
-    of LoRA layers and the dozens of decoding steps of one rollout, that overhead is a large part of generation on
-    CPU. Merging (PEFT's own `merge`) writes `W + B A * scale` into a fresh copy of each base weight; the original
-    tensors are put back afterwards, so the base model (which is the reference when the adapter is disabled) never
-    changes, not even by rounding, as subtracting the update again would. The copies cost one extra set of the
-    targeted base weights while sampling. The logits differ from the unmerged model's by rounding only (about
-    1e-5 to 1e-4 in float32). No-op for a model without LoRA layers, or with a layer whose base weight is not a plain
-    floating-point parameter of its own (see `mergeable_lora_layers`: those keep the unmerged path)."""
+    of LoRA layers and the dozens of decoding steps of one rollout, that overhead is a large part of generation.
+    Merging (PEFT's own `merge`) writes `W + B A * scale` into a copy of each base weight; the original tensors are
+    put back afterwards, so the base model (which is the reference when the adapter is disabled) never changes, not
+    even by rounding, as subtracting the update again would. The logits differ from the unmerged model's by rounding
+    only (about 1e-5 to 1e-4 in float32). No-op for a model without LoRA layers, or with a layer whose base weight is
+    not a plain floating-point parameter of its own (see `mergeable_lora_layers`: those keep the unmerged path).
+
+    `buffers` None: the copies are fresh tensors, freed after the block (one extra set of the targeted base weights
+    while sampling). A dict: the copies are kept in it, by layer, and reused by every later call, so that the merged
+    weights are the same tensors at every rollout (what a compiled decoding step with CUDA graphs needs: it records
+    the weights' addresses); they then hold that memory for the whole run."""
     layers = mergeable_lora_layers(model)
     if not layers:
         yield
@@ -262,9 +266,9 @@ def merged_lora(model):
             base = layer.get_base_layer()
             bias = getattr(base, "bias", None)
             saved.append((layer, base, base.weight.data, None if bias is None else bias.data, list(layer.merged_adapters)))
-            base.weight.data = base.weight.data.clone()
+            base.weight.data = _merge_copy(base.weight.data, buffers, (id(layer), "weight"))
             if bias is not None:
-                bias.data = bias.data.clone()
+                bias.data = _merge_copy(bias.data, buffers, (id(layer), "bias"))
             with torch.no_grad():
                 layer.merge()  # in place, on the copies
         yield
@@ -274,6 +278,16 @@ def merged_lora(model):
             if bias is not None:
                 base.bias.data = bias
             layer.merged_adapters = merged
+
+
+def _merge_copy(tensor: torch.Tensor, buffers: dict | None, key) -> torch.Tensor:
+    """A copy of `tensor` to merge into: a fresh one, or `buffers[key]` (made once) refilled."""
+    if buffers is None:
+        return tensor.clone()
+    copy_ = buffers.get(key)
+    if copy_ is None or copy_.shape != tensor.shape or copy_.dtype != tensor.dtype or copy_.device != tensor.device:
+        copy_ = buffers[key] = torch.empty_like(tensor)
+    return copy_.copy_(tensor)
 
 
 def sample_categorical(probs: torch.Tensor, block: int = 256, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -196,12 +196,16 @@ class KLPPOTrainer(Trainer):
         self.stop_token_id, self.suppressed_ids, self.generation_config = sampling_setup(
             self.args, self.processing_class, getattr(policy, "generation_config", None)
         )
-        self.kl_plan = make_kl_plan(self.args, policy, self._mixed_precision(), self._vocab_size(policy))
+        self.static_caches = self._static_caches()
+        if self.static_caches is not None:  # `generate` compiles its decoding step as configured
+            self.generation_config.compile_config = self.args.compile_config()
+        self._merged_weights: dict = {}  # a static cache's merged LoRA weights, kept for the run (`_sampling_form`)
+        self.kl_plan = make_kl_plan(self.args, policy, self._mixed_precision(), self._vocab_size(policy),
+                                    compiled_decoding=self.static_caches is not None)  # fmt: skip
         self.scorer = RolloutScorer(
             self.kl_plan, self.accelerator, self.ref_model, self.use_adapter_reference, self.ref_adapter_name,
             self.args.temperature, self.suppressed_ids, self.args.rollout_forward_batch_size, self.args.critic_free,
         )  # fmt: skip
-        self.static_caches = self._static_caches()
         # the KL controller and the monitors: the state a checkpoint carries beside the weights
         self.kl_controller = build_kl_controller(args)
         self.kl_guard = build_kl_guard(args.kl_guard, args.kl_target)
@@ -228,21 +232,29 @@ class KLPPOTrainer(Trainer):
         return (config.get_text_config() if hasattr(config, "get_text_config") else config).vocab_size
 
     def _static_caches(self) -> StaticCaches | None:
-        """The static KV caches of `cache_implementation="static"`, or None (the dynamic cache): also None, with one
-        log line, for a model that transformers does not mark as compilable and under DeepSpeed or FSDP, whose
-        gathered weights are not the same tensors from one rollout to the next."""
-        if self.args.cache_implementation != "static":
+        """The static KV caches generation decodes into, with its decoding step compiled (`cache_implementation`), or
+        None (the dynamic cache). `"auto"` takes them on a GPU; a model that transformers does not mark as
+        compilable, DeepSpeed ZeRO-3, FSDP and a run without `max_prompt_length` keep the dynamic cache, with one
+        log line that says why."""
+        args, choice = self.args, self.args.cache_implementation
+        if choice == "dynamic" or (choice == "auto" and self.accelerator.device.type != "cuda"):
             return None
         policy = self.model.policy
         why = None
         if not supports_static_cache(policy):
             why = f"{type(policy).__name__} is not marked as compilable by transformers"
-        elif self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            why = "DeepSpeed and FSDP gather the weights anew for every rollout"
+        elif DistributedBackend(self.accelerator).is_zero3 or self.is_fsdp_enabled:
+            why = "DeepSpeed ZeRO-3 and FSDP gather the weights anew for every rollout"
+        elif args.max_prompt_length is None:
+            why = "there is no max_prompt_length to size it"
         if why:
-            logger.warning("cache_implementation='static' is not used: %s; generation keeps the dynamic cache.", why)
+            if self.is_world_process_zero():
+                logger.warning("Generation decodes into the dynamic KV cache, uncompiled: the static cache "
+                               "(cache_implementation=%r) is not used, as %s.", choice, why)  # fmt: skip
             return None
-        return StaticCaches(policy.config, self.args.max_prompt_length + self.args.response_length)
+        logger.info("Generation decodes into a static KV cache of %d positions, its decoding step compiled (%s).",
+                    args.max_prompt_length + args.response_length, args.compile_config())  # fmt: skip
+        return StaticCaches(policy.config, args.max_prompt_length + args.response_length)
 
     def _check_reference_resets(self) -> None:
         """`ref_reset_steps` needs a reference it can write: refused, naming the fix, under FSDP (its sharded
@@ -445,19 +457,13 @@ class KLPPOTrainer(Trainer):
         plan reads while decoding (the sampled tokens' log-probs, a shared critic's values, the logits a statistic
         reads) comes from generation; scoring runs the rest."""
         timings = timings if timings is not None else defaultdict(float)
-        acc, plan = self.accelerator, self.kl_plan
+        acc = self.accelerator
         input_ids, attention_mask = batch.input_ids.to(acc.device), batch.attention_mask.to(acc.device)
         with ExitStack() as generation_context:
             with timed(timings, "time/generation", acc):
                 unwrapped = generation_context.enter_context(self.model_for_generation())
                 with root_unsharded(self.model_wrapped), self._sampling_form(unwrapped.policy):
-                    generated = generate_responses(
-                        unwrapped.policy, input_ids, attention_mask, self.generation_config,
-                        with_logprobs=plan.read_while_decoding,
-                        value_head=unwrapped.value_head if plan.read_while_decoding else None,
-                        keep_logits=plan.keep_generation_logits, synced=self.is_fsdp_enabled and acc.num_processes > 1,
-                        check_finite=False, cache=self.static_caches(input_ids.shape[0]) if self.static_caches else None,
-                    )  # fmt: skip
+                    generated = self._generate(unwrapped, input_ids, attention_mask)
             responses, response_mask = truncate_at_stop(generated.tokens, self.stop_token_id, self.processing_class.pad_token_id)
             sequences = Sequences(
                 prompts=batch.prompts, extra=batch.extra, query_responses=torch.cat([input_ids, responses], dim=1),
@@ -471,6 +477,29 @@ class KLPPOTrainer(Trainer):
             with timed(timings, "time/generation", acc):  # ZeRO-3 partitions the weights again
                 generation_context.close()
         return rollout
+
+    def _generate(self, unwrapped, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        """`generate_responses` as the plan says. With a static cache, a batch smaller than the rollout's (an
+        evaluation's, the last prompts) is padded to its size with copies of its first row, dropped after decoding,
+        so that it decodes with the rollout's compiled step instead of compiling one of its own."""
+        plan, rows = self.kl_plan, input_ids.shape[0]
+        cache = None
+        if self.static_caches is not None:
+            size = max(rows, self.args.local_rollout_batch_size)
+            fill = size - rows
+            input_ids = torch.cat([input_ids, input_ids[:1].expand(fill, -1)]) if fill else input_ids
+            attention_mask = torch.cat([attention_mask, attention_mask[:1].expand(fill, -1)]) if fill else attention_mask
+            cache = self.static_caches(size)
+        generated = generate_responses(
+            unwrapped.policy, input_ids, attention_mask, self.generation_config, with_logprobs=plan.read_while_decoding,
+            value_head=unwrapped.value_head if plan.read_while_decoding else None,
+            keep_logits=plan.keep_generation_logits, synced=self.is_fsdp_enabled and self.accelerator.num_processes > 1,
+            check_finite=False, cache=cache,
+        )  # fmt: skip
+        if generated.tokens.shape[0] == rows:
+            return generated
+        return generated._replace(**{name: value[:rows] for name, value in generated._asdict().items()
+                                     if isinstance(value, torch.Tensor)})  # fmt: skip
 
     def score(self, sequences: Sequences, timings: dict | None = None) -> Rollout:
         """Step 3 alone: the `Rollout` of `sequences` from forward passes only (nothing read while decoding)."""
@@ -501,14 +530,22 @@ class KLPPOTrainer(Trainer):
 
     @contextmanager
     def _sampling_form(self, policy):
-        """The policy as it samples: the LM head's input made contiguous (generation's first step); a LoRA adapter
-        merged into copies of the base weights (`merge_adapter_for_generation`), except under DeepSpeed or FSDP,
-        whose sharded parameters are not plain tensors to copy, and with a static cache, whose compiled decoding
-        step keeps reading the same weight tensors."""
+        """The policy as it samples: in eval mode (dropout is off in training too; one mode keeps a compiled
+        decoding step from recompiling when training switches the model to train mode); the LM head's input made
+        contiguous (generation's first step); a LoRA adapter merged into copies of the base weights
+        (`merge_adapter_for_generation`), except under DeepSpeed or FSDP, whose sharded parameters are not plain
+        tensors to copy. With a static cache the copies are kept for the run (`merged_lora`'s `buffers`), so that the
+        compiled step reads the same tensors at every rollout."""
         merge = self.args.merge_adapter_for_generation and not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
-        merge = merge and self.static_caches is None
-        with contiguous_lm_head_input(policy), merged_lora(policy) if merge else nullcontext():
-            yield
+        buffers = self._merged_weights if self.static_caches is not None else None
+        modes = {module: module.training for module in policy.modules()}
+        policy.eval()
+        try:
+            with contiguous_lm_head_input(policy), merged_lora(policy, buffers) if merge else nullcontext():
+                yield
+        finally:
+            for module, training in modes.items():
+                module.training = training
 
     # ------------------------------------------------------------------ step 4: rewards
     @torch.no_grad()

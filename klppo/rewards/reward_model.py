@@ -38,7 +38,8 @@ class RewardModelFunction:
             (or a special ``klppo:`` id) to load one from.
         tokenizer: the reward model's tokenizer; by default loaded from ``model_or_path`` (or the
             model's ``name_or_path``).
-        batch_size: pairs per forward pass.
+        batch_size: pairs per forward pass; `None`: 64 when the model is on a GPU (one or few large forward
+            passes keep it busy), 8 elsewhere (a CPU keeps memory small).
         max_length: tokens per pair after truncation.
         device: where inputs go; by default the device of the model's first parameter, read at each
             call, so moving ``.model`` (e.g. by a trainer) is followed.
@@ -59,7 +60,7 @@ class RewardModelFunction:
         self,
         model_or_path,
         tokenizer=None,
-        batch_size: int = 8,
+        batch_size: int | None = None,
         max_length: int = 512,
         device=None,
         label_index: int | None = None,
@@ -116,6 +117,11 @@ class RewardModelFunction:
         self.token_ids = self.tokenizer is policy_tokenizer or self.tokenizer.get_vocab() == policy_tokenizer.get_vocab()
         return self.token_ids
 
+    def _batch_size(self, device) -> int:
+        if self.batch_size is not None:
+            return self.batch_size
+        return 64 if torch.device(device).type == "cuda" else 8
+
     @torch.no_grad()
     def score_ids(self, sequences: list[list[int]]) -> list[float]:
         """Scores of token-id sequences (each prompt + completion), cut from the left to ``max_length``.
@@ -127,19 +133,20 @@ class RewardModelFunction:
         device = self.device if self.device is not None else next(self.model.parameters()).device
         was_training = self.model.training
         self.model.eval()
-        scores: list[float] = []
+        scores: list[torch.Tensor] = []
+        size = self._batch_size(device)
         try:
-            for start in range(0, len(sequences), self.batch_size):
-                batch = [list(s)[-self.max_length :] for s in sequences[start : start + self.batch_size]]
+            for start in range(0, len(sequences), size):
+                batch = [list(s)[-self.max_length :] for s in sequences[start : start + size]]
                 width = max(len(s) for s in batch)
                 input_ids = torch.tensor([[0] * (width - len(s)) + s for s in batch], device=device)
                 mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in batch], device=device)
                 position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
                 logits = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids).logits
-                scores.extend(logits[:, self.label_index].float().tolist())
+                scores.append(logits[:, self.label_index].float())
         finally:
             self.model.train(was_training)
-        return scores
+        return torch.cat(scores).tolist() if scores else []  # one host sync, not one per batch
 
     def __repr__(self) -> str:
         return f"RewardModelFunction({self.__name__!r}, batch_size={self.batch_size}, max_length={self.max_length})"
@@ -177,8 +184,9 @@ class RewardModelFunction:
         self.tokenizer.truncation_side = "left"
         scores: list[float] = []
         try:
-            for start in range(0, len(formatted), self.batch_size):
-                batch = formatted[start : start + self.batch_size]
+            size = self._batch_size(device)
+            for start in range(0, len(formatted), size):
+                batch = formatted[start : start + size]
                 batch_scores = [0.0] * len(batch)
                 # A batch is all templated or all plain text in practice; split it if mixed.
                 for has_specials in sorted({s for _, s in batch}):
