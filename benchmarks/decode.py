@@ -182,8 +182,8 @@ def run_klppo(args, path, tokenizer, settings, merged: bool) -> dict:
         response_length=args.response_length, temperature=args.temperature, stop_token=None, critic="shared",
         kl_estimator="k1", kl_controller="fixed", report_to="none", disable_tqdm=True, save_strategy="no",
         eval_strategy="no", num_sample_generations=0, use_cpu=args.device == "cpu", bf16=args.dtype == "bfloat16",
-        cache_implementation="static", generation_compile_config=settings,
-        experimental={"merge_adapter_for_generation": merged},
+        cache_implementation="static",
+        experimental={"merge_adapter_for_generation": merged, "generation_compile_config": settings},
     )  # fmt: skip
     prompts = Dataset.from_dict({"prompt": bench_assets.load_prompts(args.batch_size)})
     lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],

@@ -302,33 +302,43 @@ def test_saved_cpu_reports_still_render(bench):
     assert "### Workload a" in bench.markdown(report)
 
 
-def bench_lines(*flags: str) -> list[list[str]]:
-    """The bench.py argument lists `benchmarks/gpu.sh --dry-run` prints."""
+def dry_run(*flags: str) -> str:
+    """What `benchmarks/gpu.sh --dry-run` prints."""
     env = {k: v for k, v in os.environ.items() if k not in ("OUT", "KLPPO_BENCH_TARGETS")}
     done = subprocess.run(["bash", str(REPO_ROOT / "benchmarks" / "gpu.sh"), "--dry-run", *flags], env=env,
                           capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
-    lines = [line.split("benchmarks/bench.py ", 1)[1].split() for line in done.stdout.splitlines() if "bench.py" in line]
-    assert "--target" in done.stdout and "trl==1.12.0" in done.stdout and "trl==1.16.0" in done.stdout
+    return done.stdout
+
+
+def bench_lines(*flags: str) -> list[list[str]]:
+    """The bench.py argument lists `benchmarks/gpu.sh --dry-run` prints."""
+    out = dry_run(*flags)
+    lines = [line.split("benchmarks/bench.py ", 1)[1].split() for line in out.splitlines() if "bench.py" in line]
+    assert "--target" in out and "trl==1.12.0" in out and "trl==1.16.0" in out
     return lines
 
 
 def test_the_gpu_script_runs_the_table(bench):
-    """gpu.sh's steps parse as bench.py arguments and are the GPU table: 360M's shape, a and b, bf16 and fp32;
-    1.7B's shape, b, bf16; 64 x 128 on cuda, 1 warm-up + 2 measured updates, 1 run per side, the peer's own path;
-    then klppo alone on 360M's shape, b, bf16, with a static KV cache."""
+    """gpu.sh's steps parse as bench.py arguments and are the GPU table, klppo with its defaults against the peer:
+    360M's shape, a and b, bf16 and fp32; 1.7B's shape, b, bf16; 64 x 128 on cuda, 1 warm-up + 2 measured updates, 1
+    run per side, the peer's own path; then a whole run of 20 updates of workload a, bf16; and the decoding
+    micro-benchmark, profiled, with dynamo's recompilations logged."""
     steps = [bench.parse_args(line) for line in bench_lines()]
-    table = sorted((a.model_shape, a.dtype, tuple(a.workloads), a.with_peer) for a in steps)
-    assert table == [("1.7b", "bfloat16", ("b",), True), ("360m", "bfloat16", ("a", "b"), True),
-                     ("360m", "bfloat16", ("b",), False), ("360m", "float32", ("a", "b"), True)]  # fmt: skip
+    table = sorted((a.model_shape, a.dtype, tuple(a.workloads), a.with_peer, a.warmup, a.updates) for a in steps)
+    assert table == [("1.7b", "bfloat16", ("b",), True, 1, 2), ("360m", "bfloat16", ("a",), True, 0, 20),
+                     ("360m", "bfloat16", ("a", "b"), True, 1, 2), ("360m", "float32", ("a", "b"), True, 1, 2)]  # fmt: skip
     for a in steps:
-        assert (a.device, a.batch_size, a.response_length, a.warmup, a.updates, a.repeats) == ("cuda", 64, 128, 1, 2, 1)
+        assert (a.device, a.batch_size, a.response_length, a.repeats) == ("cuda", 64, 128, 1)
         assert a.peer_python and a.peer_pythonpath.split(":")[0].endswith("/peer") and a.assets
-    static = next(a for a in steps if not a.with_peer)
-    assert json.loads(static.klppo_experimental) == {"cache_implementation": "static"}
+        assert a.klppo_config is None  # klppo's defaults: on a GPU, the compiled static cache
     assert len({bench.report_name(a) for a in steps}) == len(steps)
+    decode = [line for line in dry_run().splitlines() if "benchmarks/decode.py" in line]
+    assert len(decode) == 1 and "TORCH_LOGS=recompiles" in decode[0] and "--profile" in decode[0]
+    assert "--device cuda --model-shape 360m --dtype bfloat16 --batch-size 64 --response-length 128" in decode[0]
     smoke = [bench.parse_args(line) for line in bench_lines("--cpu-smoke")]
     assert {a.model_shape for a in smoke} == {"tiny"} and {a.device for a in smoke} == {"cpu"}
     assert len({bench.report_name(a) for a in smoke}) == len(smoke)
+    assert "--force-compile" in next(line for line in dry_run("--cpu-smoke").splitlines() if "decode.py" in line)
 
 
 def test_the_padding_benchmarks_three_forms_give_the_same_response_logits(tiny_model_and_tokenizer, monkeypatch):
@@ -355,3 +365,18 @@ def test_the_padding_benchmarks_three_forms_give_the_same_response_logits(tiny_m
         for form, inputs in forms.items():
             torch.testing.assert_close(padding.response_logits(model, inputs, seqs, 5, form), alone, rtol=1e-4,
                                        atol=1e-4, msg=form)  # fmt: skip
+
+
+def test_the_decoding_benchmark_compiles_each_variant_once(monkeypatch, tmp_path):
+    """`benchmarks/decode.py --force-compile` on the CPU: plain `generate` and klppo's rollout generation, each
+    compiled at its first call and never after (the CPU's proof of what the GPU run measures), the report written."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "benchmarks"))
+    import decode
+
+    report = decode.main(["--device", "cpu", "--model-shape", "tiny", "--dtype", "float32", "--batch-size", "3",
+                          "--response-length", "4", "--calls", "3", "--force-compile", "--variants", "plain,klppo",
+                          "--out", str(tmp_path)])  # fmt: skip
+    for name in ("plain", "klppo"):
+        assert [c["graphs"] for c in report["variants"][name]["counts"]] == [1, 0, 0], name
+    assert len(report["variants"]["klppo"]["generation_s"]) == 3
+    assert "klppo's generation / plain `generate`" in (tmp_path / "decode.md").read_text()

@@ -33,8 +33,9 @@ DEFAULT_FULL_LEARNING_RATE = 3e-5
 CRITIC_KINDS = ("separate", "shared")
 ADVANTAGE_ESTIMATORS = ("gae", "rloo", "grpo")
 CACHE_IMPLEMENTATIONS = ("auto", "static", "dynamic")
-# the compiled decoding step's settings (transformers' `CompileConfig`) unless `generation_compile_config` says otherwise:
-# one graph per batch size (`dynamic=False`: the static cache fixes every other shape)
+# the compiled decoding step's settings (transformers' `CompileConfig`) unless the experimental
+# `generation_compile_config` says otherwise: one graph per batch size (`dynamic=False`: the static cache fixes every
+# other shape), replayed as a CUDA graph (`results/bench/gpu/`)
 DEFAULT_GENERATION_COMPILE = {"mode": "reduce-overhead", "dynamic": False}
 CRITIC_FREE_DEFAULT_GENERATIONS = 4
 
@@ -134,6 +135,11 @@ EXPERIMENTAL_DOC = r"""
             consecutive updates (`klppo.ppo.health`).
         max_nonfinite_updates (`int`, *optional*, defaults to `3`):
             Updates with a non-finite loss or KL are skipped; this many in a row abort training.
+        generation_compile_config (`dict` or `None`, *optional*, defaults to `None`):
+            How the decoding step compiles with a static cache: fields of transformers' `CompileConfig` (`mode`,
+            `fullgraph`, `dynamic`, `backend`, `options`). `None`: `{"mode": "reduce-overhead", "dynamic": false}`,
+            one graph per batch size replayed as a CUDA graph (on an H200 the CUDA graphs took workload (b)'s
+            generation from 2.4 s to 1.06 s per update, `results/bench/gpu/`).
         ref_reset_optimizer (`bool`, *optional*, defaults to `True`):
             With `ref_reset_steps`: clear the optimizer's state (Adam's moments and step counts, the critic's too) at
             each reset, as ProRL does; False keeps it.
@@ -162,6 +168,7 @@ class ExperimentalSettings:
     health_patience: int = 3
     max_nonfinite_updates: int = 3
     ref_reset_optimizer: bool = True
+    generation_compile_config: dict | None = None
 
 
 EXPERIMENTAL_KEYS = tuple(f.name for f in fields(ExperimentalSettings))
@@ -265,19 +272,15 @@ KLPPO_CONFIG_DOC = r"""
         cache_implementation (`str`, *optional*, defaults to `"auto"`):
             The KV cache generation decodes into. `"static"`: one cache of `max_prompt_length + response_length`
             positions per batch size, made once and reused, into which `generate` decodes with its decoding step
-            compiled (`torch.compile`, `generation_compile_config`): the step compiles once, at the first rollout,
+            compiled (`torch.compile`, experimental `generation_compile_config`): the step compiles once, at the first rollout,
             whatever the prompts' width, and a smaller batch (an evaluation, the last prompts) is padded to the
             rollout's size so that it reuses it. `"dynamic"`: transformers' dynamic cache, nothing compiled.
-            `"auto"`: static on a GPU, dynamic on a CPU (where the compiled step is slower to build than it saves),
-            and dynamic with one log line that says why for a model that transformers does not mark as compilable,
+            `"auto"`: static on a GPU, dynamic on a CPU (transformers compiles the decoding step on accelerators
+            only), and dynamic with one log line that says why for a model that transformers does not mark as compilable,
             under DeepSpeed ZeRO-3 or FSDP (whose weights are gathered anew for every rollout) and without a
             `max_prompt_length`. With a static cache, a LoRA policy samples with its adapter merged into a copy of
             the base weights kept for the whole run (one extra copy of the adapted weights), so that the compiled
             step reads the same tensors at every rollout.
-        generation_compile_config (`dict` or `None`, *optional*, defaults to `None`):
-            How the decoding step compiles with a static cache: fields of transformers' `CompileConfig` (`mode`,
-            `fullgraph`, `dynamic`, `backend`, `options`; on a command line, a JSON string). `None`: klppo's
-            default, `{"mode": "default", "dynamic": false}` (see README, "Performance").
 
         > Optimisation
 
@@ -367,7 +370,6 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
     rollout_forward_batch_size: int | None = field(default=None, metadata=_doc("rollout_forward_batch_size"))
     max_prompt_length: int | None = field(default=256, metadata=_doc("max_prompt_length"))
     cache_implementation: str = field(default="auto", metadata=_doc("cache_implementation"))
-    generation_compile_config: dict | str | None = field(default=None, metadata=_doc("generation_compile_config"))
 
     # Optimisation, diagnostics
     learning_rate: float | None = field(default=None, metadata=_doc("learning_rate"))
@@ -695,19 +697,11 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
         self.compile_config()
 
     def compile_config(self):
-        """transformers' `CompileConfig` of the compiled decoding step: `DEFAULT_GENERATION_COMPILE` updated with
-        `generation_compile_config`."""
+        """transformers' `CompileConfig` of the compiled decoding step: `DEFAULT_GENERATION_COMPILE` updated with the
+        experimental `generation_compile_config`."""
         from transformers import CompileConfig
 
-        given = self.generation_compile_config
-        if isinstance(given, str):  # from a command line
-            try:
-                given = json.loads(given)
-            except json.JSONDecodeError as err:
-                raise ValueError(
-                    f"`generation_compile_config` must be a mapping (JSON on a command line), got {given!r}: {err}."
-                ) from None
-            self.generation_compile_config = given
+        given = self._experimental.generation_compile_config
         if given is not None and not isinstance(given, dict):
             raise ValueError(f"`generation_compile_config` must be a mapping or None, got {given!r}.")
         known = ("mode", "fullgraph", "dynamic", "backend", "options")
