@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from .ppo.checkpoint import ResumeMismatch
 from .ppo.health import TrainingDiverged
 from .ppo.lock import OutputDirInUse, OutputDirLock
+from .ppo.preemption import EXIT_STOPPED
 from .rewards import RewardFunctionError, load_reward_funcs
 from .utils import none_from_text, write_json
 
@@ -174,27 +175,35 @@ def _run(script_args, training_args, model_args) -> dict:
 
     before = snapshot()
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    # the final state is written first: nothing after this point can lose it
-    trainer.save_model(training_args.output_dir)
+    stopped = trainer.stopped_by_signal
+    # the final state is written first: nothing after this point can lose it (a stopped run's is its checkpoint)
+    if stopped is None:
+        trainer.save_model(training_args.output_dir)
     if trainer.is_world_process_zero():
         trainer.state.save_to_json(os.path.join(training_args.output_dir, "trainer_state.json"))
+    after = {"perplexity": None, "samples": [], "prompts": prompts}
     try:
-        after = snapshot()
+        if stopped is None:  # a stopped run has its grace period to finish in: no evaluation
+            after = snapshot()
     except (RuntimeError, ValueError, OverflowError) as err:  # diagnostics must not end the run
         warnings.warn(f"End-of-run evaluation failed ({err}); the summary has no 'after' figures.", stacklevel=1)
-        after = {"perplexity": None, "samples": [], "prompts": prompts}
     summary = run_summary(trainer.state.log_history, trainer.args, trainer.kl_controller.value, before, after)
     summary["wall_seconds"] = time.time() - start
+    summary["stopped_after_update"] = stopped
     if trainer.is_world_process_zero():
         print(format_summary(summary, summary["wall_seconds"]), flush=True)
         write_json(script_args.summary_file or os.path.join(training_args.output_dir, "summary.json"), summary)
+        if stopped is not None:
+            print(f"klppo: stopped by SIGTERM after update {stopped} of {trainer.state.max_steps}, not finished; "
+                  f"{os.path.join(training_args.output_dir, f'checkpoint-{stopped}')} holds it. Resume with "
+                  "--resume_from_checkpoint true.", flush=True)  # fmt: skip
     trainer.shutdown()  # a clean exit under torchrun / accelerate launch
     return summary
 
 
 def cli(argv=None) -> int:
     """`scripts/train.py`'s entry point: parse, train, print the summary; 2 on a user error (one paragraph on
-    stderr, no traceback), 0 on success."""
+    stderr, no traceback), 143 for a run that SIGTERM stopped after saving a checkpoint, 0 on success."""
     import yaml
 
     try:
@@ -210,8 +219,8 @@ def cli(argv=None) -> int:
         print(f"error: {err}\nSee `python scripts/train.py --help` and docs/configuration.md.", file=sys.stderr)
         return 2
     try:
-        main(parsed)
+        summary = main(parsed)
     except (UserError, OutputDirInUse, ResumeMismatch, RewardFunctionError, TrainingDiverged) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    return 0
+    return EXIT_STOPPED if summary.get("stopped_after_update") is not None else 0

@@ -140,6 +140,13 @@ EXPERIMENTAL_DOC = r"""
             `fullgraph`, `dynamic`, `backend`, `options`). `None`: `{"mode": "reduce-overhead", "dynamic": false}`,
             one graph per batch size replayed as a CUDA graph (on an H200 the CUDA graphs took workload (b)'s
             generation from 2.4 s to 1.06 s per update, `results/bench/gpu/`).
+        checkpoint_on_sigterm (`bool`, *optional*, defaults to `True`):
+            While training, SIGTERM (a scheduler's stop: SLURM's preemption and time limit, a Kubernetes eviction)
+            ends the run at the end of the current update, every rank after the same one: a checkpoint of that update
+            is saved, the summary written, and `scripts/train.py` exits with status 143 and says it was stopped.
+            `--resume_from_checkpoint true` goes on from there. A second SIGTERM more than 5 s after the first (a
+            launcher forwarding the first to its ranks is not a second), or SIGINT, stops at once. It replaces
+            transformers' `enable_jit_checkpoint`. False: SIGTERM stops the process at once.
         ref_reset_optimizer (`bool`, *optional*, defaults to `True`):
             With `ref_reset_steps`: clear the optimizer's state (Adam's moments and step counts, the critic's too) at
             each reset, as ProRL does; False keeps it.
@@ -169,6 +176,7 @@ class ExperimentalSettings:
     max_nonfinite_updates: int = 3
     ref_reset_optimizer: bool = True
     generation_compile_config: dict | None = None
+    checkpoint_on_sigterm: bool = True
 
 
 EXPERIMENTAL_KEYS = tuple(f.name for f in fields(ExperimentalSettings))
@@ -510,7 +518,7 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
             if not getattr(x, name) >= low:
                 raise ValueError(f"`{name}` must be >= {low}, got {getattr(x, name)}.")
         for name in ("kl_loss_baseline", "merge_adapter_for_generation", "shared_critic_detach", "whiten_advantages",
-                     "ref_reset_optimizer"):  # fmt: skip
+                     "ref_reset_optimizer", "checkpoint_on_sigterm"):  # fmt: skip
             if not isinstance(getattr(x, name), bool):
                 raise ValueError(f"`{name}` must be true or false, got {getattr(x, name)!r}.")
         if x.nonfinite_rollback is not None and not isinstance(x.nonfinite_rollback, bool):
@@ -572,6 +580,10 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
     @property
     def max_nonfinite_updates(self):
         return self._experimental.max_nonfinite_updates
+
+    @property
+    def checkpoint_on_sigterm(self):
+        return self._experimental.checkpoint_on_sigterm
 
     @property
     def ref_reset_optimizer(self):

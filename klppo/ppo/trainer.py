@@ -68,6 +68,7 @@ from .guard import LOWER, UPPER, build_kl_guard, reset_momentum
 from .health import NonfiniteGuard, PPOHealthMonitor, TrainingDiverged, policy_outputs_finite, rollout_outputs_finite
 from .losses import ppo_losses
 from .plan import LOGGED_ESTIMATORS, make_kl_plan
+from .preemption import StopRequest
 from .reference import clear_optimizer_state, reference_tensors, reset_reference, swapped_in
 from .rollback import restore_optimisation, snapshot_optimisation
 from .rollout import (
@@ -213,6 +214,10 @@ class KLPPOTrainer(Trainer):
         self.health_monitor = PPOHealthMonitor(patience=args.health_patience)
         self.nonfinite_guard = NonfiniteGuard(args.max_nonfinite_updates)
         self.completion_samples: list[dict] = []
+        self.stop_request = StopRequest()  # SIGTERM while training (`checkpoint_on_sigterm`)
+        self.stopped_by_signal: int | None = None  # the update a SIGTERM stopped the run after
+        self._last_saved_step: int | None = None
+        self._replace_jit_checkpoint()
         self._unsettled: Unsettled | None = None  # the last update, until forward passes have shown its policy finite
         self._checked_rows: Sequences | None = None  # what the check before a save reads
         self.reference_resets = 0  # `ref_reset_steps`: resets so far
@@ -221,6 +226,24 @@ class KLPPOTrainer(Trainer):
             self._check_reference_resets()
         logger.info("KL applied in: %s (estimator %s, controller %s, statistic %s in unit: %s)", args.kl_mode,
                     args.kl_estimator, args.kl_controller, args.kl_statistic, args.kl_target_unit)  # fmt: skip
+
+    def _replace_jit_checkpoint(self) -> None:
+        """transformers' `enable_jit_checkpoint` callback stops each rank on its own timer; klppo's SIGTERM handling
+        (`klppo.ppo.preemption`) does its job with every rank stopping after the same update. The callback, when the
+        field asked for it, is removed and SIGTERM given back its handler."""
+        from transformers.trainer_jit_checkpoint import JITCheckpointCallback
+
+        callback = next((c for c in self.callback_handler.callbacks if isinstance(c, JITCheckpointCallback)), None)
+        if callback is None:
+            return
+        self.remove_callback(callback)
+        manager = callback.jit_manager
+        if manager is not None and manager._original_sigterm_handler is not None:
+            import signal
+
+            signal.signal(signal.SIGTERM, manager._original_sigterm_handler)
+        logger.info("enable_jit_checkpoint: klppo saves a checkpoint on SIGTERM itself (experimental "
+                    "checkpoint_on_sigterm, on by default), every rank after the same update.")  # fmt: skip
 
     def _mixed_precision(self) -> bool:
         """Whether the arguments or accelerate (`mixed_precision` in an accelerate config file) set mixed precision."""
@@ -311,8 +334,13 @@ class KLPPOTrainer(Trainer):
                 "weights, build a new KLPPOTrainer from `trainer.model`; to extend the run, build one with a larger "
                 "`max_steps` and `resume_from_checkpoint=True`."
             )
-        with OutputDirLock(self.args.output_dir, enabled=self.is_world_process_zero() and self.args.should_save):
-            return self._train(resume_from_checkpoint)
+        if self.args.checkpoint_on_sigterm:
+            self.stop_request.install()
+        try:
+            with OutputDirLock(self.args.output_dir, enabled=self.is_world_process_zero() and self.args.should_save):
+                return self._train(resume_from_checkpoint)
+        finally:
+            self.stop_request.uninstall()
 
     def _train(self, resume_from_checkpoint: str | bool | None) -> TrainOutput:
         args = self.args
@@ -341,6 +369,9 @@ class KLPPOTrainer(Trainer):
             self.state.epoch = self.state.global_step * self._prompts_per_update() / len(self.train_dataset)
             self.control = self.callback_handler.on_step_end(args, self.state, self.control)
             self._log_evaluate_save(metrics)
+            if self.stop_request.agreed(self.accelerator):  # one collective per update: all ranks stop here
+                self._stop_on_signal(num_updates)
+                break
             if self.control.should_training_stop:
                 break
         self._settle_last_update()  # the last update's policy, checked before anything samples from or saves it
@@ -348,6 +379,21 @@ class KLPPOTrainer(Trainer):
         self.is_in_train = False
         return TrainOutput(self.state.global_step, metrics.get("loss/policy", float("nan")),
                            {"train_runtime": time.time() - start_time})  # fmt: skip
+
+    def _stop_on_signal(self, num_updates: int) -> None:
+        """A SIGTERM reached a rank: save this update's checkpoint (unless one was just written) through the usual
+        atomic save, and mark the run as stopped."""
+        step = self.state.global_step
+        if self._last_saved_step != step:
+            self._save_checkpoint(self.model, trial=None)
+        self.stopped_by_signal = step
+        self.control.should_training_stop = True
+        if self.is_world_process_zero():
+            logger.warning(
+                "SIGTERM: the run stopped after update %d of %d and saved %s. Resume with --resume_from_checkpoint true "
+                "(Python: train(resume_from_checkpoint=True)).", step, num_updates,
+                os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}"),
+            )  # fmt: skip
 
     def _prompts_per_update(self) -> int:
         """Prompts per update, all ranks (each sampled `num_generations` times)."""
@@ -1050,6 +1096,7 @@ class KLPPOTrainer(Trainer):
             rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)  # fmt: skip
         self.accelerator.wait_for_everyone()
+        self._last_saved_step = self.state.global_step
 
     def _weights_finite(self) -> bool:
         """Whether every trainable weight is finite and training was not stopped on a diverged policy (whose
