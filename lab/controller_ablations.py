@@ -28,7 +28,7 @@ mean tracking error on seed 3, and it never bound on the default task.)
 from __future__ import annotations
 
 from klppo.kl.controllers import EquilibriumKLController, TrackingKLController, register_kl_controller
-from klppo.ppo.guard import KLGuard, register_kl_guard
+from klppo.ppo.guard import LOWER, KLGuard, register_kl_guard
 
 
 class _ConstantGain(EquilibriumKLController):
@@ -61,6 +61,25 @@ class GuardWithoutLowSide(KLGuard):
     """klppo's guard with its upper side only."""
 
     lower = False
+
+
+@register_kl_guard("low_crossing")
+class GuardLowOnCrossing(KLGuard):
+    """klppo's guard whose low side acts only on an update that started at or above the target (its rollout's
+    reading) and has pushed the KL below it: an update that starts below the target is never cut by it."""
+
+    def check(self, kl_sum, kl_count, kl_rollout, reading):
+        verdict = super().check(kl_sum, kl_count, kl_rollout, reading)
+        if verdict == LOWER and reading is not None and reading < self.target * self.lower_at:
+            return None
+        return verdict
+
+
+@register_kl_guard("low_band")
+class GuardLowBand(KLGuard):
+    """klppo's guard whose low side acts at 0.8 x the target instead of the target."""
+
+    lower_at = 0.8
 
 
 @register_kl_guard("keeps_momentum")

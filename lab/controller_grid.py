@@ -82,7 +82,8 @@ def run_cell(job: dict) -> dict:
     logs = [h for h in trainer.state.log_history if "kl/coef" in h]
     return {**job, "target": target, "beta_star": BETA_STAR, "optimum": optimum.describe(),
             "kl": [h["kl/value"] for h in logs],
-            "beta": [h["kl/coef"] for h in logs], "guard": [h.get("kl/guard_fired", 0.0) for h in logs]}
+            "beta": [h["kl/coef"] for h in logs], "guard": [h.get("kl/guard_fired", 0.0) for h in logs],
+            "guard_low": [h.get("kl/guard_low_fired", 0.0) for h in logs]}
 
 
 def summarise(run: dict) -> dict:
@@ -97,9 +98,9 @@ def summarise(run: dict) -> dict:
     }
 
 
-def cells(starts=STARTS):
+def cells(starts=STARTS, lrs=LEARNING_RATES, batches=BATCHES):
     return [dict(start=s, lr=lr, steps=k, batch=b)
-            for s, lr, k, b in itertools.product(starts, LEARNING_RATES, STEPS_PER_UPDATE, BATCHES)]
+            for s, lr, k, b in itertools.product(starts, lrs, STEPS_PER_UPDATE, batches)]
 
 
 def passes(s: dict) -> bool:
@@ -205,6 +206,8 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=None, help="updates per run (default: updates_for(lr))")
     parser.add_argument("--plugin", help="import this module first (one that registers a controller or a guard)")
     parser.add_argument("--only", type=json.loads, default=None, help="run only the cells matching this JSON")
+    parser.add_argument("--lrs", type=float, nargs="+", default=list(LEARNING_RATES), help="the grid's learning rates")
+    parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES), help="the grid's rollout batches")
     parser.add_argument("--table", type=Path, nargs="+", help="print the table of finished grid files and exit")
     parser.add_argument("--overview", nargs="+", metavar="NAME=FILE[,FILE]",
                         help="print one row per named variant (ablations) and exit")
@@ -231,7 +234,7 @@ def main() -> None:
         return
     jobs = [dict(cell, seed=seed, kwargs=args.kwargs, config=args.config, fixed=args.fixed, plugin=args.plugin,
                  updates=args.updates)
-            for cell in (cells((1.0,)) if args.fixed else cells()) for seed in args.seeds
+            for cell in cells((1.0,) if args.fixed else STARTS, args.lrs, args.batches) for seed in args.seeds
             if all(cell[k] == v for k, v in (args.only or {}).items())]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     runs = []

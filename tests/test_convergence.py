@@ -32,7 +32,7 @@ from klppo.testing.bandit import (
     two_token_kl_to_optimum,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.numerics]
 BETA = 0.5
 
 

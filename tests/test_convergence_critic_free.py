@@ -35,7 +35,7 @@ from klppo.testing.bandit import (
     tilted,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.numerics]
 BETA = 0.5
 GROUP = 4
 

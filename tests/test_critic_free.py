@@ -15,6 +15,8 @@ from klppo.models import TINY_MODEL, resolve_model_path
 from klppo.ppo.advantages import advantage_slope, grpo_advantages, rloo_advantages, sequence_advantages
 from klppo.testing.bandit import grpo_advantage_gap
 
+pytestmark = pytest.mark.numerics  # its verdicts rest on training or controller arithmetic: run under a second kernel set too
+
 F64 = torch.float64
 
 

@@ -22,6 +22,8 @@ from klppo.kl import (
     unregister_kl_controller,
 )
 
+pytestmark = pytest.mark.numerics  # its verdicts rest on training or controller arithmetic: run under a second kernel set too
+
 KL_CONTROLLERS = ("fixed", "adaptive", "exponential", "pid", "tracking", "equilibrium")
 
 

@@ -8,6 +8,8 @@ from klppo.kl import BUILTIN_KL_ESTIMATORS, KL_MODES, estimate_kl, get_kl_estima
 from klppo.kl.controllers import EquilibriumKLController, equilibrium_log_coef, optimum_kl
 from klppo.kl.optimum import FORWARD, REVERSE, KLOptimum, kl_optimum_of
 
+pytestmark = pytest.mark.numerics  # its verdicts rest on training or controller arithmetic: run under a second kernel set too
+
 
 def _tilt(ref, r, beta):
     return torch.log_softmax(ref + r / beta, dim=0)

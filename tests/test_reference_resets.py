@@ -19,6 +19,8 @@ from klppo.models import TINY_MODEL, resolve_model_path
 from klppo.testing import klppo_config
 from klppo.testing.bandit import bandit_trainer, kl, one_token_state, tilted
 
+pytestmark = pytest.mark.numerics  # its verdicts rest on training or controller arithmetic: run under a second kernel set too
+
 BETA = 0.5
 PROMPTS = Dataset.from_dict({"prompt": ["The day was", "My friend said", "A letter came", "It rained"] * 4})
 

@@ -17,6 +17,8 @@ from klppo.models import TINY_MODEL, resolve_model_path
 from klppo.ppo.steps import Advantages
 from klppo.testing import klppo_config
 
+pytestmark = pytest.mark.numerics  # its verdicts rest on training or controller arithmetic: run under a second kernel set too
+
 LOGGED_METRICS = [
     "kl/coef", "kl/value", "kl/k1", "kl/k2", "kl/k3", "kl/clamped_frac",
     "objective/scores", "objective/rlhf_reward", "objective/non_score_reward",

@@ -18,6 +18,8 @@ import sys
 import pytest
 import torch
 
+pytestmark = pytest.mark.numerics  # its verdicts rest on training or controller arithmetic: run under a second kernel set too
+
 WORKER = os.path.join(os.path.dirname(__file__), "dist_trainer_worker.py")
 
 

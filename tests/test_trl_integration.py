@@ -1,6 +1,7 @@
 """`klppo.integrations.trl.add_kl_control` on TRL's own GRPOTrainer and RLOOTrainer (tiny Llama, CPU): on the
 one-token bandit the default (equilibrium) controller holds a target KL, measured exactly from the logits, at the
 beta whose fixed point has it; beta moves toward the target, `kl/coef` is logged every step, a resumed run continues
+
 with the checkpointed controller, beta = 0 and fields that are not the controller's are refused."""
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from klppo.testing.bandit import (
     one_token_reward,
     tilted,
 )
+
+pytestmark = pytest.mark.numerics  # its verdicts rest on training or controller arithmetic: run under a second kernel set too
 
 TRAINERS = {"grpo": (GRPOConfig, GRPOTrainer), "rloo": (RLOOConfig, RLOOTrainer)}
 

@@ -231,8 +231,10 @@ class KLPPOTrainer(Trainer):
         """transformers' `enable_jit_checkpoint` callback stops each rank on its own timer; klppo's SIGTERM handling
         (`klppo.ppo.preemption`) does its job with every rank stopping after the same update. The callback, when the
         field asked for it, is removed and SIGTERM given back its handler."""
-        from transformers.trainer_jit_checkpoint import JITCheckpointCallback
-
+        try:
+            from transformers.trainer_jit_checkpoint import JITCheckpointCallback
+        except ImportError:  # a transformers release without it
+            return
         callback = next((c for c in self.callback_handler.callbacks if isinstance(c, JITCheckpointCallback)), None)
         if callback is None:
             return
