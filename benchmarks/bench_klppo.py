@@ -94,9 +94,9 @@ def train(args) -> dict:
         "workload": args.workload,
         "layout": layout,
         **timing_record(args, per_update, "time/update_wall", setup_s),
-        "decoding": {"cache": "static" if trainer.static_caches is not None else "dynamic",
-                     "compile_config": str(trainer.generation_config.compile_config)
-                     if trainer.static_caches is not None else None},
+        "decoding": {"cache": "static" if trainer.sampler.static_caches is not None else "dynamic",
+                     "compile_config": str(trainer.sampler.generation_config.compile_config)
+                     if trainer.sampler.static_caches is not None else None},
         "compiles_per_update": compiles.per_update(),
         "kl_share": statistics.median(u.get("time/kl", 0.0) / u["time/update"] for u in measured),
         "generated_length": [h.get("objective/response_length") for h in logs],

@@ -191,7 +191,7 @@ def run_klppo(args, path, tokenizer, settings, merged: bool) -> dict:
     trainer = KLPPOTrainer(model=load_model(args, path), args=config, processing_class=tokenizer,
                            reward_funcs=positive_sentiment_reward, train_dataset=prompts, peft_config=lora)  # fmt: skip
     if args.force_compile:
-        trainer.generation_config.compile_config._compile_all_devices = True
+        trainer.sampler.generation_config.compile_config._compile_all_devices = True
     trainer.setup_optimisation(1)
     batch = trainer.prompt_batch(list(prompts["prompt"]))
     generation = []
@@ -210,7 +210,7 @@ def run_klppo(args, path, tokenizer, settings, merged: bool) -> dict:
 def render(report: dict) -> str:
     s = report["settings"]
     lines = [
-        f"# Decoding: plain compiled `generate` against klppo's rollout generation",
+        "# Decoding: plain compiled `generate` against klppo's rollout generation",
         "",
         f"{report['machine']}; random {s['model_shape']} Llama, {s['dtype']}, {s['batch_size']} prompts x "
         f"{s['response_length']} new tokens, compile settings {s['compile']}, {s['calls']} calls per variant.",

@@ -460,7 +460,7 @@ class PPOTrainer(KLPPOTrainer):
         import pandas as pd
         from accelerate.utils import gather_object
 
-        from .ppo.rollout import truncate_at_stop
+        from .ppo.sampling import truncate_at_stop
         from .ppo.steps import Sequences
 
         if self.eval_prompts is None:
@@ -469,16 +469,18 @@ class PPOTrainer(KLPPOTrainer):
         rows = self.eval_prompts.shard(num_shards=acc.num_processes, index=acc.process_index, contiguous=True)
         generation_config = GenerationConfig(
             max_new_tokens=self.args.response_length, do_sample=False, pad_token_id=self.processing_class.pad_token_id,
-            eos_token_id=self.generation_config.eos_token_id, suppress_tokens=None if self.suppressed_ids is None else self.suppressed_ids.tolist(),
+            eos_token_id=self.sampler.generation_config.eos_token_id,
+            suppress_tokens=None if self.sampler.suppressed_ids is None else self.sampler.suppressed_ids.tolist(),
         )  # fmt: skip
         table = {"query": [], "model response": [], "score": []}
         for start in range(0, len(rows) - size + 1, size):  # whole batches, as TRL's eval loader (drop_last)
             batch = self.prompt_batch(list(rows.select(range(start, start + size))))
             input_ids, attention_mask = batch.input_ids.to(acc.device), batch.attention_mask.to(acc.device)
-            with self.model_for_generation() as unwrapped:
+            with self.sampler.unwrapped(self.model_wrapped) as unwrapped:
                 out = unwrapped.policy.generate(input_ids=input_ids, attention_mask=attention_mask,
                                                 generation_config=generation_config)  # fmt: skip
-            responses, mask = truncate_at_stop(out[:, input_ids.shape[1] :], self.stop_token_id, self.processing_class.pad_token_id)
+            responses, mask = truncate_at_stop(out[:, input_ids.shape[1] :], self.sampler.stop_token_id,
+                                               self.processing_class.pad_token_id)  # fmt: skip
             sequences = Sequences(
                 prompts=batch.prompts, extra=batch.extra, query_responses=torch.cat([input_ids, responses], 1),
                 attention_mask=torch.cat([attention_mask, mask], 1), responses=responses, response_mask=mask,

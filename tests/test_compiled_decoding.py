@@ -79,8 +79,8 @@ def compiled_trainer(tiny_path, prompts, tmp_path, peft: bool = True, **override
         peft_config=LoraConfig(r=4, target_modules="all-linear") if peft else None,
         eval_dataset=prompts.select(range(3)) if args.get("eval_strategy") == "steps" else None,
     )  # fmt: skip
-    assert trainer.static_caches is not None
-    trainer.generation_config.compile_config._compile_all_devices = True  # compile on the CPU, as on a GPU
+    assert trainer.sampler.static_caches is not None
+    trainer.sampler.generation_config.compile_config._compile_all_devices = True  # compile on the CPU, as on a GPU
     trainer.add_callback(FailOnRecompileAfterFirstUpdate())
     return trainer
 
@@ -160,7 +160,9 @@ def test_a_rollout_in_the_other_mode_is_caught(tiny_path, prompts, tmp_path, mon
     trainer.train()
     assert len(GRAPHS) == 1
     batch = trainer.prompt_batch(list(prompts["prompt"][:4]))
-    original = KLPPOTrainer._sampling_form
+    from klppo.ppo.rollout import RolloutSampler
+
+    original = RolloutSampler.sampling_form
 
     def train_mode(self, policy):
         form = original(self, policy)
@@ -175,7 +177,7 @@ def test_a_rollout_in_the_other_mode_is_caught(tiny_path, prompts, tmp_path, mon
 
         return TrainMode()
 
-    monkeypatch.setattr(KLPPOTrainer, "_sampling_form", train_mode)
+    monkeypatch.setattr(RolloutSampler, "sampling_form", train_mode)
     with pytest.raises(Exception, match="fail_on_recompile|[Rr]ecompil"):
         trainer.rollout(batch)
     torch.compiler.set_stance("default")

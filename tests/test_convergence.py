@@ -134,15 +134,15 @@ def test_fixed_length_responses_never_train_the_suppressed_end_token(tiny_path, 
     from 0.0009 to 0.71 in 120 updates, and the exact KL reached 4.8 nats. Masked, it stays where it was."""
     trainer = bandit_trainer(tiny_path, tmp_path, kl_mode="loss", kl_estimator="k2")
     eos = trainer.processing_class.eos_token_id
-    assert trainer.suppressed_ids is not None and eos in trainer.suppressed_ids.tolist()
-    assert eos in trainer.generation_config.suppress_tokens
+    assert trainer.sampler.suppressed_ids is not None and eos in trainer.sampler.suppressed_ids.tolist()
+    assert eos in trainer.sampler.generation_config.suppress_tokens
 
     def raw_end_probability() -> float:
         policy = trainer.accelerator.unwrap_model(trainer.model).policy
         ids = torch.tensor([trainer.processing_class("The day was")["input_ids"]])
         with torch.no_grad():
             probs = torch.softmax(policy(input_ids=ids).logits[0, -1].double(), dim=-1)
-        return float(probs[trainer.suppressed_ids].sum())
+        return float(probs[trainer.sampler.suppressed_ids].sum())
 
     before = raw_end_probability()
     trainer.train()

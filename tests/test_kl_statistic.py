@@ -134,7 +134,7 @@ def test_one_generate_call_per_rollout_even_when_it_stops_early(tiny_path, tmp_p
         kwargs["generation_config"].max_new_tokens = 3
         kwargs["generation_config"].min_new_tokens = None
         out = generate(*args, **kwargs)
-        out[:, -1] = trainer.stop_token_id
+        out[:, -1] = trainer.sampler.stop_token_id
         calls.append(kwargs["input_ids"].shape[0])
         return out
 

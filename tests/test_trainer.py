@@ -465,24 +465,24 @@ def test_without_stop_token_eos_is_suppressed_unless_missing_eos_penalty_scores_
     and exactly the responses that contain no EOS anywhere lose the penalty. The policy makes EOS likely (about
     0.2 per token)."""
     from klppo.models import load_tokenizer
-    from klppo.ppo.rollout import position_ids_from_mask
+    from klppo.ppo.logprobs import position_ids_from_mask
 
     tokenizer = load_tokenizer(tiny_path)
     eos = tokenizer.eos_token_id
     args = make_args(tmp_path, stop_token=None, missing_eos_penalty=penalty, response_length=8, temperature=1.0)
     trainer = KLPPOTrainer(model=policy_favouring_eos(tiny_path, 5.5), args=args, processing_class=tokenizer,
                            train_dataset=prompts, reward_funcs=zero_reward)  # fmt: skip
-    assert trainer.generation_config.eos_token_id == []  # no token ends a response
+    assert trainer.sampler.generation_config.eos_token_id == []  # no token ends a response
     torch.manual_seed(0)
     rollout = trainer.rollout(trainer.prompt_batch(prompts["prompt"]))
     assert rollout.response_mask.all() and rollout.responses.shape[1] == 8  # nothing truncated
     has_eos = (rollout.responses == eos).any(dim=1)
     rewards = trainer.compute_rewards(rollout)
     if penalty is None:
-        assert trainer.suppressed_ids.tolist() == [eos] and eos in trainer.generation_config.suppress_tokens
+        assert trainer.sampler.suppressed_ids.tolist() == [eos] and eos in trainer.sampler.generation_config.suppress_tokens
         assert not has_eos.any() and "objective/eos_frac" not in rewards.metrics
         return
-    assert trainer.suppressed_ids is None and not trainer.generation_config.suppress_tokens
+    assert trainer.sampler.suppressed_ids is None and not trainer.sampler.generation_config.suppress_tokens
     assert (rollout.responses[:, :-1] == eos).any(), "EOS sampled, and the response went on after it"
     assert has_eos.any() and (~has_eos).any()
     torch.testing.assert_close(rewards.scores, torch.where(has_eos, 0.0, -penalty))
@@ -536,7 +536,7 @@ def test_sample_categorical_draws_exactly_the_given_probabilities(monkeypatch):
     """Two-level inverse transform sampling: frequencies within 5 standard errors of the probabilities (a block size
     that does not divide the vocabulary), tokens of probability 0 never drawn, and a uniform draw that reaches the
     total by rounding still lands on the last token of positive probability."""
-    from klppo.ppo.rollout import sample_categorical
+    from klppo.ppo.sampling import sample_categorical
 
     p = torch.tensor([0.0, 0.1, 0.0, 0.2, 0.3, 0.0, 0.05, 0.35, 0.0, 0.0])
     n = 200_000
@@ -563,7 +563,7 @@ def test_generation_samples_softmax_of_the_logits_over_temperature(tiny_model_an
     each decoding step are those of the drawn tokens, and the kept logits are the scaled ones."""
     from transformers import GenerationConfig
 
-    from klppo.ppo.rollout import generate_responses
+    from klppo.ppo.sampling import generate_responses
 
     model, tokenizer = tiny_model_and_tokenizer
     enc = tokenizer(["The tiny model says"], return_tensors="pt")
@@ -598,7 +598,7 @@ def test_generation_samples_softmax_of_the_logits_over_temperature(tiny_model_an
 def test_exponential_race_draws_exactly_the_given_probabilities():
     """The race `argmax(w / E)`, E ~ Exp(1): frequencies within 5 standard errors of `w / sum(w)` for an
     unnormalised row, and a token of weight 0 never drawn."""
-    from klppo.ppo.rollout import sample_exponential_race
+    from klppo.ppo.sampling import sample_exponential_race
 
     w = torch.tensor([0.0, 0.2, 0.0, 0.4, 0.6, 0.0, 0.1, 0.7])  # total 2
     p = (w / w.sum()).double()
@@ -616,7 +616,7 @@ def test_only_plain_temperature_sampling_is_accepted():
     reshapes the distribution is refused."""
     from transformers import GenerationConfig
 
-    from klppo.ppo.rollout import default_draw, plain_sampling_temperature
+    from klppo.ppo.sampling import default_draw, plain_sampling_temperature
 
     plain = GenerationConfig(do_sample=True, temperature=0.7, top_k=0, top_p=1.0, max_new_tokens=4)
     assert plain_sampling_temperature(plain) == 0.7
@@ -629,7 +629,7 @@ def test_only_plain_temperature_sampling_is_accepted():
     # the rollout's own config sets those processors to neutral values, which the model's defaults do not replace
     from types import SimpleNamespace
 
-    from klppo.ppo.rollout import make_generation_config
+    from klppo.ppo.sampling import make_generation_config
 
     tokenizer = SimpleNamespace(pad_token_id=3)
     ours = make_generation_config(SimpleNamespace(response_length=4, temperature=0.7), tokenizer, stop_token_id=2)
@@ -648,7 +648,7 @@ def test_the_rollouts_generation_config_makes_generate_warn_nothing(tiny_model_a
     every update of every run), and no processor beyond the sampler's."""
     from types import SimpleNamespace
 
-    from klppo.ppo.rollout import generate_responses, make_generation_config
+    from klppo.ppo.sampling import generate_responses, make_generation_config
 
     model, tokenizer = tiny_model_and_tokenizer
     enc = tokenizer(["a", "b"], return_tensors="pt", padding=True)
@@ -664,7 +664,7 @@ def test_sampling_from_non_finite_logits_says_the_weights_diverged(tiny_model_an
     from transformers import GenerationConfig
 
     from klppo.ppo.health import TrainingDiverged
-    from klppo.ppo.rollout import generate_responses
+    from klppo.ppo.sampling import generate_responses
 
     model, tokenizer = tiny_model_and_tokenizer
     with torch.no_grad():
@@ -721,7 +721,7 @@ def test_lora_layers_sharing_a_base_weight_sample_unmerged(tiny_path):
     from peft.tuners.lora import LoraLayer
 
     from klppo.models import load_causal_lm
-    from klppo.ppo.rollout import merged_lora
+    from klppo.ppo.caches import merged_lora
 
     model = peft.get_peft_model(load_causal_lm(tiny_path), peft.LoraConfig(r=4, target_modules=["q_proj"]))
     layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
@@ -1270,19 +1270,19 @@ def test_the_kv_cache_generation_decodes_into(tiny_path, prompts, tmp_path, capl
     the rollout's size. Without a max_prompt_length, "static" is refused and "auto" keeps the dynamic cache."""
     from peft import LoraConfig
 
-    from klppo.ppo.rollout import supports_static_cache
+    from klppo.ppo.caches import supports_static_cache
 
     auto = make_trainer(tiny_path, prompts, make_args(tmp_path, critic="shared"))
-    assert auto.static_caches is None and auto.kl_plan.read_while_decoding
+    assert auto.sampler.static_caches is None and auto.kl_plan.read_while_decoding
     args = make_args(tmp_path, cache_implementation="static", max_prompt_length=8, critic="shared",
                      experimental={"generation_compile_config": {"mode": "default"}})  # fmt: skip
     trainer = make_trainer(tiny_path, prompts, args, peft_config=LoraConfig(r=4, target_modules="all-linear"))
-    assert trainer.static_caches is not None and trainer.static_caches.max_len == 8 + 6
-    config = trainer.generation_config.compile_config
+    assert trainer.sampler.static_caches is not None and trainer.sampler.static_caches.max_len == 8 + 6
+    config = trainer.sampler.generation_config.compile_config
     assert (config.mode, config.dynamic, config.backend) == ("default", False, "inductor")
     assert not trainer.kl_plan.read_while_decoding
     rollout = trainer.rollout(trainer.prompt_batch(prompts["prompt"][:3]))  # 3 rows: padded to the rollout's 4
-    assert rollout.responses.shape[0] == 3 and set(trainer.static_caches.caches) == {4}
+    assert rollout.responses.shape[0] == 3 and set(trainer.sampler.static_caches.caches) == {4}
     scored = trainer.score(rollout.sequences())
     mask = rollout.response_mask.bool()
     torch.testing.assert_close(rollout.logp[mask], scored.logp[mask], rtol=1e-5, atol=1e-5)
@@ -1319,8 +1319,8 @@ def test_updates_with_a_skipped_step_count_as_a_streak_without_rollback(tiny_pat
 
 def test_a_stop_token_is_eos_or_any_one_token_given_as_its_text(tiny_path, prompts, tmp_path):
     trainer = make_trainer(tiny_path, prompts, make_args(tmp_path, stop_token="<|im_start|>"))
-    assert trainer.stop_token_id == trainer.processing_class.convert_tokens_to_ids("<|im_start|>") != trainer.processing_class.eos_token_id
-    assert make_trainer(tiny_path, prompts, make_args(tmp_path)).stop_token_id == trainer.processing_class.eos_token_id
+    assert trainer.sampler.stop_token_id == trainer.processing_class.convert_tokens_to_ids("<|im_start|>") != trainer.processing_class.eos_token_id
+    assert make_trainer(tiny_path, prompts, make_args(tmp_path)).sampler.stop_token_id == trainer.processing_class.eos_token_id
     with pytest.raises(ValueError, match="not one token of this tokenizer.*'eos'"):
         make_trainer(tiny_path, prompts, make_args(tmp_path, stop_token="no such token here"))
     with pytest.raises(ValueError, match="`stop_token` must be 'eos'"):

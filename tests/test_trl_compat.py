@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from klppo import KLPPOConfig, KLPPOTrainer, PPOConfig, PPOTrainer
 from klppo.models import TINY_MODEL, load_causal_lm, load_tokenizer, resolve_model_path
-from klppo.ppo.rollout import collate_prompts
+from klppo.ppo.prompts import collate_prompts
 from klppo.ppo.value import CriticModel
 from klppo.rewards import RewardModelFunction, load_reward_funcs
 from klppo.trl_compat import TRL_METRIC_NAMES
@@ -138,7 +138,7 @@ def test_trl_flags_without_stop_token_parse_with_trl_meaning(tmp_path, caplog, m
     from trl import ModelConfig, ScriptArguments
 
     from klppo.ppo import config as config_module
-    from klppo.ppo.rollout import sampling_setup
+    from klppo.ppo.sampling import sampling_setup
 
     monkeypatch.setattr(config_module, "_WARNED", set())
     flags = ["--dataset_name", "d", "--output_dir", str(tmp_path), "--per_device_train_batch_size", "64",

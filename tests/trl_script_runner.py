@@ -46,9 +46,9 @@ def main() -> None:
         "deepspeed": bool(trainer.is_deepspeed_enabled),
         "reward_names": list(trainer.reward_func_names),
         "eos_token_id": trainer.processing_class.eos_token_id,
-        "stop_token_id": trainer.stop_token_id,
-        "suppressed_ids": None if trainer.suppressed_ids is None else trainer.suppressed_ids.tolist(),
-        "generation_eos_token_id": trainer.generation_config.eos_token_id,
+        "stop_token_id": trainer.sampler.stop_token_id,
+        "suppressed_ids": None if trainer.sampler.suppressed_ids is None else trainer.sampler.suppressed_ids.tolist(),
+        "generation_eos_token_id": trainer.sampler.generation_config.eos_token_id,
         "eval_strategy": str(getattr(args.eval_strategy, "value", args.eval_strategy)),
         "args": {name: getattr(args, name) for name in ARGS_RECORDED},
     }

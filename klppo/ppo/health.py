@@ -127,7 +127,7 @@ def policy_outputs_finite(model, sequences, accelerator, chunk: int) -> bool:
     overflow on some inputs (a learning rate far too high): the weights alone do not tell. Every rank runs the
     forward passes (sharded models need all of them) and the verdicts are summed, so all ranks answer the same."""
     from ..kl.reduce import all_reduce_sum
-    from .rollout import position_ids_from_mask
+    from .logprobs import position_ids_from_mask
 
     bad = torch.zeros(1, dtype=torch.float64, device=accelerator.device)
     for start in range(0, sequences.batch_size, chunk):

@@ -1,588 +1,143 @@
-"""Rollout helpers: prompt batches, generation, stop-token truncation, response masks, log-prob scoring."""
+"""Step 1 of an update, sampling: `RolloutSampler` turns a batch of prompts into sampled responses.
+
+It holds what sampling keeps from one rollout to the next: the sampling configuration (stop token, suppressed ids,
+temperature), and with a static KV cache the caches themselves and the merged LoRA weights that the compiled
+decoding step reads (`klppo.ppo.caches`). Each rollout it takes the policy out of its engine (ZeRO-3 gathers the
+weights, activation checkpointing is turned off around decoding), puts it in its sampling form (eval mode, the adapter
+merged) and decodes the whole batch in one `generate` call (`klppo.ppo.sampling.generate_responses`).
+"""
 
 from __future__ import annotations
 
-import copy
 import logging
-import inspect
-from collections import Counter
 from contextlib import contextmanager, nullcontext
-from typing import NamedTuple
 
 import torch
-from torch import nn
-from torch.utils.data import DataLoader
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
-from trl.trainer.utils import selective_log_softmax
+from trl.distributed import DistributedBackend
+from trl.models.utils import unwrap_model_for_generation
 
-from ..rewards.text import is_conversational
-from .health import TrainingDiverged
-from .steps import PromptBatch
-from .value import last_hidden_states
+from .caches import StaticCaches, merged_lora, supports_static_cache
+from .engines import restore_zero3_hooks, unwrap
+from .sampling import Generation, contiguous_lm_head_input, generate_responses, sampling_setup
 
 logger = logging.getLogger(__name__)
 
 
-def collate_prompts(features: list[dict], tokenizer, max_prompt_length: int | None) -> PromptBatch:
-    """Tokenize dataset rows (a `prompt` column, plain or conversational) into a left-padded batch. A
-    conversational prompt goes through the tokenizer's chat template with the generation prompt; rows of
-    pre-tokenized `input_ids` (and no `prompt`) are used as they are, their decoded text standing for the prompt.
-    Prompts longer than `max_prompt_length` keep their last tokens. Other columns travel in `extra`."""
-    if "prompt" not in features[0]:  # pre-tokenized, as TRL's PPO scripts prepare their datasets
-        ids = [list(f["input_ids"]) for f in features]
-        features = [{k: v for k, v in f.items() if k not in ("input_ids", "attention_mask")} for f in features]
-        prompts = tokenizer.batch_decode(ids, skip_special_tokens=True)
-    elif is_conversational(features[0]["prompt"]):
-        prompts = [f["prompt"] for f in features]
-        texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
-        ids = tokenizer(texts, add_special_tokens=False, padding=False)["input_ids"]
-    else:
-        prompts = [f["prompt"] for f in features]
-        ids = tokenizer(prompts, padding=False)["input_ids"]
-    if max_prompt_length:
-        ids = [x[-max_prompt_length:] for x in ids]
-    width = max(len(x) for x in ids)
-    pad = tokenizer.pad_token_id
-    input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
-    attention_mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
-    extra = {k: [f[k] for f in features] for k in features[0] if k != "prompt"}
-    return PromptBatch(prompts, input_ids, attention_mask, extra)
-
-
-def endless_prompt_batches(dataset, batch_size: int, collate, accelerator, seed: int, skip: int = 0):
-    """Endless rollout batches of prompts for this rank, reshuffled each pass (seeded); the first `skip`
-    batches are skipped (a resumed run continues where the checkpoint stopped). A prompt set smaller than one
-    global rollout batch is cycled: each pass holds it as many times as one batch needs."""
-    global_batch = batch_size * accelerator.num_processes
-    if len(dataset) < global_batch:
-        repeats = -(-global_batch // len(dataset))
-        logger.info("The prompt set (%d prompts) is smaller than one rollout batch of all processes (%d): each pass "
-                    "over it holds every prompt %d times.", len(dataset), global_batch, repeats)  # fmt: skip
-        dataset = dataset.select([i % len(dataset) for i in range(repeats * len(dataset))])
-    loader = DataLoader(
-        dataset, batch_size=batch_size, shuffle=True, drop_last=True, collate_fn=collate,
-        generator=torch.Generator().manual_seed(seed),
-    )  # fmt: skip
-    loader = accelerator.prepare_data_loader(loader)
-    seen, epoch = 0, 0
-    while True:
-        if hasattr(loader, "set_epoch"):
-            loader.set_epoch(epoch)
-        for batch in loader:
-            seen += 1
-            if seen > skip:
-                yield batch
-        epoch += 1
-
-
-DIVERGED_SAMPLING = (
-    "The policy's logits are not finite, so no response can be sampled: its weights have diverged. Lower the "
-    "learning rate or max_grad_norm, raise the KL coefficient, or use bf16/fp32 instead of fp16; resume from the "
-    "last checkpoint (checkpoints written so far are intact)."
-)
-
-
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Position ids for left-padded sequences: `cumsum(mask) - 1`, clamped at 0 on padding. `[B, L]`."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-def truncate_at_stop(
-    responses: torch.Tensor, stop_token_id: int | None, pad_token_id: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cut each response after its first stop token.
+class RolloutSampler:
+    """Samples a rollout's responses as the run's configuration and the KL plan say.
 
     Args:
-        responses: `[B, R]` generated token ids.
+        args: the run's `KLPPOConfig`.
+        accelerator: the trainer's accelerator.
+        tokenizer: the policy's tokenizer.
+        policy: the policy (before distributed wrapping; its generation config fills unset sampling fields).
+        engine: `"deepspeed"`, `"fsdp"` or None.
+        checkpointing_kwargs: the kwargs activation checkpointing was turned on with (None: off).
 
-    Returns:
-        `(responses, mask)`: tokens after the first stop token replaced by `pad_token_id`; `mask [B, R]` is 1
-        up to and including the stop token (every token when there is none, or when `stop_token_id` is None).
+    Attributes:
+        stop_token_id, suppressed_ids, generation_config: the sampling setup (`klppo.ppo.sampling.sampling_setup`).
+        static_caches: the static KV caches (`cache_implementation`), or None for transformers' dynamic cache.
     """
-    positions = torch.arange(responses.shape[1], device=responses.device).expand_as(responses)
-    if stop_token_id is None:
-        last = torch.full_like(responses[:, 0], responses.shape[1] - 1)
-    else:
-        is_stop = responses == stop_token_id
-        first = torch.where(is_stop, positions, torch.full_like(positions, responses.shape[1]))
-        last = first.min(dim=1).values.clamp(max=responses.shape[1] - 1)
-    mask = positions <= last.unsqueeze(1)
-    return torch.where(mask, responses, torch.full_like(responses, pad_token_id)), mask.long()
 
-
-def ends_with_stop(responses: torch.Tensor, mask: torch.Tensor, stop_token_id: int | None) -> torch.Tensor:
-    """`[B]` bool: whether the last valid token of each response is the stop token."""
-    if stop_token_id is None:
-        return torch.ones(responses.shape[0], dtype=torch.bool, device=responses.device)
-    last = mask.sum(dim=1) - 1
-    return responses.gather(1, last.unsqueeze(1)).squeeze(1) == stop_token_id
-
-
-def eos_scored_as_any_token(args, stop_token_id: int | None) -> bool:
-    """Whether a run samples and scores the end-of-sequence token like any other token, without ending responses
-    there: `missing_eos_penalty` with no stop token, TRL 1.12's meaning of that combination. Responses then run to
-    `response_length` tokens, nothing is suppressed, and the penalty goes to each response that contains no EOS
-    token anywhere (`KLPPOTrainer.compute_rewards`). Without a stop token and without that penalty, responses have
-    a fixed length and EOS is suppressed instead (`suppressed_token_ids`)."""
-    return stop_token_id is None and getattr(args, "missing_eos_penalty", None) is not None
-
-
-def contains_token(responses: torch.Tensor, mask: torch.Tensor, token_id: int) -> torch.Tensor:
-    """`[B]` bool: whether each response holds `token_id` anywhere among its valid tokens."""
-    return ((responses == token_id) & mask.bool()).any(dim=1)
-
-
-def suppressed_token_ids(
-    stop_token_id: int | None, tokenizer, model_generation_config=None, eos_scored: bool = False
-) -> list[int]:
-    """Token ids that generation never samples: the end-of-sequence ids when responses have a fixed length
-    (`stop_token_id` None), else none; none either with `eos_scored` (`eos_scored_as_any_token`: EOS is then
-    sampled and scored like any other token, and does not end the response).
-
-    Responses of fixed length must not end early, so the end-of-sequence tokens (the tokenizer's and the
-    model's generation config's) are suppressed while sampling. The same ids are masked out of every
-    log-softmax that is scored (`response_logits`), so the trained distribution is exactly the sampled one;
-    scoring the raw logits instead would let the suppressed tokens' probability drift unseen, and the model
-    would later emit them whenever they are allowed. With `eos_scored` nothing is masked, in sampling or scoring.
-    """
-    if stop_token_id is not None or eos_scored:
-        return []
-    ids = {tokenizer.eos_token_id}
-    model_eos = getattr(model_generation_config, "eos_token_id", None)
-    ids.update(model_eos if isinstance(model_eos, (list, tuple)) else [model_eos])
-    return sorted(i for i in ids if i is not None)
-
-
-def sampling_setup(args, tokenizer, policy_generation_config=None):
-    """`(stop_token_id, suppressed_ids, generation_config)` of a run: the stop token (TRL's `stop_token_id` where the
-    config has one, else `stop_token`: EOS for `"eos"`, the token of that text otherwise, or None for fixed-length
-    responses), the token ids never sampled as a tensor (or None: with a stop token, or with `missing_eos_penalty`
-    and none, `eos_scored_as_any_token`) and the sampling configuration."""
-    stop_token_id = getattr(args, "stop_token_id", None)
-    if stop_token_id is None and args.stop_token == "eos":
-        stop_token_id = tokenizer.eos_token_id
-    elif stop_token_id is None and args.stop_token is not None:
-        stop_token_id = tokenizer.convert_tokens_to_ids(args.stop_token)
-        if stop_token_id is None or (stop_token_id == tokenizer.unk_token_id and args.stop_token != tokenizer.unk_token):
-            raise ValueError(
-                f"`stop_token`={args.stop_token!r} is not one token of this tokenizer. Use 'eos', the text of one "
-                f"token (e.g. {tokenizer.eos_token!r}), or None for fixed-length responses."
-            )
-    eos_scored = eos_scored_as_any_token(args, stop_token_id)
-    suppressed = suppressed_token_ids(stop_token_id, tokenizer, policy_generation_config, eos_scored=eos_scored)
-    suppressed_ids = torch.tensor(suppressed, dtype=torch.long) if suppressed else None
-    return stop_token_id, suppressed_ids, make_generation_config(args, tokenizer, stop_token_id, suppressed)
-
-
-def make_generation_config(args, tokenizer, stop_token_id: int | None, suppressed: list[int] = ()) -> GenerationConfig:
-    """Sampling configuration of the rollout: pure temperature sampling (no top-k / top-p), so that the
-    sampling distribution is exactly `softmax(logits / T)` over the tokens not in `suppressed`, the one
-    that is scored (`response_logits` with the same `suppressed`)."""
-    kwargs = dict(
-        max_new_tokens=args.response_length,
-        do_sample=True,
-        temperature=args.temperature,
-        top_k=0,
-        top_p=1.0,
-        pad_token_id=tokenizer.pad_token_id,
-        use_cache=True,
-        **NEUTRAL_PROCESSORS,  # so that a model's generation config cannot add a processor that reshapes the logits
-    )
-    if stop_token_id is None:
-        # fixed length: no token ends a response (an empty list, so that `generate` does not fill in the model's
-        # own EOS ids), and the suppressed ones are never sampled
-        kwargs["eos_token_id"] = []
-        if suppressed:
-            kwargs["suppress_tokens"] = list(suppressed)
-    else:
-        kwargs["eos_token_id"] = stop_token_id
-    return GenerationConfig(**kwargs)
-
-
-@contextmanager
-def contiguous_lm_head_input(model):
-    """Make the input of `model`'s LM head contiguous inside the block. Generation's first step runs the head on
-    `hidden_states[:, -1:]`, a strided view that matmul takes down its slower batched path (on CPU: timings in
-    `docs/results.md`, "Speed and memory"). The logits are the same."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is None:
-        yield
-        return
-    handle = head.register_forward_pre_hook(lambda module, args: (args[0].contiguous(), *args[1:]) if args else None)
-    try:
-        yield
-    finally:
-        handle.remove()
-
-
-def mergeable_lora_layers(model) -> list | None:
-    """The LoRA layers of a PEFT `model` when every one is a plain `lora.Linear` whose active adapters can be
-    merged into a floating-point base weight of its own; None when none exists or any layer is otherwise (quantized
-    base layers, LoRA variants such as DoRA or aLoRA, `target_parameters` wrappers, or a base weight shared with
-    another parameter, as tied embeddings are: merging one module's update would change the other's)."""
-    try:
-        from peft.tuners.lora import LoraLayer
-        from peft.tuners.lora import Linear as LoraLinear
-    except ImportError:
-        return None
-    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
-    storages = Counter(p.data_ptr() for _, p in model.named_parameters(remove_duplicate=False))
-    for layer in layers:
-        base = layer.get_base_layer()
-        weight = getattr(base, "weight", None)
-        if type(layer) is not LoraLinear or layer.merged or getattr(layer, "disable_adapters", False):
-            return None
-        if getattr(layer, "lora_variant", None) or getattr(layer, "parameter_name", None):
-            return None
-        if type(weight) is not nn.Parameter or not weight.is_floating_point() or storages[weight.data_ptr()] != 1:
-            return None
-    return layers or None
-
-
-@contextmanager
-def merged_lora(model, buffers: dict | None = None):
-    """Sample from `model` with its active LoRA adapters merged into the base weights, then give the base weights
-    back bit for bit.
-
-    An unmerged LoRA layer runs its base matmul plus two small ones and a few elementwise ops; over the hundreds
-    of LoRA layers and the dozens of decoding steps of one rollout, that overhead is a large part of generation.
-    Merging (PEFT's own `merge`) writes `W + B A * scale` into a copy of each base weight; the original tensors are
-    put back afterwards, so the base model (which is the reference when the adapter is disabled) never changes, not
-    even by rounding, as subtracting the update again would. The logits differ from the unmerged model's by rounding
-    only (about 1e-5 to 1e-4 in float32). No-op for a model without LoRA layers, or with a layer whose base weight is
-    not a plain floating-point parameter of its own (see `mergeable_lora_layers`: those keep the unmerged path).
-
-    `buffers` None: the copies are fresh tensors, freed after the block (one extra set of the targeted base weights
-    while sampling). A dict: the copies are kept in it, by layer, and reused by every later call, so that the merged
-    weights are the same tensors at every rollout (what a compiled decoding step with CUDA graphs needs: it records
-    the weights' addresses); they then hold that memory for the whole run."""
-    layers = mergeable_lora_layers(model)
-    if not layers:
-        yield
-        return
-    saved = []
-    try:
-        for layer in layers:
-            base = layer.get_base_layer()
-            bias = getattr(base, "bias", None)
-            saved.append((layer, base, base.weight.data, None if bias is None else bias.data, list(layer.merged_adapters)))
-            base.weight.data = _merge_copy(base.weight.data, buffers, (id(layer), "weight"))
-            if bias is not None:
-                bias.data = _merge_copy(bias.data, buffers, (id(layer), "bias"))
-            with torch.no_grad():
-                layer.merge()  # in place, on the copies
-        yield
-    finally:
-        for layer, base, weight, bias, merged in reversed(saved):
-            base.weight.data = weight
-            if bias is not None:
-                base.bias.data = bias
-            layer.merged_adapters = merged
-
-
-def _merge_copy(tensor: torch.Tensor, buffers: dict | None, key) -> torch.Tensor:
-    """A copy of `tensor` to merge into: a fresh one, or `buffers[key]` (made once) refilled."""
-    if buffers is None:
-        return tensor.clone()
-    copy_ = buffers.get(key)
-    if copy_ is None or copy_.shape != tensor.shape or copy_.dtype != tensor.dtype or copy_.device != tensor.device:
-        copy_ = buffers[key] = torch.empty_like(tensor)
-    return copy_.copy_(tensor)
-
-
-def sample_categorical(probs: torch.Tensor, block: int = 256, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row of `probs [B, V]` (non-negative, each row with a positive sum; need not be normalised),
-    drawn by inverse transform sampling in two levels: a block of `block` tokens by its cumulative mass, then a
-    token inside it. Exact up to float64 rounding of the cumulative sums, and never a token of probability 0.
-
-    The same distribution as `torch.multinomial(probs, 1)`, which on CPU draws an exponential variate for every
-    entry, a far larger cost per decoding step (timings in `docs/results.md`, "Speed and memory"). One uniform
-    variate per row is taken from `generator` (torch's default generator when None), so seeded runs repeat.
-    """
-    rows, vocab = probs.shape
-    pad = (-vocab) % block
-    blocks = torch.nn.functional.pad(probs, (0, pad)).view(rows, -1, block)  # [B, n, block]
-    mass = blocks.sum(-1, dtype=torch.float64).cumsum(-1)  # [B, n]
-    u = torch.rand(rows, 1, dtype=torch.float64, device=probs.device, generator=generator) * mass[:, -1:]
-    # the first block whose cumulative mass passes u; u reaching the total by rounding takes the last non-empty one
-    last_block = (mass < mass[:, -1:]).sum(-1, keepdim=True)
-    b = torch.minimum(torch.searchsorted(mass, u, right=True), last_block)  # [B, 1]
-    before = torch.where(b > 0, mass.gather(1, (b - 1).clamp(min=0)), torch.zeros_like(u))
-    inside = blocks.gather(1, b.unsqueeze(-1).expand(rows, 1, block)).squeeze(1)  # [B, block]
-    cumulative = inside.cumsum(-1, dtype=torch.float64)
-    last_token = (cumulative < cumulative[:, -1:]).sum(-1, keepdim=True)
-    j = torch.minimum(torch.searchsorted(cumulative, u - before, right=True), last_token)
-    return (b * block + j).squeeze(1)
-
-
-def sample_exponential_race(weights: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row of `weights [B, V]` (non-negative, each row with a positive sum; need not be normalised):
-    the index of the largest `weights / E`, with `E` independent Exp(1) variates. Token `i` wins with probability
-    `w_i / sum(w)` (the race of exponential clocks with rates `w_i`), and a token of weight 0 never does. Two
-    elementwise kernels and an argmax: the draw `torch.multinomial` makes inside, without its bookkeeping."""
-    race = torch.empty_like(weights).exponential_(generator=generator).clamp_(min=torch.finfo(weights.dtype).tiny)
-    return (weights / race).argmax(dim=-1)
-
-
-# how a `TemperatureSampler` draws, per device type (`default_draw`): on a CPU, inverse transform sampling takes a
-# small fraction of the time of `torch.multinomial` or the race, which draw an exponential variate per entry; on a
-# GPU the race is two elementwise kernels and an argmax. `benchmarks/sampling.py` times the three on any device.
-DRAWS = {"inverse_cdf": sample_categorical, "exponential_race": sample_exponential_race}
-
-
-def default_draw(device: torch.device | str) -> str:
-    """The draw a `TemperatureSampler` uses on `device`: inverse transform sampling on a CPU, the race elsewhere."""
-    return "inverse_cdf" if torch.device(device).type == "cpu" else "exponential_race"
-
-
-class TemperatureSampler(LogitsProcessor):
-    """Temperature sampling as the last logits processor of a greedy `generate`, reading what scoring needs as it
-    goes.
-
-    At each decoding step it draws the token from `softmax(scores / temperature)` (after the processors before it,
-    such as the suppression of end-of-sequence tokens) with `DRAWS[draw]`, and returns scores whose only finite
-    entry is that token, which the greedy step then picks: the draws follow `do_sample=True` with the same
-    temperature and no truncation. With `record_logprobs` it keeps the drawn token's log-probability (one `[B]`
-    tensor per step, no full-vocabulary tensor kept); with `keep_logits`, the scaled logits of each step `[B, V]`,
-    their suppressed entries (-inf) set to the lowest finite value as in `mask_suppressed`. Tokens generation then
-    replaces by padding (sequences already finished) get entries that the response mask drops.
-
-    Non-finite logits (NaN or +inf, or a row with every token masked) are noted in `nonfinite`, a device bool, with
-    no host sync per decoding step."""
-
-    def __init__(self, temperature: float, draw: str = "inverse_cdf", record_logprobs: bool = False,
-                 keep_logits: bool = False):  # fmt: skip
-        if not temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
-        if draw not in DRAWS:
-            raise ValueError(f"draw must be one of {', '.join(DRAWS)}, got {draw!r}")
-        self.temperature, self.draw = float(temperature), draw
-        self.record_logprobs, self.keep_logits = record_logprobs, keep_logits
-        self.logprobs: list[torch.Tensor] = []
-        self.logits: list[torch.Tensor] = []
-        self.nonfinite = torch.tensor(False)  # on the device after the first step: any non-finite logits
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        scaled = scores.float() / self.temperature
-        top = scaled.amax(dim=-1, keepdim=True)
-        bad = ~torch.isfinite(top).all()
-        self.nonfinite = bad | self.nonfinite.to(bad.device)
-        weights = (scaled - top).exp_()  # softmax up to its normaliser, which neither draw needs
-        token = DRAWS[self.draw](weights)[:, None]
-        if self.record_logprobs:
-            log_norm = top + weights.sum(dim=-1, keepdim=True).log()
-            self.logprobs.append((scaled.gather(1, token) - log_norm).squeeze(1))
-        if self.keep_logits:
-            self.logits.append(scaled.clamp_(min=torch.finfo(scaled.dtype).min))
-        return torch.full_like(scores, float("-inf")).scatter_(1, token, 0.0)
-
-
-# logits processors that `generate` would add from a model's own generation config, set to values that add none
-# (`min_new_tokens=0` overrides any `min_length`: `generate` then sets it to the prompt's length, which masks
-# nothing; setting both makes `generate` warn at every call)
-NEUTRAL_PROCESSORS = {
-    "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_new_tokens": 0,
-    "bad_words_ids": None, "sequence_bias": None, "exponential_decay_length_penalty": None,
-    "forced_bos_token_id": None, "forced_eos_token_id": None, "begin_suppress_tokens": None,
-}
-
-# settings under which `do_sample=True` is plain temperature sampling: each field's value (after the model's own
-# generation config fills the unset ones, as `generate` does) must be one of these
-_UNTRUNCATED = {
-    "top_k": (0,),  # unset means transformers' default of 50
-    "top_p": (None, 1.0),
-    "min_p": (None, 0.0),
-    "typical_p": (None, 1.0),
-    "epsilon_cutoff": (None, 0.0),
-    "eta_cutoff": (None, 0.0),
-    "top_h": (None,),
-    "num_beams": (None, 1),
-    "num_return_sequences": (None, 1),
-    "penalty_alpha": (None,),
-    "watermarking_config": (None,),
-    "prompt_lookup_num_tokens": (None,),
-    "min_length": (None, 0),
-    # the processors: unset, or the value that adds none
-    **{name: (None,) if neutral is None else (None, neutral) for name, neutral in NEUTRAL_PROCESSORS.items()},
-}
-
-
-def plain_sampling_temperature(
-    generation_config: GenerationConfig, model_generation_config: GenerationConfig | None = None
-) -> float | None:
-    """The temperature of `generation_config` when it is plain temperature sampling (no top-k / top-p / min-p /
-    typical / epsilon / eta / top-h truncation, one beam, one sequence per prompt, no watermark or prompt lookup, and
-    no processor that reshapes the logits: repetition or n-gram penalties, a minimum length, banned or biased words,
-    forced tokens), judged after `model_generation_config` (the model's `generation_config`) fills the fields
-    `generation_config` leaves unset, as `generate` does; None for any other configuration."""
-    merged = copy.deepcopy(generation_config)
-    if model_generation_config is not None:
-        merged.update(**model_generation_config.to_dict(), defaults_only=True)
-    if merged.min_new_tokens is not None:  # it takes precedence: `generate` derives `min_length` from it
-        merged.min_length = None
-    if not merged.do_sample or any(getattr(merged, k, None) not in ok for k, ok in _UNTRUNCATED.items()):
-        return None
-    return merged.temperature if merged.temperature is not None else 1.0
-
-
-def greedy_form(generation_config: GenerationConfig) -> GenerationConfig:
-    """`generation_config` as greedy decoding, for a `TemperatureSampler` to draw the tokens; the sampling flags
-    are set to neutral values (a greedy config that sets them makes transformers warn that they are ignored)."""
-    greedy = copy.deepcopy(generation_config)
-    greedy.do_sample, greedy.temperature, greedy.top_p, greedy.top_k = False, 1.0, 1.0, None
-    return greedy
-
-
-class Generation(NamedTuple):
-    """What `generate_responses` returns: `tokens [B, R]` right-padded with the pad token (R <= `max_new_tokens`:
-    generation stops when every sequence has), and when asked for, the sampled tokens' `logp [B, R]`, a shared
-    critic's `values [B, R]` and the scaled `logits [B, R, V]`; `finite` is False when some sampling logits were
-    not (the tokens are then meaningless)."""
-
-    tokens: torch.Tensor
-    logp: torch.Tensor | None = None
-    values: torch.Tensor | None = None
-    logits: torch.Tensor | None = None
-    finite: bool = True
-
-
-@torch.no_grad()
-def generate_responses(
-    policy,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    generation_config: GenerationConfig,
-    with_logprobs: bool = False,
-    value_head=None,
-    keep_logits: bool = False,
-    synced: bool = False,
-    draw: str | None = None,
-    check_finite: bool = True,
-    cache=None,
-) -> Generation:
-    """Sample responses for left-padded prompts, all in one `generate` call.
-
-    `generation_config` must be plain temperature sampling (`plain_sampling_temperature`): a `TemperatureSampler`
-    draws the tokens (`draw`: see `DRAWS`; None picks `default_draw` for the policy's device). With
-    `with_logprobs`, the log-probs of the sampled tokens under `softmax(logits / T)` (without the suppressed tokens)
-    are read at each decoding step, so scoring needs no second policy forward pass; with `value_head` too, the
-    values of the states before each token come from the generation's last hidden states (a shared critic). No
-    full-vocabulary tensor outlives its decoding step unless `keep_logits` returns them all: the scaled logits, for
-    a logits-based KL statistic without a scoring pass. `synced` keeps every rank generating until all have
-    finished (`synced_gpus`): sharded weights (FSDP) need every rank in every forward pass. Non-finite sampling
-    logits give `finite=False` with `check_finite=False` (the trainer's way: it decides alike on every rank after
-    reducing the flag), else a `TrainingDiverged` that says what it means. `cache`:
-    a KV cache to decode into (a `StaticCache` from `StaticCaches`), reset first; None: `generate`'s own.
-    """
-    temperature = plain_sampling_temperature(generation_config, getattr(policy, "generation_config", None))
-    if temperature is None:
-        raise ValueError(
-            "klppo samples with plain temperature sampling (the distribution it scores); the generation config "
-            f"truncates or reshapes it: {generation_config.to_diff_dict()}"
+    def __init__(self, args, accelerator, tokenizer, policy, engine: str | None, checkpointing_kwargs=None):
+        self.args, self.accelerator, self.engine = args, accelerator, engine
+        self.checkpointing_kwargs = checkpointing_kwargs
+        self.stop_token_id, self.suppressed_ids, self.generation_config = sampling_setup(
+            args, tokenizer, getattr(policy, "generation_config", None)
         )
-    device = input_ids.device
-    sampler = TemperatureSampler(temperature, draw or default_draw(device), record_logprobs=with_logprobs,
-                                 keep_logits=keep_logits)  # fmt: skip
-    cache_kwargs = {}
-    if cache is not None:
-        cache.reset()
-        # the keyword's name: `cache` in transformers >= 5.20 (which deprecates `past_key_values`), before it the other
-        forward = policy.get_base_model().forward if hasattr(policy, "get_base_model") else policy.forward
-        cache_kwargs["cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"] = cache
-    capture = with_logprobs and value_head is not None
-    with last_hidden_states(policy, last_position=True) if capture else nullcontext() as hidden:
-        sequences = policy.generate(
-            input_ids=input_ids, attention_mask=attention_mask, generation_config=greedy_form(generation_config),
-            logits_processor=LogitsProcessorList([sampler]),
-            synced_gpus=synced or None,  # None: transformers decides (on under DeepSpeed ZeRO-3)
-            **cache_kwargs,
+        self.static_caches = self._static_caches(policy)
+        if self.static_caches is not None:  # `generate` compiles its decoding step as configured
+            self.generation_config.compile_config = args.compile_config()
+        self.merged_weights: dict = {}  # with a static cache, the merged LoRA weights, kept for the run
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the decoding step is compiled (a static cache)."""
+        return self.static_caches is not None
+
+    def _static_caches(self, policy) -> StaticCaches | None:
+        """The static KV caches to decode into, with the decoding step compiled (`cache_implementation`), or None
+        (the dynamic cache). `"auto"` takes them on a GPU; a model that transformers does not mark as compilable,
+        DeepSpeed ZeRO-3, FSDP and a run without `max_prompt_length` keep the dynamic cache, with one log line."""
+        args, choice = self.args, self.args.cache_implementation
+        if choice == "dynamic" or (choice == "auto" and self.accelerator.device.type != "cuda"):
+            return None
+        why = None
+        if not supports_static_cache(policy):
+            why = f"{type(policy).__name__} is not marked as compilable by transformers"
+        elif DistributedBackend(self.accelerator).is_zero3 or self.engine == "fsdp":
+            why = "DeepSpeed ZeRO-3 and FSDP gather the weights anew for every rollout"
+        elif args.max_prompt_length is None:
+            why = "there is no max_prompt_length to size it"
+        if why:
+            if self.accelerator.is_main_process:
+                logger.warning("Generation decodes into the dynamic KV cache, uncompiled: the static cache "
+                               "(cache_implementation=%r) is not used, as %s.", choice, why)  # fmt: skip
+            return None
+        logger.info("Generation decodes into a static KV cache of %d positions, its decoding step compiled (%s).",
+                    args.max_prompt_length + args.response_length, args.compile_config())  # fmt: skip
+        return StaticCaches(policy.config, args.max_prompt_length + args.response_length)
+
+    @contextmanager
+    def unwrapped(self, model_wrapped):
+        """The actor-critic to generate with: TRL's `unwrap_model_for_generation` where it does work (ZeRO-3 gathers
+        the weights, activation checkpointing is turned off around decoding and back on after it, with the run's
+        kwargs), else the model itself. When the block raises, TRL's context restores neither ZeRO-3's hooks nor
+        activation checkpointing; both come back here, for whatever runs next on the model."""
+        model = unwrap(self.accelerator, model_wrapped)
+        checkpointing = model.is_activation_checkpointing
+        if not (self.engine == "deepspeed" or checkpointing):
+            yield model
+            return
+        kwargs = self.checkpointing_kwargs
+        try:
+            with unwrap_model_for_generation(model_wrapped, self.accelerator, gradient_checkpointing_kwargs=kwargs) as out:
+                yield out
+        except BaseException:
+            if DistributedBackend(self.accelerator).is_zero3:
+                restore_zero3_hooks(model_wrapped)
+            if checkpointing and not model.is_activation_checkpointing:
+                model.activation_checkpointing_enable(kwargs)
+            raise
+
+    @contextmanager
+    def sampling_form(self, policy):
+        """The policy as it samples: in eval mode (dropout is off in training too; one mode keeps a compiled decoding
+        step from recompiling when training switches the model to train mode); the LM head's input made contiguous
+        (generation's first step); a LoRA adapter merged into copies of the base weights
+        (`merge_adapter_for_generation`), except under DeepSpeed or FSDP, whose sharded parameters are not plain
+        tensors to copy. With a static cache the copies are kept for the run, so that the compiled step reads the
+        same tensors at every rollout."""
+        merge = self.args.merge_adapter_for_generation and self.engine is None
+        buffers = self.merged_weights if self.compiled else None
+        modes = {module: module.training for module in policy.modules()}
+        policy.eval()
+        try:
+            with contiguous_lm_head_input(policy), merged_lora(policy, buffers) if merge else nullcontext():
+                yield
+        finally:
+            for module, training in modes.items():
+                module.training = training
+
+    def generate(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, plan) -> Generation:
+        """Responses of `model` (the unwrapped actor-critic, in its sampling form) to left-padded prompts, reading
+        while decoding what `plan` says (`KLPlan.read_while_decoding`, `keep_generation_logits`). With a static
+        cache, a batch smaller than the rollout's (an evaluation's, the last prompts) is padded to its size with
+        copies of its first row, dropped after decoding, so that it decodes with the rollout's compiled step instead
+        of compiling one of its own."""
+        rows, cache = input_ids.shape[0], None
+        if self.compiled:
+            size = max(rows, self.args.local_rollout_batch_size)
+            fill = size - rows
+            input_ids = torch.cat([input_ids, input_ids[:1].expand(fill, -1)]) if fill else input_ids
+            attention_mask = torch.cat([attention_mask, attention_mask[:1].expand(fill, -1)]) if fill else attention_mask
+            cache = self.static_caches(size)
+        generated = generate_responses(
+            model.policy, input_ids, attention_mask, self.generation_config, with_logprobs=plan.read_while_decoding,
+            value_head=model.value_head if plan.read_while_decoding else None, keep_logits=plan.keep_generation_logits,
+            synced=self.engine == "fsdp" and self.accelerator.num_processes > 1, check_finite=False, cache=cache,
         )  # fmt: skip
-    finite = not bool(sampler.nonfinite)  # one host sync per rollout
-    if check_finite and not finite:
-        raise TrainingDiverged(DIVERGED_SAMPLING)
-    tokens = sequences[:, input_ids.shape[1] :]
-    width = tokens.shape[1]  # synced ranks may step past their own last token: those steps are dropped
-    logp = torch.stack(sampler.logprobs[:width], dim=1) if with_logprobs else None
-    logits = torch.stack(sampler.logits[:width], dim=1) if keep_logits else None
-    values = None
-    if hidden is not None:  # the last hidden state at the last position of every step: the state before each token
-        values = value_head(torch.stack(hidden[:width], dim=1)).float()
-    return Generation(tokens, logp, values, logits, finite)
-
-
-class StaticCaches:
-    """Static KV caches for generation (`cache_implementation="static"`), one per batch size, each of `max_len`
-    positions (the longest prompt plus the response), made once and reused by every rollout.
-
-    With a static cache `generate` compiles the decoding step (on a GPU; `generation_config.compile_config` says how).
-    Every tensor the compiled step sees then keeps its shape from one rollout to the next whatever the prompts'
-    width, since the cache is as long as the longest prompt allows: the step compiles once per batch size, and the
-    policy's weight updates change values, not shapes."""
-
-    def __init__(self, config, max_len: int):
-        self.config, self.max_len = config, int(max_len)
-        self.caches: dict[int, object] = {}
-
-    def __call__(self, batch_size: int):
-        from transformers import StaticCache
-
-        if batch_size not in self.caches:
-            self.caches[batch_size] = StaticCache(config=self.config, max_cache_len=self.max_len)
-        return self.caches[batch_size]
-
-
-def supports_static_cache(model) -> bool:
-    """Whether `model` (or the model inside a PEFT wrapper) decodes into a static cache: transformers marks the
-    model classes whose forward compiles as one graph (`_can_compile_fullgraph`)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return bool(getattr(base, "_can_compile_fullgraph", False))
-
-
-def response_positions(response_length: int, length: int, device) -> torch.Tensor:
-    """`logits_to_keep` for a forward pass over `length` positions whose last `response_length` tokens are the
-    response: the indices of the positions that predict those tokens, `length - response_length - 1` to
-    `length - 2`. The LM head then runs on these positions only: not on the prompt, and not on the last position,
-    which predicts past the response.
-
-    An index tensor rather than an int: for an int, transformers' causal LMs run their LM head on
-    `hidden_states[:, -n:]`, a strided view that matmul cannot fold into one matrix product; it takes a slower
-    batched path (on CPU: timings in `docs/results.md`, "Speed and memory"). And the logits are exactly the
-    response's, so no slice of them has to be differentiated (a slice's backward fills a zero gradient of the
-    whole logits tensor first).
-    """
-    if length <= response_length:
-        raise ValueError(f"{length} positions cannot hold a prompt and a response of {response_length} tokens.")
-    return torch.arange(length - response_length - 1, length - 1, device=device)
-
-
-def response_logits(
-    logits: torch.Tensor, response_length: int, temperature: float, suppressed: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Logits that predict the `response_length` response tokens, scaled by the sampling temperature, with
-    the `suppressed` token ids (never sampled) masked out.
-
-    `logits` is `[B, response_length, V]`, from a forward pass with `logits_to_keep=response_positions(...)`
-    (the LM head on the predicting positions only), or `[B, L, V]` for the whole sequence of `L >
-    response_length` positions; either way the result is `[B, response_length, V]`.
-    """
-    if logits.shape[1] != response_length:
-        logits = logits[:, -(response_length + 1) : -1]
-    if temperature == 1.0:
-        return mask_suppressed(logits, suppressed)
-    return mask_suppressed(logits / temperature, suppressed, inplace=True)  # the quotient is a new tensor
-
-
-def mask_suppressed(scaled_logits: torch.Tensor, suppressed: torch.Tensor | None, inplace: bool = False) -> torch.Tensor:
-    """`scaled_logits [..., V]` with the `suppressed` ids set to the dtype's lowest finite value: their
-    probability is exactly 0 after softmax, and entropy / full-vocabulary KL stay finite (a `-inf` would
-    give `0 * inf`). Differentiable; out of place unless `inplace` (for a tensor the caller has just made, which
-    spares a copy of the logits); no-op when `suppressed` is None or empty."""
-    if suppressed is None or suppressed.numel() == 0:
-        return scaled_logits
-    fill = scaled_logits.index_fill_ if inplace else scaled_logits.index_fill
-    return fill(-1, suppressed.to(scaled_logits.device), torch.finfo(scaled_logits.dtype).min)
-
-
-def response_logprobs(scaled_logits: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
-    """Log-probs of `responses [B, R]` under `scaled_logits [B, R, V]` (memory-light log-softmax + gather)."""
-    return selective_log_softmax(scaled_logits, responses)
+        if generated.tokens.shape[0] == rows:
+            return generated
+        return generated._replace(**{name: value[:rows] for name, value in generated._asdict().items()
+                                     if isinstance(value, torch.Tensor)})  # fmt: skip

@@ -32,7 +32,7 @@ import shutil
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, nullcontext
 
 import torch
 from torch import nn
@@ -42,7 +42,6 @@ from transformers.trainer_callback import ProgressCallback
 from transformers.trainer import OPTIMIZER_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, rotate_checkpoints
 from trl.distributed import DistributedBackend
-from trl.models.utils import unwrap_model_for_generation
 
 from ..kl import (
     GlobalSums,
@@ -63,7 +62,7 @@ from .advantages import advantage_slope, gae_advantages, sequence_advantages
 from .build import as_prompt_dataset, build_models, check_trainer_inputs, load_policy_and_tokenizer, prepare_frozen
 from .callbacks import KLProgressCallback, maybe_offline_wandb, now, timed
 from .config import KL_LOSS_MIN_ADVANTAGE_STD, KLPPOConfig
-from .engines import destroy_process_group_at_exit, load_full_weights, restore_zero3_hooks, root_unsharded, unwrap
+from .engines import destroy_process_group_at_exit, load_full_weights, root_unsharded, unwrap
 from .guard import LOWER, UPPER, build_kl_guard, reset_momentum
 from .health import NonfiniteGuard, PPOHealthMonitor, TrainingDiverged, policy_outputs_finite, rollout_outputs_finite
 from .losses import ppo_losses
@@ -71,23 +70,11 @@ from .plan import LOGGED_ESTIMATORS, make_kl_plan
 from .preemption import StopRequest
 from .reference import clear_optimizer_state, reference_tensors, reset_reference, swapped_in
 from .rollback import restore_optimisation, snapshot_optimisation
-from .rollout import (
-    DIVERGED_SAMPLING,
-    StaticCaches,
-    collate_prompts,
-    ends_with_stop,
-    endless_prompt_batches,
-    generate_responses,
-    contiguous_lm_head_input,
-    mergeable_lora_layers,
-    merged_lora,
-    position_ids_from_mask,
-    response_logits,
-    response_logprobs,
-    sampling_setup,
-    supports_static_cache,
-    truncate_at_stop,
-)
+from .caches import mergeable_lora_layers
+from .logprobs import position_ids_from_mask, response_logits, response_logprobs
+from .prompts import collate_prompts, endless_prompt_batches
+from .rollout import RolloutSampler
+from .sampling import DIVERGED_SAMPLING, contains_token, ends_with_stop, eos_scored_as_any_token, truncate_at_stop
 from .scoring import RolloutScorer
 from .steps import Advantages, KLPenalty, OptimiseResult, PromptBatch, Rewards, Rollout, Sequences
 
@@ -194,18 +181,15 @@ class KLPPOTrainer(Trainer):
             if isinstance(getattr(fn, "model", None), nn.Module):
                 fn.model = prepare_frozen(fn.model, self.accelerator, **engines)
         policy = self.model.policy
-        self.stop_token_id, self.suppressed_ids, self.generation_config = sampling_setup(
-            self.args, self.processing_class, getattr(policy, "generation_config", None)
-        )
-        self.static_caches = self._static_caches()
-        if self.static_caches is not None:  # `generate` compiles its decoding step as configured
-            self.generation_config.compile_config = self.args.compile_config()
-        self._merged_weights: dict = {}  # a static cache's merged LoRA weights, kept for the run (`_sampling_form`)
+        engine = "deepspeed" if self.is_deepspeed_enabled else "fsdp" if self.is_fsdp_enabled else None
+        self.sampler = RolloutSampler(self.args, self.accelerator, self.processing_class, policy, engine,
+                                      self.checkpointing_kwargs)  # fmt: skip
         self.kl_plan = make_kl_plan(self.args, policy, self._mixed_precision(), self._vocab_size(policy),
-                                    compiled_decoding=self.static_caches is not None)  # fmt: skip
+                                    compiled_decoding=self.sampler.compiled)  # fmt: skip
         self.scorer = RolloutScorer(
             self.kl_plan, self.accelerator, self.ref_model, self.use_adapter_reference, self.ref_adapter_name,
-            self.args.temperature, self.suppressed_ids, self.args.rollout_forward_batch_size, self.args.critic_free,
+            self.args.temperature, self.sampler.suppressed_ids, self.args.rollout_forward_batch_size,
+            self.args.critic_free,
         )  # fmt: skip
         # the KL controller and the monitors: the state a checkpoint carries beside the weights
         self.kl_controller = build_kl_controller(args)
@@ -255,31 +239,6 @@ class KLPPOTrainer(Trainer):
     def _vocab_size(policy) -> int:
         config = policy.config
         return (config.get_text_config() if hasattr(config, "get_text_config") else config).vocab_size
-
-    def _static_caches(self) -> StaticCaches | None:
-        """The static KV caches generation decodes into, with its decoding step compiled (`cache_implementation`), or
-        None (the dynamic cache). `"auto"` takes them on a GPU; a model that transformers does not mark as
-        compilable, DeepSpeed ZeRO-3, FSDP and a run without `max_prompt_length` keep the dynamic cache, with one
-        log line that says why."""
-        args, choice = self.args, self.args.cache_implementation
-        if choice == "dynamic" or (choice == "auto" and self.accelerator.device.type != "cuda"):
-            return None
-        policy = self.model.policy
-        why = None
-        if not supports_static_cache(policy):
-            why = f"{type(policy).__name__} is not marked as compilable by transformers"
-        elif DistributedBackend(self.accelerator).is_zero3 or self.is_fsdp_enabled:
-            why = "DeepSpeed ZeRO-3 and FSDP gather the weights anew for every rollout"
-        elif args.max_prompt_length is None:
-            why = "there is no max_prompt_length to size it"
-        if why:
-            if self.is_world_process_zero():
-                logger.warning("Generation decodes into the dynamic KV cache, uncompiled: the static cache "
-                               "(cache_implementation=%r) is not used, as %s.", choice, why)  # fmt: skip
-            return None
-        logger.info("Generation decodes into a static KV cache of %d positions, its decoding step compiled (%s).",
-                    args.max_prompt_length + args.response_length, args.compile_config())  # fmt: skip
-        return StaticCaches(policy.config, args.max_prompt_length + args.response_length)
 
     def _check_reference_resets(self) -> None:
         """`ref_reset_steps` needs a reference it can write: refused, naming the fix, under FSDP (its sharded
@@ -509,10 +468,11 @@ class KLPPOTrainer(Trainer):
         input_ids, attention_mask = batch.input_ids.to(acc.device), batch.attention_mask.to(acc.device)
         with ExitStack() as generation_context:
             with timed(timings, "time/generation", acc):
-                unwrapped = generation_context.enter_context(self.model_for_generation())
-                with root_unsharded(self.model_wrapped), self._sampling_form(unwrapped.policy):
-                    generated = self._generate(unwrapped, input_ids, attention_mask)
-            responses, response_mask = truncate_at_stop(generated.tokens, self.stop_token_id, self.processing_class.pad_token_id)
+                unwrapped = generation_context.enter_context(self.sampler.unwrapped(self.model_wrapped))
+                with root_unsharded(self.model_wrapped), self.sampler.sampling_form(unwrapped.policy):
+                    generated = self.sampler.generate(unwrapped, input_ids, attention_mask, self.kl_plan)
+            responses, response_mask = truncate_at_stop(generated.tokens, self.sampler.stop_token_id,
+                                                        self.processing_class.pad_token_id)  # fmt: skip
             sequences = Sequences(
                 prompts=batch.prompts, extra=batch.extra, query_responses=torch.cat([input_ids, responses], dim=1),
                 attention_mask=torch.cat([attention_mask, response_mask], dim=1), responses=responses,
@@ -526,82 +486,15 @@ class KLPPOTrainer(Trainer):
                 generation_context.close()
         return rollout
 
-    def _generate(self, unwrapped, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-        """`generate_responses` as the plan says. With a static cache, a batch smaller than the rollout's (an
-        evaluation's, the last prompts) is padded to its size with copies of its first row, dropped after decoding,
-        so that it decodes with the rollout's compiled step instead of compiling one of its own."""
-        plan, rows = self.kl_plan, input_ids.shape[0]
-        cache = None
-        if self.static_caches is not None:
-            size = max(rows, self.args.local_rollout_batch_size)
-            fill = size - rows
-            input_ids = torch.cat([input_ids, input_ids[:1].expand(fill, -1)]) if fill else input_ids
-            attention_mask = torch.cat([attention_mask, attention_mask[:1].expand(fill, -1)]) if fill else attention_mask
-            cache = self.static_caches(size)
-        generated = generate_responses(
-            unwrapped.policy, input_ids, attention_mask, self.generation_config, with_logprobs=plan.read_while_decoding,
-            value_head=unwrapped.value_head if plan.read_while_decoding else None,
-            keep_logits=plan.keep_generation_logits, synced=self.is_fsdp_enabled and self.accelerator.num_processes > 1,
-            check_finite=False, cache=cache,
-        )  # fmt: skip
-        if generated.tokens.shape[0] == rows:
-            return generated
-        return generated._replace(**{name: value[:rows] for name, value in generated._asdict().items()
-                                     if isinstance(value, torch.Tensor)})  # fmt: skip
-
     def score(self, sequences: Sequences, timings: dict | None = None) -> Rollout:
         """Step 3 alone: the `Rollout` of `sequences` from forward passes only (nothing read while decoding)."""
         return self.scorer.score(self.model_wrapped, sequences, None, timings)
-
-    @contextmanager
-    def model_for_generation(self):
-        """The unwrapped actor-critic to generate with: TRL's `unwrap_model_for_generation` where it does work (ZeRO-3
-        gathers the weights, activation checkpointing is turned off around decoding and back on after it, with the
-        run's kwargs), else the model itself. When the block raises, TRL's context restores neither ZeRO-3's hooks nor
-        activation checkpointing; both come back here, for whatever runs next on the model (an evaluation, a save,
-        another `train()`)."""
-        unwrapped = unwrap(self.accelerator, self.model_wrapped)
-        checkpointing = unwrapped.is_activation_checkpointing
-        if not (self.is_deepspeed_enabled or checkpointing):
-            yield unwrapped
-            return
-        kwargs = self.checkpointing_kwargs
-        try:
-            with unwrap_model_for_generation(self.model_wrapped, self.accelerator, gradient_checkpointing_kwargs=kwargs) as model:
-                yield model
-        except BaseException:
-            if DistributedBackend(self.accelerator).is_zero3:
-                restore_zero3_hooks(self.model_wrapped)
-            if checkpointing and not unwrapped.is_activation_checkpointing:
-                unwrapped.activation_checkpointing_enable(kwargs)
-            raise
-
-    @contextmanager
-    def _sampling_form(self, policy):
-        """The policy as it samples: in eval mode (dropout is off in training too; one mode keeps a compiled
-        decoding step from recompiling when training switches the model to train mode); the LM head's input made
-        contiguous (generation's first step); a LoRA adapter merged into copies of the base weights
-        (`merge_adapter_for_generation`), except under DeepSpeed or FSDP, whose sharded parameters are not plain
-        tensors to copy. With a static cache the copies are kept for the run (`merged_lora`'s `buffers`), so that the
-        compiled step reads the same tensors at every rollout."""
-        merge = self.args.merge_adapter_for_generation and not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
-        buffers = self._merged_weights if self.static_caches is not None else None
-        modes = {module: module.training for module in policy.modules()}
-        policy.eval()
-        try:
-            with contiguous_lm_head_input(policy), merged_lora(policy, buffers) if merge else nullcontext():
-                yield
-        finally:
-            for module, training in modes.items():
-                module.training = training
 
     # ------------------------------------------------------------------ step 4: rewards
     @torch.no_grad()
     def compute_rewards(self, rollout: Sequences) -> Rewards:
         """Step 4: decode the completions, call the reward functions, combine them by weight, and subtract
         `missing_eos_penalty` from the responses that did not reach their end."""
-        from .rollout import contains_token, eos_scored_as_any_token
-
         mask = rollout.response_mask
         completion_ids = [r[m.bool()].tolist() for r, m in zip(rollout.responses, mask)]
         completions = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
@@ -619,18 +512,18 @@ class KLPPOTrainer(Trainer):
             )  # fmt: skip
         scores = scores.float()
         # who pays missing_eos_penalty (`has_end` False)
-        eos_scored = eos_scored_as_any_token(self.args, self.stop_token_id)
+        eos_scored = eos_scored_as_any_token(self.args, self.sampler.stop_token_id)
         if eos_scored:  # no stop token, EOS sampled like any token: a response with no EOS anywhere (TRL 1.12's rule)
             has_end = contains_token(rollout.responses, mask, self.processing_class.eos_token_id)
         else:  # a response that does not end with the stop token (none pays when there is no stop token)
-            has_end = ends_with_stop(rollout.responses, mask, self.stop_token_id)
+            has_end = ends_with_stop(rollout.responses, mask, self.sampler.stop_token_id)
         if self.args.missing_eos_penalty is not None:
             scores = torch.where(has_end, scores, scores - self.args.missing_eos_penalty)
         stats = GlobalSums()
         for name, (total, count) in per_function.items():
             stats.add(f"rewards/{name}", total, count)
         stats.add("objective/scores", scores.sum(), scores.numel())
-        if self.stop_token_id is not None or eos_scored:  # with EOS suppressed, no response can reach it
+        if self.sampler.stop_token_id is not None or eos_scored:  # with EOS suppressed, no response can reach it
             stats.add("objective/eos_frac", has_end.float().sum(), has_end.numel())
         stats.add("objective/response_length", mask.sum(), mask.shape[0])
         return Rewards(completions, scores, applicable, stats.means(self.accelerator))
@@ -878,7 +771,7 @@ class KLPPOTrainer(Trainer):
             mb.query_responses, attention_mask=mb.attention_mask, position_ids=pos, response_length=resp.shape[1],
             **({"detach_value_input": True} if warming else {}),
         )  # fmt: skip
-        logits = response_logits(logits, resp.shape[1], args.temperature, self.suppressed_ids)
+        logits = response_logits(logits, resp.shape[1], args.temperature, self.sampler.suppressed_ids)
         values = values[:, mb.context_length - 1 : -1].float() if values is not None else None
         logp = response_logprobs(logits, resp)
         # Each micro-batch holds a share of its mini-batch's global mean: summed over micro-batches and ranks,

@@ -207,7 +207,7 @@ class ActorCritic(nn.Module):
         self, input_ids, attention_mask=None, position_ids=None, compute_values: bool = True, response_length: int = 0,
         detach_value_input: bool | None = None,
     ):
-        from .rollout import response_positions
+        from .logprobs import response_positions
 
         keep = response_positions(response_length, input_ids.shape[1], input_ids.device) if response_length else 0
         shared_values = compute_values and self.shared

@@ -91,13 +91,13 @@ def bandit_trainer(tiny_path, tmp_path, response_length: int = 1, modulus: int =
 def next_token_logprobs(trainer: KLPPOTrainer, model, prefixes: list[list[int]]) -> torch.Tensor:
     """`log softmax(logits / T)` of the next token after `PROMPT + prefix` for each prefix, with the
     suppressed ids masked out exactly as the trainer scores them. `[len(prefixes), V]`, float64."""
-    from klppo.ppo.rollout import mask_suppressed
+    from klppo.ppo.logprobs import mask_suppressed
 
     tokenizer = trainer.processing_class
     prompt = tokenizer(PROMPT)["input_ids"]
     ids = torch.tensor([prompt + list(p) for p in prefixes])
     logits = model(input_ids=ids).logits[:, -1].double() / trainer.args.temperature
-    return torch.log_softmax(mask_suppressed(logits, trainer.suppressed_ids), dim=-1)
+    return torch.log_softmax(mask_suppressed(logits, trainer.sampler.suppressed_ids), dim=-1)
 
 
 def policy_and_reference(trainer: KLPPOTrainer, prefixes=((),)) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,8 +112,8 @@ def policy_and_reference(trainer: KLPPOTrainer, prefixes=((),)) -> tuple[torch.T
 
 def allowed(trainer: KLPPOTrainer, vocab: int) -> torch.Tensor:
     keep = torch.ones(vocab, dtype=torch.bool)
-    if trainer.suppressed_ids is not None:
-        keep[trainer.suppressed_ids] = False
+    if trainer.sampler.suppressed_ids is not None:
+        keep[trainer.sampler.suppressed_ids] = False
     return keep
 
 

@@ -1,0 +1,66 @@
+"""Prompts into rollout batches: dataset rows tokenized into left-padded batches, and the endless, seeded stream of
+batches a run draws from."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.utils.data import DataLoader
+
+from ..rewards.text import is_conversational
+from .steps import PromptBatch
+
+logger = logging.getLogger(__name__)
+
+
+def collate_prompts(features: list[dict], tokenizer, max_prompt_length: int | None) -> PromptBatch:
+    """Tokenize dataset rows (a `prompt` column, plain or conversational) into a left-padded batch. A
+    conversational prompt goes through the tokenizer's chat template with the generation prompt; rows of
+    pre-tokenized `input_ids` (and no `prompt`) are used as they are, their decoded text standing for the prompt.
+    Prompts longer than `max_prompt_length` keep their last tokens. Other columns travel in `extra`."""
+    if "prompt" not in features[0]:  # pre-tokenized, as TRL's PPO scripts prepare their datasets
+        ids = [list(f["input_ids"]) for f in features]
+        features = [{k: v for k, v in f.items() if k not in ("input_ids", "attention_mask")} for f in features]
+        prompts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+    elif is_conversational(features[0]["prompt"]):
+        prompts = [f["prompt"] for f in features]
+        texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
+        ids = tokenizer(texts, add_special_tokens=False, padding=False)["input_ids"]
+    else:
+        prompts = [f["prompt"] for f in features]
+        ids = tokenizer(prompts, padding=False)["input_ids"]
+    if max_prompt_length:
+        ids = [x[-max_prompt_length:] for x in ids]
+    width = max(len(x) for x in ids)
+    pad = tokenizer.pad_token_id
+    input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
+    attention_mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+    extra = {k: [f[k] for f in features] for k in features[0] if k != "prompt"}
+    return PromptBatch(prompts, input_ids, attention_mask, extra)
+
+
+def endless_prompt_batches(dataset, batch_size: int, collate, accelerator, seed: int, skip: int = 0):
+    """Endless rollout batches of prompts for this rank, reshuffled each pass (seeded); the first `skip`
+    batches are skipped (a resumed run continues where the checkpoint stopped). A prompt set smaller than one
+    global rollout batch is cycled: each pass holds it as many times as one batch needs."""
+    global_batch = batch_size * accelerator.num_processes
+    if len(dataset) < global_batch:
+        repeats = -(-global_batch // len(dataset))
+        logger.info("The prompt set (%d prompts) is smaller than one rollout batch of all processes (%d): each pass "
+                    "over it holds every prompt %d times.", len(dataset), global_batch, repeats)  # fmt: skip
+        dataset = dataset.select([i % len(dataset) for i in range(repeats * len(dataset))])
+    loader = DataLoader(
+        dataset, batch_size=batch_size, shuffle=True, drop_last=True, collate_fn=collate,
+        generator=torch.Generator().manual_seed(seed),
+    )  # fmt: skip
+    loader = accelerator.prepare_data_loader(loader)
+    seen, epoch = 0, 0
+    while True:
+        if hasattr(loader, "set_epoch"):
+            loader.set_epoch(epoch)
+        for batch in loader:
+            seen += 1
+            if seen > skip:
+                yield batch
+        epoch += 1
