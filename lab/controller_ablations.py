@@ -68,8 +68,8 @@ class GuardLowOnCrossing(KLGuard):
     """klppo's guard whose low side acts only on an update that started at or above the target (its rollout's
     reading) and has pushed the KL below it: an update that starts below the target is never cut by it."""
 
-    def check(self, kl_sum, kl_count, kl_rollout, reading):
-        verdict = super().check(kl_sum, kl_count, kl_rollout, reading)
+    def check(self, kl_sum, kl_count, kl_rollout, reading, change_sq=None):
+        verdict = super().check(kl_sum, kl_count, kl_rollout, reading, change_sq)
         if verdict == LOWER and reading is not None and reading < self.target * self.lower_at:
             return None
         return verdict
@@ -80,6 +80,14 @@ class GuardLowBand(KLGuard):
     """klppo's guard whose low side acts at 0.8 x the target instead of the target."""
 
     lower_at = 0.8
+
+
+@register_kl_guard("low_significant")
+class GuardLowSignificant(KLGuard):
+    """klppo's guard whose low side acts only on a fall of the KL larger than two standard errors of its estimate on
+    the mini-batch."""
+
+    low_significance = 2.0
 
 
 @register_kl_guard("keeps_momentum")

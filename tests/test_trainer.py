@@ -110,7 +110,7 @@ def kl_loss_term(trainer, rollout, baseline: torch.Tensor | None = None) -> tupl
     advantages = Advantages(torch.zeros_like(rollout.values), rollout.values, kl_loss_coef=1.0, kl_loss_baseline=baseline)
     counts = dict(num_tokens=rollout.response_mask.sum(), num_seqs=n)
     trainer.model.zero_grad()
-    loss, parts = trainer.micro_batch_loss(rollout, advantages, torch.arange(n), counts)
+    loss, parts, _ = trainer.micro_batch_loss(rollout, advantages, torch.arange(n), counts)
     loss.backward()
     grads = {name: p.grad for name, p in trainer.model.policy.named_parameters() if p.requires_grad}
     return float(parts["loss/kl"][0]), grads
@@ -137,7 +137,7 @@ def test_a_micro_batch_without_its_padding_columns_gives_the_same_loss_and_gradi
     results = []
     for mb in (short, trimmed):
         trainer.model.zero_grad()
-        loss, parts = trainer.micro_batch_loss(mb, advantages, idx, counts)
+        loss, parts, _ = trainer.micro_batch_loss(mb, advantages, idx, counts)
         loss.backward()
         grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
         results.append((float(loss.detach()), {k: float(v[0]) for k, v in parts.items()}, grads))
@@ -760,8 +760,8 @@ def test_nonfinite_loss_skips_the_optimizer_step(tiny_path, prompts, tmp_path, m
     original = trainer.micro_batch_loss
 
     def nan_loss(*args, **kwargs):
-        loss, parts = original(*args, **kwargs)
-        return loss * float("nan"), parts
+        loss, parts, sample = original(*args, **kwargs)
+        return loss * float("nan"), parts, sample
 
     monkeypatch.setattr(trainer, "micro_batch_loss", nan_loss)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -986,7 +986,7 @@ def test_the_guards_low_side_ends_an_update_that_pulls_the_kl_below_its_bound(ti
         def observe(self, reading):
             events.append(("reading", reading))
 
-        def check(self, kl_sum, kl_count, kl_rollout, reading):
+        def check(self, kl_sum, kl_count, kl_rollout, reading, change_sq=None):
             events.append(("judged", reading + (kl_sum - kl_rollout) / kl_count, kl_sum - kl_rollout, kl_count))
 
     class LowSideOnly(KLGuard):
@@ -1307,9 +1307,9 @@ def test_updates_with_a_skipped_step_count_as_a_streak_without_rollback(tiny_pat
     original, calls = trainer.micro_batch_loss, []
 
     def second_step_nan(*a, **k):
-        loss, parts = original(*a, **k)
+        loss, parts, sample = original(*a, **k)
         calls.append(1)
-        return (loss * float("nan") if len(calls) % 2 == 0 else loss), parts
+        return (loss * float("nan") if len(calls) % 2 == 0 else loss), parts, sample
 
     monkeypatch.setattr(trainer, "micro_batch_loss", second_step_nan)
     with pytest.raises(TrainingDiverged, match="2 PPO updates in a row"):

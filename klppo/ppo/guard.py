@@ -11,6 +11,7 @@ an overshoot).
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -63,13 +64,16 @@ class KLGuard:
 
     Its upper bound is the target; its lower bound too (`lower_at` times the target), once armed. A variant changes
     the class attributes in a subclass registered with `register_kl_guard`: `upper` / `lower` turn a side off,
-    `lower_at` moves the lower bound, `clears_momentum=False` keeps the optimizer's momentum when it fires.
+    `lower_at` moves the lower bound, `clears_momentum=False` keeps the optimizer's momentum when it fires,
+    `low_significance=z` lets the low side act only on a fall of the KL larger than `z` standard errors of its
+    estimate on the mini-batch.
     """
 
     upper = True
     lower = True
     lower_at = 1.0
     clears_momentum = True
+    low_significance = 0.0
 
     def __init__(self, target: float | None):
         self.target = target
@@ -88,13 +92,15 @@ class KLGuard:
         if self.lower_on and reading >= self.target * self.lower_at:
             self.low_armed = True
 
-    def check(self, kl_sum: float, kl_count: float, kl_rollout: float, reading: float | None) -> str | None:
+    def check(self, kl_sum: float, kl_count: float, kl_rollout: float, reading: float | None,
+              change_sq: float | None = None) -> str | None:  # fmt: skip
         """`"guard"` (above the target), `"guard_low"` (below it, once armed) or None.
 
         The KL now is the rollout's `reading` plus this update's change on the mini-batch's tokens: `kl_sum` is
         their KL at the current policy (importance-weighted k1, `kl_count` the statistic's count) and `kl_rollout`
         the same tokens' KL at the rollout. Measured on the same tokens before and after, that change is far less
-        noisy than a few sequences' own k1. Without a reading, the KL now is the mini-batch's own. "Pushed" means
+        noisy than a few sequences' own k1; `change_sq` is the sum over the units of their change squared (its
+        noise, for `low_significance`). Without a reading, the KL now is the mini-batch's own. "Pushed" means
         by more than rounding (a thousandth of the target's KL): a rollout that already read above the target keeps
         stepping while its KL does not rise (else the policy, never stepping, could not come back).
         """
@@ -106,9 +112,18 @@ class KLGuard:
         now = kl_sum / kl_count if reading is None else reading + change / kl_count
         if self.upper_on and now > self.target and pushed_up:
             return UPPER
-        if self.low_armed and now < self.target * self.lower_at and pushed_down:
+        if self.low_armed and now < self.target * self.lower_at and pushed_down and self._significant_fall(
+                change, change_sq, kl_count):  # fmt: skip
             return LOWER
         return None
+
+    def _significant_fall(self, change: float, change_sq: float | None, count: float) -> bool:
+        """Whether the mean change per unit lies more than `low_significance` standard errors below 0."""
+        if not self.low_significance or change_sq is None or count < 2:
+            return True
+        mean = change / count
+        variance = max(change_sq / count - mean * mean, 0.0) * count / (count - 1)
+        return -mean > self.low_significance * math.sqrt(variance / count)
 
     def metrics(self, fired: str | None) -> dict[str, float]:
         out = {}

@@ -75,6 +75,7 @@ from .logprobs import position_ids_from_mask, response_logits, response_logprobs
 from .prompts import collate_prompts, endless_prompt_batches
 from .rollout import RolloutSampler
 from .sampling import DIVERGED_SAMPLING, contains_token, ends_with_stop, eos_scored_as_any_token, truncate_at_stop
+from .safety import NONFINITE, StepChecks, guard_sample
 from .scoring import RolloutScorer
 from .steps import Advantages, KLPenalty, OptimiseResult, PromptBatch, Rewards, Rollout, Sequences
 
@@ -665,9 +666,9 @@ class KLPPOTrainer(Trainer):
             order = torch.randperm(n_local, device=rollout.responses.device)
             for mb_start in range(0, n_local, mb_size):
                 status = self._optimizer_step(rollout, advantages, order[mb_start : mb_start + mb_size], stats, applied, kl_reading)
-                skipped, applied = skipped or status == "nonfinite", applied + int(status == "applied")
+                skipped, applied = skipped or status == NONFINITE, applied + int(status == "applied")
                 guarded = status if status in (UPPER, LOWER) else None
-                if (status == "nonfinite" and self.rollback_updates) or guarded:
+                if (status == NONFINITE and self.rollback_updates) or guarded:
                     break
         metrics = {**stats.means(self.accelerator), **self.kl_guard.metrics(guarded)}
         if "val/ratio_sq" in metrics:  # the ratio's variance over the update's tokens, from its two moments
@@ -688,24 +689,18 @@ class KLPPOTrainer(Trainer):
         # Global counts of the mini-batch: every loss is a global mean, whatever the split
         tokens, seqs = reduce_sum_count(rollout.response_mask[mb_idx].sum().double(), float(len(mb_idx)), acc)
         counts = dict(num_tokens=tokens, num_seqs=seqs)
-        # non-finite losses; the guard's KL sum and count at the current policy; the same tokens' KL sum at the rollout
-        checks = torch.zeros(4, dtype=torch.float64, device=acc.device)
-        verdict = None
+        checks, verdict = StepChecks(acc.device), None
         for micro_start in range(0, len(mb_idx), micro):
             idx = mb_idx[micro_start : micro_start + micro]
             boundary = micro_start + micro >= len(mb_idx)
             # DDP reduces at the boundary only; DeepSpeed is told the boundary in `_backward` (its ZeRO-2/3 refuse no_sync)
             with nullcontext() if boundary or acc.num_processes == 1 or self.is_deepspeed_enabled else acc.no_sync(model):
                 with record_function("klppo/forward"):
-                    loss, parts = self.micro_batch_loss(rollout.select(idx).without_padding_columns(), advantages, idx, counts)
-                checks[0] += (~torch.isfinite(loss.detach())).double()
-                checks[1:3] += torch.stack([torch.as_tensor(x, dtype=torch.float64, device=checks.device)
-                                            for x in parts["kl/during_update"]])  # a count in sequences is a host int
-                checks[3] += rollout.log_ratio[idx].double().sum()
+                    mb = rollout.select(idx).without_padding_columns()
+                    loss, parts, sample = self.micro_batch_loss(mb, advantages, idx, counts)
+                checks.add(loss, sample)
                 if boundary:  # one collective and host sync per step
-                    bad, kl_sum, kl_count, kl_rollout = all_reduce_sum(checks, acc).tolist()
-                    fired = self.kl_guard.check(kl_sum, kl_count, kl_rollout, kl_reading) if applied > 0 else None
-                    verdict = "nonfinite" if bad else fired  # the update's first step always goes ahead
+                    verdict = checks.verdict(acc, self.kl_guard, kl_reading, applied)
                 with record_function("klppo/backward"):
                     self._backward(loss, boundary, discard=verdict is not None)
             for name, (total, count) in parts.items():
@@ -717,7 +712,7 @@ class KLPPOTrainer(Trainer):
             grad_norm = self._step()
             if grad_norm is not None and math.isfinite(grad_norm):
                 stats.add("train/grad_norm", torch.tensor(grad_norm / acc.num_processes, dtype=torch.float64), 1.0 / acc.num_processes)
-            verdict = "applied" if grad_norm is None or math.isfinite(grad_norm) else "nonfinite"
+            verdict = "applied" if grad_norm is None or math.isfinite(grad_norm) else NONFINITE
         elif self.is_deepspeed_enabled:
             model.step()  # finds the poisoned gradients non-finite: drops them and skips the step
         if verdict in (UPPER, LOWER) and self.kl_guard.clears_momentum and not reset_momentum(self.optimizer):
@@ -762,7 +757,7 @@ class KLPPOTrainer(Trainer):
 
     def micro_batch_loss(self, mb: Rollout, advantages: Advantages, idx: torch.Tensor, counts: dict):
         """Loss of one micro-batch `mb` (rows `idx` of the rollout), normalised by the mini-batch's GLOBAL
-        counts, and its logging parts `{name: (sum, count)}`."""
+        counts, its logging parts `{name: (sum, count)}` and its reading for the KL guard (`GuardSample`)."""
         args, plan = self.args, self.kl_plan
         mask, resp = mb.response_mask, mb.responses
         pos = position_ids_from_mask(mb.attention_mask)
@@ -785,11 +780,8 @@ class KLPPOTrainer(Trainer):
         # (0 after the stop token, where the sampled token was replaced by padding)
         old_log_ratio = torch.where(mask.bool(), logp - mb.logp, 0.0)
         log_ratio = mb.log_ratio + old_log_ratio
-        with torch.no_grad():  # the KL statistic at the current policy, for the guard: k1 importance-weighted
-            # by pi / pi_old per token (the tokens were sampled by pi_old)
-            k1 = torch.exp(old_log_ratio.detach()) * log_ratio.detach() * mask
-            count = mask.shape[0] if plan.unit == "sequence" else mask.sum()
-            parts["kl/during_update"] = (k1.sum(), count)
+        sample = guard_sample(log_ratio.detach(), old_log_ratio.detach(), mb.log_ratio, mask, plan.unit)
+        parts["kl/during_update"] = (sample.kl_now, sample.count)  # the KL statistic at the current policy
         if "loss" in plan.places and not warming:  # the estimator at the current policy, per kl_loss_agg_mode
             ref_logits = None
             if plan.estimator_needs_logits:
@@ -809,7 +801,7 @@ class KLPPOTrainer(Trainer):
             loss = torch.nan_to_num(logits, nan=0.0, posinf=0.0, neginf=0.0).sum() * 0.0
         if value_loss is not None:
             loss = loss + args.vf_coef * value_loss
-        return loss, parts
+        return loss, parts, sample
 
     # ------------------------------------------------------------------ reference resets
     def _reference_tensors(self) -> dict[str, torch.Tensor]:
