@@ -884,7 +884,7 @@ def test_an_update_that_leaves_overflowing_logits_is_undone_by_the_next_rollout(
     pass looks for that after each update: the next rollout's own forwards find it, the update is undone from its
     copy and the rollout sampled again from the policy before it. Only the end of training checks with a forward of
     its own (one micro-batch), before anything samples from or saves the policy."""
-    import klppo.ppo.trainer as trainer_module
+    import klppo.ppo.safety as safety_module
 
     args = make_args(tmp_path, max_steps=3, nonfinite_rollback=True, max_nonfinite_updates=5)
     trainer = make_trainer(tiny_path, prompts, args)
@@ -898,9 +898,9 @@ def test_an_update_that_leaves_overflowing_logits_is_undone_by_the_next_rollout(
                 head.fill_(1e38)
         return result
 
-    checked = trainer_module.policy_outputs_finite
+    checked = safety_module.policy_outputs_finite
     monkeypatch.setattr(trainer, "optimise", optimise_then_blow_up)
-    monkeypatch.setattr(trainer_module, "policy_outputs_finite", lambda *a, **k: checks.append(1) or checked(*a, **k))
+    monkeypatch.setattr(safety_module, "policy_outputs_finite", lambda *a, **k: checks.append(1) or checked(*a, **k))
     before = head.detach().clone()
     with caplog.at_level("WARNING"):
         trainer.train()

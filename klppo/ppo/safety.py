@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from ..kl.reduce import all_reduce_sum
+from .health import policy_outputs_finite, rollout_outputs_finite
+from .rollback import restore_optimisation
 
 NONFINITE = "nonfinite"
 
@@ -81,3 +83,135 @@ class StepChecks:
         if applied == 0:
             return None
         return guard.check(kl_now, count, kl_rollout, reading, change_sq=change_sq)
+
+
+@dataclass
+class Unsettled:
+    """An update whose policy no rollout has checked yet: its number, its optimizer steps, the copy that can undo it
+    (None: none), whether it went through without a skipped step, and whether a forward pass over the last rollout
+    has found its outputs finite already."""
+
+    step: int
+    applied: int
+    snapshot: dict | None
+    clean: bool
+    forward_checked: bool = False
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "applied": self.applied, "clean": self.clean, "forward_checked": self.forward_checked}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "Unsettled":
+        return cls(int(state["step"]), int(state["applied"]), None, bool(state["clean"]), bool(state["forward_checked"]))
+
+
+class UpdateSafety:
+    """Non-finite values across updates: a skipped update is counted (`NonfiniteGuard`), undone from its copy when
+    updates are rolled back (`rollback`), and an update whose steps went through stays unsettled until forward
+    passes that run anyway (the next rollout's, or one over the last rollout before a save) find its policy finite.
+
+    Args:
+        nonfinite: the run's `NonfiniteGuard` (`max_nonfinite_updates`).
+        accelerator: the trainer's accelerator.
+        log: whether this process logs (the first one).
+    """
+
+    def __init__(self, nonfinite, accelerator, log: bool):
+        self.nonfinite, self.accelerator, self.log = nonfinite, accelerator, log
+        self.rollback: bool | None = None  # decided once the models are wrapped (`decide_rollback`)
+        self.unsettled: Unsettled | None = None
+        self.checked_rows = None  # the last rollout's sequences, which the check before a save reads
+
+    def decide_rollback(self, setting: bool | None, model, engine: str | None) -> bool:
+        """Whether a non-finite step undoes its whole update: `setting` (`nonfinite_rollback`), or when that is None,
+        whether the trainable weights of `model` (policy and critic) are at most 10% of all weights, as with LoRA and
+        the shared critic, so that the copy it takes is small. Counted over all ranks (FSDP shards the weights), so
+        every rank decides the same. Never under DeepSpeed, whose optimizer state is sharded."""
+        if self.rollback is None:
+            if engine == "deepspeed":
+                self.rollback = False
+            elif setting is not None:
+                self.rollback = bool(setting)
+            else:
+                trainable = total = 0
+                for p in model.parameters():
+                    n = p.numel()  # the full size, also of an FSDP2 DTensor shard
+                    trainable, total = trainable + (n if p.requires_grad else 0), total + n
+                counts = torch.tensor([trainable, total], dtype=torch.float64, device=self.accelerator.device)
+                trainable, total = all_reduce_sum(counts, self.accelerator).tolist()
+                self.rollback = 10 * trainable <= total
+        return self.rollback
+
+    def record(self, step: int, what: str, outcome: str, optimizer) -> dict[str, float]:
+        """Count update `step` as skipped (`what` held non-finite values; `outcome` says what became of the weights)."""
+        optimizer.zero_grad(set_to_none=True)
+        return self.nonfinite.record(step, what, outcome, log=self.log)
+
+    def after_optimise(self, step: int, result, snapshot: dict | None, model, optimizer, scheduler) -> dict[str, float]:
+        """Roll back (or report) update `step` when a non-finite loss or gradient stopped it. An update whose steps
+        went through is checked later (`settle`): its `snapshot` is kept until then."""
+        if not result.skipped:
+            self.unsettled = Unsettled(step, result.applied_steps, snapshot, clean=True)
+            return {}
+        if snapshot is not None:
+            restore_optimisation(snapshot, model, optimizer, scheduler)
+            outcome = "the weights and optimizer state were restored to the start of the update"
+        else:
+            if result.applied_steps:  # partly applied: its policy is checked like any other
+                self.unsettled = Unsettled(step, result.applied_steps, None, clean=False)
+            outcome = f"{result.applied_steps} optimizer step(s) of this update had already been applied"
+        return self.record(step, "the loss or its gradient", outcome, optimizer)
+
+    def settle(self, rollout, model_wrapped, model, optimizer, scheduler, args) -> dict[str, float] | None:
+        """Check the policy that the last update left, with forward passes that run anyway: the next rollout's
+        (`rollout`: its sampling logits, log-probs and values), or without one (before an evaluation, a save, a
+        reference reset and at the end of training) one forward pass over the last rollout's sequences, once. An
+        optimizer step can leave finite weights whose logits overflow on some inputs (a learning rate far too high):
+        the weights alone do not tell. Finite: nothing to do (None), and a clean update ends a streak of skipped ones.
+        Not finite: the update is undone from its copy, and the skip's metrics returned; without a copy training stops
+        (`TrainingDiverged`, nothing saved from then on). Decided alike on every rank."""
+        unsettled = self.unsettled
+        if unsettled is None:
+            return None
+        if rollout is not None:
+            finite = rollout_outputs_finite(rollout, self.accelerator)
+            self.unsettled = None
+            if finite and unsettled.clean:
+                self.nonfinite.reset()
+        else:
+            if unsettled.forward_checked or self.checked_rows is None:  # checked, or resumed: the rollout will
+                return None
+            finite = policy_outputs_finite(model_wrapped, self.checked_rows, self.accelerator,
+                                           args.rollout_forward_batch_size)  # fmt: skip
+            unsettled.forward_checked = finite
+        if finite:
+            return None
+        self.unsettled = None
+        if unsettled.snapshot is None:
+            self.nonfinite.policy_diverged(unsettled.step, unsettled.applied, args)  # raises
+            return None
+        restore_optimisation(unsettled.snapshot, model, optimizer, scheduler)
+        return self.record(unsettled.step, f"the policy's logits or values after update {unsettled.step}",
+                           "the weights and optimizer state were restored to the start of that update", optimizer)
+
+    def weights_finite(self, model) -> bool:
+        """Whether every trainable weight of `model` is finite and training was not stopped on a diverged policy
+        (whose weights can be finite while its logits are not), on every rank (ZeRO-3 holds each weight's shard,
+        `ds_tensor`, on one rank only: the verdict is reduced over ranks, so that every rank decides alike)."""
+        if self.nonfinite.stopped:
+            return False
+        # this rank's shard: ZeRO-3's `ds_tensor`, FSDP2's local tensor, else the whole weight
+        shards = [p.to_local() if hasattr(p, "to_local") else getattr(p, "ds_tensor", p)
+                  for p in model.parameters() if p.requires_grad]  # fmt: skip
+        bad = torch.tensor(float(not all(bool(torch.isfinite(t).all()) for t in shards)), device=self.accelerator.device)
+        return all_reduce_sum(bad, self.accelerator).item() == 0
+
+    def state_dict(self) -> dict:
+        # the last update, if no rollout has checked it yet: a resumed run checks it at its first rollout too
+        return {**self.nonfinite.state_dict(),
+                "unsettled": None if self.unsettled is None else self.unsettled.state_dict()}  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        self.nonfinite.load_state_dict(state)
+        if state.get("unsettled"):  # checked at the first rollout; its undo copy was not saved
+            self.unsettled = Unsettled.from_state(state["unsettled"])

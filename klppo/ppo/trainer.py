@@ -24,14 +24,12 @@ finiteness check, settled by the next rollout's forwards (`_settle_last_update`)
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import os
 import shutil
 import time
 from collections import defaultdict
-from dataclasses import dataclass
 from contextlib import ExitStack, nullcontext
 
 import torch
@@ -55,7 +53,7 @@ from ..kl import (
     kl_statistic,
     reduce_sum_count,
 )
-from ..kl.reduce import all_reduce_sum, explained_variance
+from ..kl.reduce import explained_variance
 from ..rewards import combine_rewards, load_reward_funcs, reward_func_name, unique_names
 from . import checkpoint as ckpt
 from .advantages import advantage_slope, gae_advantages, sequence_advantages
@@ -64,42 +62,22 @@ from .callbacks import KLProgressCallback, maybe_offline_wandb, now, timed
 from .config import KL_LOSS_MIN_ADVANTAGE_STD, KLPPOConfig
 from .engines import destroy_process_group_at_exit, load_full_weights, root_unsharded, unwrap
 from .guard import LOWER, UPPER, build_kl_guard, reset_momentum
-from .health import NonfiniteGuard, PPOHealthMonitor, TrainingDiverged, policy_outputs_finite, rollout_outputs_finite
+from .health import NonfiniteGuard, PPOHealthMonitor, TrainingDiverged, rollout_outputs_finite
 from .losses import ppo_losses
 from .plan import LOGGED_ESTIMATORS, make_kl_plan
 from .preemption import StopRequest
 from .reference import clear_optimizer_state, reference_tensors, reset_reference, swapped_in
-from .rollback import restore_optimisation, snapshot_optimisation
+from .rollback import snapshot_optimisation
 from .caches import mergeable_lora_layers
 from .logprobs import position_ids_from_mask, response_logits, response_logprobs
 from .prompts import collate_prompts, endless_prompt_batches
 from .rollout import RolloutSampler
 from .sampling import DIVERGED_SAMPLING, contains_token, ends_with_stop, eos_scored_as_any_token, truncate_at_stop
-from .safety import NONFINITE, StepChecks, guard_sample
+from .safety import NONFINITE, StepChecks, UpdateSafety, guard_sample
 from .scoring import RolloutScorer
 from .steps import Advantages, KLPenalty, OptimiseResult, PromptBatch, Rewards, Rollout, Sequences
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Unsettled:
-    """An update whose policy no rollout has checked yet (`KLPPOTrainer._settle_last_update`): its number, its
-    optimizer steps, the copy that can undo it (None: none), whether it went through without a skipped step, and
-    whether a forward pass over the last rollout has found its outputs finite already."""
-
-    step: int
-    applied: int
-    snapshot: dict | None
-    clean: bool
-    forward_checked: bool = False
-
-    def state_dict(self) -> dict:
-        return {"step": self.step, "applied": self.applied, "clean": self.clean, "forward_checked": self.forward_checked}
-
-    @classmethod
-    def from_state(cls, state: dict) -> "Unsettled":
-        return cls(int(state["step"]), int(state["applied"]), None, bool(state["clean"]), bool(state["forward_checked"]))
 
 
 class KLPPOTrainer(Trainer):
@@ -197,14 +175,13 @@ class KLPPOTrainer(Trainer):
         self.kl_guard = build_kl_guard(args.kl_guard, args.kl_target)
         self.drift_monitor = KLDriftMonitor(args.kl_target, patience=args.kl_drift_patience) if args.kl_target else None
         self.health_monitor = PPOHealthMonitor(patience=args.health_patience)
-        self.nonfinite_guard = NonfiniteGuard(args.max_nonfinite_updates)
+        self.safety = UpdateSafety(NonfiniteGuard(args.max_nonfinite_updates), self.accelerator,
+                                   log=self.is_world_process_zero())  # fmt: skip
         self.completion_samples: list[dict] = []
         self.stop_request = StopRequest()  # SIGTERM while training (`checkpoint_on_sigterm`)
         self.stopped_by_signal: int | None = None  # the update a SIGTERM stopped the run after
         self._last_saved_step: int | None = None
         self._replace_jit_checkpoint()
-        self._unsettled: Unsettled | None = None  # the last update, until forward passes have shown its policy finite
-        self._checked_rows: Sequences | None = None  # what the check before a save reads
         self.reference_resets = 0  # `ref_reset_steps`: resets so far
         self._initial_reference: dict[str, torch.Tensor] | None = None  # the reference's tensors before the first
         if args.ref_reset_steps:
@@ -437,7 +414,8 @@ class KLPPOTrainer(Trainer):
         if steps:
             metrics["kl/reference_resets"] = float(self.reference_resets)
         if not penalty.finite:
-            metrics.update(self._record_nonfinite("rollout scores or KL", "no optimizer step was taken"))
+            metrics.update(self.safety.record(self.state.global_step + 1, "rollout scores or KL", "no optimizer step was taken",
+                                              self.optimizer))  # fmt: skip
         else:
             with timed(timings, "time/advantages", acc):
                 advantages = self.compute_advantages(rollout, rewards, penalty)  # step 7
@@ -448,8 +426,10 @@ class KLPPOTrainer(Trainer):
             with timed(timings, "time/optimise", acc):
                 result = self.optimise(rollout, advantages, kl_reading=penalty.reading)  # step 8
             metrics.update(result.metrics, **advantages.metrics)
-            metrics.update(self._after_optimise(result, snapshot))
-            self._checked_rows = rollout.sequences()
+            metrics.update(self.safety.after_optimise(self.state.global_step + 1, result, snapshot,
+                                                      acc.unwrap_model(self.model_wrapped), self.optimizer,
+                                                      self.lr_scheduler))  # fmt: skip
+            self.safety.checked_rows = rollout.sequences()
         timings["time/update"] = now(acc) - start
         metrics.update(timings, **{"train/nonfinite_skips": float(self.nonfinite_skips), "lr": lr})
         for message in self.health_monitor.update(metrics):
@@ -814,8 +794,8 @@ class KLPPOTrainer(Trainer):
         kept for `kl/initial`, the optimizer's state is cleared (`ref_reset_optimizer`) and the KL controller, the
         guard's low side and the drift monitor start again from a KL of 0."""
         self._settle_last_update()  # a diverged policy must not become the reference
-        if self._unsettled is not None:
-            self._unsettled.snapshot = None  # no undoing past a reset
+        if self.safety.unsettled is not None:
+            self.safety.unsettled.snapshot = None  # no undoing past a reset
         tensors = self._reference_tensors()
         if self._initial_reference is None:
             self._initial_reference = {name: t.detach().clone() for name, t in tensors.items()}
@@ -851,85 +831,23 @@ class KLPPOTrainer(Trainer):
         return stats.means(self.accelerator)
 
     # ------------------------------------------------------------------ non-finite values
-    @functools.cached_property
-    def rollback_updates(self) -> bool:
-        """Whether a non-finite step undoes its whole update: `nonfinite_rollback`, or when that is None, whether
-        the trainable weights (policy and critic) are at most 10% of all weights, as with LoRA and the shared
-        critic, so that the copy it takes is small. Counted over all ranks (FSDP shards the weights), so every rank
-        decides the same. Never under DeepSpeed, whose optimizer state is sharded."""
-        if self.is_deepspeed_enabled:  # sharded optimizer state: DeepSpeed drops a non-finite step itself
-            return False
-        if self.args.nonfinite_rollback is not None:
-            return bool(self.args.nonfinite_rollback)
-        trainable = total = 0
-        for p in self.accelerator.unwrap_model(self.model_wrapped).parameters():
-            n = p.numel()  # the full size, also of an FSDP2 DTensor shard
-            trainable, total = trainable + (n if p.requires_grad else 0), total + n
-        counts = torch.tensor([trainable, total], dtype=torch.float64, device=self.accelerator.device)
-        trainable, total = all_reduce_sum(counts, self.accelerator).tolist()
-        return 10 * trainable <= total
-
-    def _after_optimise(self, result: OptimiseResult, snapshot: dict | None) -> dict[str, float]:
-        """Roll back (or report) an update stopped by a non-finite loss or gradient. An update whose steps went
-        through is checked later, by the forward passes that run anyway (`_settle_last_update`): its `snapshot` is
-        kept until then."""
-        step = self.state.global_step + 1
-        if not result.skipped:
-            self._unsettled = Unsettled(step, result.applied_steps, snapshot, clean=True)
-            return {}
-        if snapshot is not None:
-            restore_optimisation(snapshot, self.accelerator.unwrap_model(self.model_wrapped), self.optimizer, self.lr_scheduler)
-            outcome = "the weights and optimizer state were restored to the start of the update"
-        else:
-            if result.applied_steps:  # partly applied: its policy is checked like any other
-                self._unsettled = Unsettled(step, result.applied_steps, None, clean=False)
-            outcome = f"{result.applied_steps} optimizer step(s) of this update had already been applied"
-        return self._record_nonfinite("the loss or its gradient", outcome)
-
     def _settle_last_update(self, rollout: Rollout | None = None) -> dict[str, float] | None:
-        """Check the policy that the last update left, with forward passes that run anyway. The next rollout's
-        (`rollout`: its sampling logits, its log-probs and values) settle it. Before evaluation, a save, a reference
-        reset and at the end of training, one forward pass over the last rollout's sequences checks it once (the next
-        rollout still checks it again). An optimizer step can leave finite weights whose logits overflow on some
-        inputs (a learning rate far too high): the weights alone do not tell. Finite: nothing to do (None), and a
-        clean update ends a streak of skipped ones. Not finite: the update is undone from its copy, and the metrics
-        of the skip are returned; without a copy training stops (`TrainingDiverged`, nothing saved from then on).
-        Decided alike on every rank."""
-        unsettled = self._unsettled
-        if unsettled is None:
-            return None
-        if rollout is not None:
-            finite = rollout_outputs_finite(rollout, self.accelerator)
-            self._unsettled = None
-            if finite and unsettled.clean:
-                self.nonfinite_guard.reset()
-        else:
-            if unsettled.forward_checked or self._checked_rows is None:  # checked, or resumed: the rollout will
-                return None
-            finite = policy_outputs_finite(self.model_wrapped, self._checked_rows, self.accelerator,
-                                           self.args.rollout_forward_batch_size)  # fmt: skip
-            unsettled.forward_checked = finite
-        if finite:
-            return None
-        self._unsettled = None
-        if unsettled.snapshot is None:
-            self.nonfinite_guard.policy_diverged(unsettled.step, unsettled.applied, self.args)  # raises
-            return None
-        restore_optimisation(unsettled.snapshot, self.accelerator.unwrap_model(self.model_wrapped), self.optimizer,
-                             self.lr_scheduler)  # fmt: skip
-        return self._record_nonfinite(f"the policy's logits or values after update {unsettled.step}",
-                                      "the weights and optimizer state were restored to the start of that update",
-                                      step=unsettled.step)  # fmt: skip
+        """Check the policy the last update left (`UpdateSafety.settle`): with `rollout`'s forward passes, or with
+        one over the last rollout before an evaluation, a save, a reset or the end of training."""
+        return self.safety.settle(rollout, self.model_wrapped, self.accelerator.unwrap_model(self.model_wrapped),
+                                  self.optimizer, self.lr_scheduler, self.args)  # fmt: skip
 
     @property
     def nonfinite_skips(self) -> int:
         """Updates skipped so far because of NaN/inf in the rewards, the KL, a loss or a gradient."""
-        return self.nonfinite_guard.skips
+        return self.safety.nonfinite.skips
 
-    def _record_nonfinite(self, what: str, outcome: str, step: int | None = None) -> dict[str, float]:
-        self.optimizer.zero_grad(set_to_none=True)
-        step = self.state.global_step + 1 if step is None else step
-        return self.nonfinite_guard.record(step, what, outcome, log=self.is_world_process_zero())
+    @property
+    def rollback_updates(self) -> bool:
+        """Whether a non-finite step undoes its whole update (`UpdateSafety.decide_rollback`)."""
+        engine = "deepspeed" if self.is_deepspeed_enabled else None
+        return self.safety.decide_rollback(self.args.nonfinite_rollback, self.accelerator.unwrap_model(self.model_wrapped),
+                                           engine)  # fmt: skip
 
     # ------------------------------------------------------------------ checkpoints
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
@@ -937,7 +855,7 @@ class KLPPOTrainer(Trainer):
         the actor-critic (value head / critic included) for resuming; never weights that are not finite."""
         output_dir = output_dir or self.args.output_dir
         self._settle_last_update()
-        if not self._weights_finite():
+        if not self.safety.weights_finite(self.accelerator.unwrap_model(self.model_wrapped)):
             if self.is_world_process_zero():
                 logger.warning("Not saving to %s: the trainable weights are not finite, or training stopped on a "
                                "diverged policy.", output_dir)  # fmt: skip
@@ -953,7 +871,7 @@ class KLPPOTrainer(Trainer):
         """Write `checkpoint-N` atomically: every file (Trainer's and klppo's) goes into a staging folder that
         is renamed into place only when complete, so a crash mid-save never leaves a partial `checkpoint-N`."""
         self._settle_last_update()
-        if not self._weights_finite():
+        if not self.safety.weights_finite(self.accelerator.unwrap_model(self.model_wrapped)):
             if self.is_world_process_zero():
                 logger.warning("Not writing checkpoint %d: the trainable weights are not finite, or training stopped on "
                                "a diverged policy; the last checkpoint is kept.", self.state.global_step)  # fmt: skip
@@ -985,19 +903,6 @@ class KLPPOTrainer(Trainer):
         self.accelerator.wait_for_everyone()
         self._last_saved_step = self.state.global_step
 
-    def _weights_finite(self) -> bool:
-        """Whether every trainable weight is finite and training was not stopped on a diverged policy (whose
-        weights can be finite while its logits are not), on every rank (ZeRO-3 holds each weight's shard,
-        `ds_tensor`, on one rank only: the verdict is reduced over ranks, so that every rank decides alike)."""
-        if self.nonfinite_guard.stopped:
-            return False
-        unwrapped = self.accelerator.unwrap_model(self.model_wrapped)
-        # this rank's shard: ZeRO-3's `ds_tensor`, FSDP2's local tensor, else the whole weight
-        shards = [p.to_local() if hasattr(p, "to_local") else getattr(p, "ds_tensor", p)
-                  for p in unwrapped.parameters() if p.requires_grad]  # fmt: skip
-        bad = torch.tensor(float(not all(bool(torch.isfinite(t).all()) for t in shards)), device=self.accelerator.device)
-        return all_reduce_sum(bad, self.accelerator).item() == 0
-
     def _klppo_state(self) -> dict:
         """The state a checkpoint carries beside the weights: the KL controller's and the monitors', and the run's
         settings that resuming compares."""
@@ -1006,10 +911,8 @@ class KLPPOTrainer(Trainer):
             "drift_monitor": self.drift_monitor.state_dict() if self.drift_monitor is not None else None,
             "health_monitor": self.health_monitor.state_dict(),
             **self.kl_guard.state_dict(),
-            **self.nonfinite_guard.state_dict(),
+            **self.safety.state_dict(),
             "reference_resets": self.reference_resets,
-            # the last update, if no rollout has checked it yet: a resumed run checks it at its first rollout too
-            "unsettled": None if self._unsettled is None else self._unsettled.state_dict(),
             "settings": ckpt.resume_settings(self.args),
         }
 
@@ -1046,7 +949,7 @@ class KLPPOTrainer(Trainer):
             self.drift_monitor.load_state_dict(state["drift_monitor"])
         self.health_monitor.load_state_dict(state.get("health_monitor") or {})
         self.kl_guard.load_state_dict(state)
-        self.nonfinite_guard.load_state_dict(state)
+        self.safety.load_state_dict(state)
         self.reference_resets = int(state.get("reference_resets", 0))
         if self.reference_resets:
             current, initial = ckpt.load_reference(checkpoint)
@@ -1055,8 +958,6 @@ class KLPPOTrainer(Trainer):
                 for name, tensor in tensors.items():
                     tensor.copy_(current[name])
             self._initial_reference = {name: initial[name].to(tensors[name].device) for name in tensors}
-        if state.get("unsettled"):  # checked at the first rollout; its undo copy was not saved
-            self._unsettled = Unsettled.from_state(state["unsettled"])
         logger.info("Resumed from %s at update %d with KL coefficient %.6g", checkpoint, self.state.global_step,
                     self.kl_controller.value)  # fmt: skip
 
