@@ -131,6 +131,7 @@ def run_update(rollout_path: str, out_dir: str, grad_accum: int) -> dict:
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if p.requires_grad}
     coef_before = trainer.kl_controller.value
     penalty = trainer.apply_kl(rollout, rewards)
+    penalty.metrics.update(trainer.update_controller(rollout, rewards, penalty))
     metrics = penalty.metrics
     trainer.optimise(rollout, trainer.compute_advantages(rollout, rewards, penalty))
     deltas = {name: (p.detach() - before[name]) for name, p in trainer.model.named_parameters() if name in before}
@@ -253,6 +254,7 @@ def run_engine_update(rollout_path: str, out_dir: str, seed: int | None = None, 
         record["steps_sampling"] = len(counts)
     before = full_weights(trainer)
     penalty = trainer.apply_kl(rollout, rewards)
+    penalty.metrics.update(trainer.update_controller(rollout, rewards, penalty))
     torch.manual_seed(1)  # the same mini-batch order under every engine
     result = trainer.optimise(rollout, trainer.compute_advantages(rollout, rewards, penalty))
     after = full_weights(trainer)

@@ -43,7 +43,9 @@ def _moved_policy_rollout(trainer, n: int):
         head = policy.get_output_embeddings().weight
         head.add_(0.3 * torch.randn_like(head))  # not tied to the frozen reference copy
     rollout = trainer.rollout(trainer.prompt_batch([PROMPT] * n))
-    penalty = trainer.apply_kl(rollout, trainer.compute_rewards(rollout))
+    rewards = trainer.compute_rewards(rollout)
+    penalty = trainer.apply_kl(rollout, rewards)
+    penalty.metrics.update(trainer.update_controller(rollout, rewards, penalty))
     return rollout, penalty.metrics
 
 

@@ -15,6 +15,7 @@ from klppo import KLPPOConfig, KLPPOTrainer
 from klppo.kl import kl_estimators
 from klppo.models import TINY_MODEL, resolve_model_path
 from klppo.ppo.steps import Advantages
+from klppo.ppo.update import kl_loss_baseline
 from klppo.testing import klppo_config
 
 pytestmark = pytest.mark.numerics  # its verdicts rest on training or controller arithmetic: run under a second kernel set too
@@ -182,7 +183,7 @@ def test_the_kl_loss_baseline_is_the_token_mean_of_the_estimators_gradient_coeff
         rollout = rollout or own
         mask = rollout.response_mask.bool()
         d = (rollout.logp - rollout.ref_logp).double()
-        per_row, mean = trainer._kl_loss_baseline(rollout)
+        per_row, mean = kl_loss_baseline(trainer.kl_plan, rollout, trainer.accelerator)
         assert mean == pytest.approx(float(g(d[mask]).mean()), rel=1e-6, abs=1e-12), estimator
         assert per_row.shape == (rollout.batch_size, 1)
         for i in range(rollout.batch_size):
@@ -197,7 +198,8 @@ def test_with_the_baseline_k1_in_the_loss_puts_no_gradient_on_the_policy(tiny_pa
     trainer, rollout = moved_policy_rollout(tiny_path, prompts, args)
     term, grads = kl_loss_term(trainer, rollout)
     before = max(float(g.abs().max()) for g in grads.values() if g is not None)
-    with_baseline, grads = kl_loss_term(trainer, rollout, baseline=trainer._kl_loss_baseline(rollout)[0])
+    baseline = kl_loss_baseline(trainer.kl_plan, rollout, trainer.accelerator)[0]
+    with_baseline, grads = kl_loss_term(trainer, rollout, baseline=baseline)
     after = max(float(g.abs().max()) for g in grads.values() if g is not None)
     assert with_baseline == pytest.approx(term, rel=1e-6)
     # what remains is w - 1: the log-probs read while decoding and a training forward differ by rounding
@@ -829,6 +831,7 @@ def test_none_rewards_are_not_applicable_as_in_trl(tiny_path, prompts, tmp_path,
     assert metrics["rewards/odd_only"] == 1.0 and metrics["rewards/first_only"] == 2.0  # applicable values only
     assert any("1 of 4 completions got None from every reward function" in r.getMessage() for r in caplog.records)
     penalty = trainer.apply_kl(rollout, rewards)
+    penalty.metrics.update(trainer.update_controller(rollout, rewards, penalty))
     advantages = trainer.compute_advantages(rollout, rewards, penalty)
     assert torch.all(advantages.advantages[2] == 0)
     trainer.train()  # no abort: None is not a non-finite value
@@ -1120,6 +1123,7 @@ def test_kl_guard_does_not_freeze_a_policy_whose_rollout_already_reads_above_the
     rollout = trainer.rollout(trainer.prompt_batch(prompts["prompt"][:8]))
     rewards = trainer.compute_rewards(rollout)
     penalty = trainer.apply_kl(rollout, rewards)
+    penalty.metrics.update(trainer.update_controller(rollout, rewards, penalty))
     assert penalty.metrics["kl/k1"] > 100 * 1.5e-3  # far above the bound before any step
     advantages = trainer.compute_advantages(rollout, rewards, penalty)
     result = trainer.optimise(rollout, advantages, kl_reading=penalty.metrics["kl/value"])
@@ -1137,6 +1141,7 @@ def guarded_update(tiny_path, prompts, args, kl_reading="rollout", reset_momentu
     rollout = trainer.rollout(trainer.prompt_batch(prompts["prompt"][:8]))
     rewards = trainer.compute_rewards(rollout)
     penalty = trainer.apply_kl(rollout, rewards)
+    penalty.metrics.update(trainer.update_controller(rollout, rewards, penalty))
     reading = penalty.metrics["kl/value"] if kl_reading == "rollout" else kl_reading
     result = trainer.optimise(rollout, trainer.compute_advantages(rollout, rewards, penalty), kl_reading=reading)
     return trainer, penalty, result

@@ -264,7 +264,7 @@ class KLControlCallback(TrainerCallback):
         self.settings = settings
         self.kind = _kind(trainer)
         self.controller = build_kl_controller(settings)
-        self.reader = SequenceReader(trainer, self.kind) if hasattr(self.controller, "observe_sequences") else None
+        self.reader = SequenceReader(trainer, self.kind) if self.controller.reads_sequences else None
         self.resume_from: str | None = None
         self._buffer, self._seen = None, 0  # TRL's "kl" list and how many of its values have been read
         self._mean_length: float | None = None

@@ -178,7 +178,7 @@ class KLControlConfig:
             self.kl_controller = self.default_controller()
         if self.kl_controller not in kl_controllers():
             raise choice_error("kl_controller", self.kl_controller, kl_controllers())
-        if hasattr(get_kl_controller(self.kl_controller), "observe_sequences") and optimum is None:
+        if get_kl_controller(self.kl_controller).reads_sequences and optimum is None:
             raise ValueError(
                 f"`kl_controller='{self.kl_controller}'` sets beta from the batch's estimate of the coefficient whose "
                 f"KL-regularised optimum has the target KL, but {why}. Use kl_controller='tracking' (or 'pid'), which "

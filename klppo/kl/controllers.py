@@ -158,9 +158,15 @@ def _log(x: float) -> float:
 
 
 class KLController:
-    """Base class: bookkeeping shared by all controllers. Subclasses implement ``_step``."""
+    """Base class: bookkeeping shared by all controllers. Subclasses implement ``_step``.
+
+    What a controller reads besides the KL statistic, it declares: ``reads_sequences = True`` for one that reads
+    the batch itself (each sequence's score, log-ratio and length, given to :meth:`observe_sequences` before each
+    :meth:`update`); :meth:`metrics` returns what it logs after an update (none by default).
+    """
 
     name = "base"
+    reads_sequences = False
 
     def __init__(self, kl_coef: float):
         self._value = _as_float(kl_coef)
@@ -201,6 +207,15 @@ class KLController:
 
     def _step(self, kl: float, n_steps: int) -> float:
         raise NotImplementedError
+
+    def observe_sequences(self, scores, log_ratios, lengths, unit: str = "sequence") -> None:
+        """The batch the next :meth:`update` reads (controllers with ``reads_sequences``): each sequence's score,
+        ``log pi(y) - log ref(y)`` and length, from every rank."""
+        raise TypeError(f"{type(self).__name__} does not read the batch's sequences (reads_sequences is False)")
+
+    def metrics(self) -> dict:
+        """What the trainer logs after an update, beside the coefficient: none by default."""
+        return {}
 
     # -- checkpointing ------------------------------------------------------------------------
 
@@ -674,6 +689,8 @@ class EquilibriumKLController(_LogSpaceController):
     one-token bandit's speed grid and on the default task, are in `docs/results.md` ("The equilibrium
     controller").
     """
+
+    reads_sequences = True
 
     def __init__(self, kl_coef: float, target: float, coef_min: float = 1e-4, coef_max: float = 10.0,
                  approach_power: float = 0.75, optimum: Optional[KLOptimum] = None):

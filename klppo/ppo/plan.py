@@ -37,6 +37,18 @@ class KLPlan:
             forward that computes them gives the log-probs too).
         keep_generation_logits: the logits-based statistic reads the generation's logits (they fit in
             `generation_logits_max_mb`), so that scoring runs no policy forward for it.
+        mode: `kl_mode`, as configured (the log line's).
+        target: `kl_target`, or None.
+        guard: `kl_guard`, resolved: False, True or a registered guard's name.
+        drift_patience: `kl_drift_patience`, updates outside the band before the drift monitor warns.
+        loss_agg_mode: `kl_loss_agg_mode`, how the loss term aggregates its tokens.
+        loss_scale_by_advantage_std: the loss-mode coefficient is beta divided by the advantages' whitening scale
+            (`kl_loss_scale="advantage_std"`, except with GRPO, whose advantages are normalised per group).
+        loss_baseline: the loss term takes a baseline out of its per-token gradient (`kl_loss_baseline`, with a KL in
+            the loss that is per-token and aggregated other than `seq-mean-token-mean`, which weighs a token by its
+            own response's length).
+        grpo_slope: the equilibrium controller weighs each score by GRPO's advantage slope (GRPO with a KL in the
+            loss: the group-normalised advantage follows the policy gradient of `E[Delta * r]`).
     """
 
     estimator: str
@@ -48,6 +60,14 @@ class KLPlan:
     chunk_size: int
     read_while_decoding: bool
     keep_generation_logits: bool
+    mode: str = "reward"
+    target: float | None = None
+    guard: bool | str = False
+    drift_patience: int = 5
+    loss_agg_mode: str = "token-mean"
+    loss_scale_by_advantage_std: bool = False
+    loss_baseline: bool = False
+    grpo_slope: bool = False
 
     @property
     def estimator_needs_logits(self) -> bool:
@@ -62,6 +82,11 @@ class KLPlan:
         """Whether scoring must run the policy forward for its logits (a logits-based estimator, or a logits-based
         statistic whose generation logits are not kept)."""
         return self.estimator_needs_logits or (self.statistic_needs_logits and not self.keep_generation_logits)
+
+    def describe(self) -> str:
+        """One line for the log: where the KL acts, which estimate, which statistic in which unit, the target."""
+        target = f", target {self.target:g} per {self.unit}" if self.target is not None else ""
+        return f"KL applied in: {self.mode} (estimator {self.estimator}, statistic {self.statistic} per {self.unit}{target})"
 
     def estimate(self, name: str, log_ratio=None, old_log_ratio=None, logits=None, ref_logits=None,
                  return_clamped: bool = False):  # fmt: skip
@@ -87,9 +112,15 @@ def make_kl_plan(args, policy: torch.nn.Module, mixed_precision: bool, vocab_siz
     logits_bytes = args.local_rollout_batch_size * args.response_length * vocab_size * 4
     fits = logits_bytes <= args.generation_logits_max_mb * 2**20
     read = float32 and not compiled_decoding and not estimator.needs_logits and (fits or not statistic.needs_logits)
+    places, grpo = args.kl_modes_applied, args.advantage_estimator == "grpo"
     return KLPlan(
-        estimator=args.kl_estimator, statistic=args.kl_statistic, places=args.kl_modes_applied,
+        estimator=args.kl_estimator, statistic=args.kl_statistic, places=places,
         unit=args.kl_target_unit, log_ratio_clamp=args.kl_log_ratio_clamp, value_clamp=args.kl_value_clamp,
         chunk_size=args.full_kl_chunk_size, read_while_decoding=read,
-        keep_generation_logits=read and statistic.needs_logits and fits,
+        keep_generation_logits=read and statistic.needs_logits and fits, mode=args.kl_mode, target=args.kl_target,
+        guard=args.kl_guard, drift_patience=args.kl_drift_patience, loss_agg_mode=args.kl_loss_agg_mode,
+        loss_scale_by_advantage_std=args.kl_loss_scale == "advantage_std" and not grpo,
+        loss_baseline=(args.kl_loss_baseline and "loss" in places and not estimator.needs_logits
+                       and args.kl_loss_agg_mode != "seq-mean-token-mean"),
+        grpo_slope=grpo and "loss" in places,
     )  # fmt: skip

@@ -45,36 +45,29 @@ from ..kl import (
     GlobalSums,
     KLDriftMonitor,
     build_kl_controller,
-    check_same_on_all_ranks,
     estimate_kl,
-    global_masked_whiten,
-    kl_loss,
-    kl_reward,
-    kl_statistic,
     reduce_sum_count,
 )
-from ..kl.reduce import explained_variance
-from ..rewards import combine_rewards, load_reward_funcs, reward_func_name, unique_names
+from ..rewards import load_reward_funcs, reward_func_name, unique_names
 from . import checkpoint as ckpt
-from .advantages import advantage_slope, gae_advantages, sequence_advantages
 from .build import as_prompt_dataset, build_models, check_trainer_inputs, load_policy_and_tokenizer, prepare_frozen
 from .callbacks import KLProgressCallback, maybe_offline_wandb, now, timed
-from .config import KL_LOSS_MIN_ADVANTAGE_STD, KLPPOConfig
+from .config import KLPPOConfig
 from .engines import destroy_process_group_at_exit, load_full_weights, root_unsharded, unwrap
 from .guard import LOWER, UPPER, build_kl_guard, reset_momentum
 from .health import NonfiniteGuard, PPOHealthMonitor, TrainingDiverged, rollout_outputs_finite
-from .losses import ppo_losses
-from .plan import LOGGED_ESTIMATORS, make_kl_plan
+from .plan import make_kl_plan
 from .preemption import StopRequest
 from .reference import clear_optimizer_state, reference_tensors, reset_reference, swapped_in
 from .rollback import snapshot_optimisation
 from .caches import mergeable_lora_layers
-from .logprobs import position_ids_from_mask, response_logits, response_logprobs
+from .logprobs import response_logprobs
 from .prompts import collate_prompts, endless_prompt_batches
 from .rollout import RolloutSampler
-from .sampling import DIVERGED_SAMPLING, contains_token, ends_with_stop, eos_scored_as_any_token, truncate_at_stop
-from .safety import NONFINITE, StepChecks, UpdateSafety, guard_sample
+from .sampling import DIVERGED_SAMPLING, eos_scored_as_any_token, truncate_at_stop
+from .safety import NONFINITE, StepChecks, UpdateSafety
 from .scoring import RolloutScorer
+from .update import compute_advantages, compute_rewards, kl_penalty, micro_batch_loss, update_controller
 from .steps import Advantages, KLPenalty, OptimiseResult, PromptBatch, Rewards, Rollout, Sequences
 
 logger = logging.getLogger(__name__)
@@ -407,8 +400,9 @@ class KLPPOTrainer(Trainer):
         with timed(timings, "time/reward", acc):
             rewards = self.compute_rewards(rollout)  # step 4
         with timed(timings, "time/kl", acc):
-            penalty = self.apply_kl(rollout, rewards)  # steps 5-6
-        metrics = {**rewards.metrics, **penalty.metrics, **(undone or {}), **initial}
+            penalty = self.apply_kl(rollout, rewards)  # step 5
+            controller = self.update_controller(rollout, rewards, penalty)  # step 6
+        metrics = {**rewards.metrics, **penalty.metrics, **controller, **(undone or {}), **initial}
         if self.args.critic_warmup_steps:
             metrics["train/critic_warmup"] = float(self.critic_warming_up)
         if steps:
@@ -472,161 +466,33 @@ class KLPPOTrainer(Trainer):
         return self.scorer.score(self.model_wrapped, sequences, None, timings)
 
     # ------------------------------------------------------------------ step 4: rewards
-    @torch.no_grad()
     def compute_rewards(self, rollout: Sequences) -> Rewards:
-        """Step 4: decode the completions, call the reward functions, combine them by weight, and subtract
-        `missing_eos_penalty` from the responses that did not reach their end."""
-        mask = rollout.response_mask
-        completion_ids = [r[m.bool()].tolist() for r, m in zip(rollout.responses, mask)]
-        completions = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
-        prompt_mask = rollout.attention_mask[:, : rollout.context_length].bool()
-        prompt_ids = [q[m].tolist() for q, m in zip(rollout.query_responses[:, : rollout.context_length], prompt_mask)]
-        scores, applicable, per_function = combine_rewards(
-            self.reward_funcs, self.reward_weights, self.reward_func_names, rollout.prompts, completions,
-            completion_ids, {**rollout.extra, "prompt_ids": prompt_ids}, self.accelerator.device,
+        """Step 4: the reward functions' scores, and the missing-EOS penalty (`klppo.ppo.update.compute_rewards`)."""
+        return compute_rewards(
+            rollout, self.reward_funcs, self.reward_weights, self.reward_func_names, self.processing_class,
+            self.sampler.stop_token_id, eos_scored_as_any_token(self.args, self.sampler.stop_token_id),
+            self.args.missing_eos_penalty, self.accelerator, log=self.is_world_process_zero(),
         )  # fmt: skip
-        if not bool(applicable.all()) and self.is_world_process_zero():
-            logger.warning(
-                "%d of %d completions got None from every reward function: they get score 0 and no policy "
-                "gradient (advantage 0), as in TRL. Make sure at least one reward function scores every sample.",
-                int((~applicable).sum()), len(completions),
-            )  # fmt: skip
-        scores = scores.float()
-        # who pays missing_eos_penalty (`has_end` False)
-        eos_scored = eos_scored_as_any_token(self.args, self.sampler.stop_token_id)
-        if eos_scored:  # no stop token, EOS sampled like any token: a response with no EOS anywhere (TRL 1.12's rule)
-            has_end = contains_token(rollout.responses, mask, self.processing_class.eos_token_id)
-        else:  # a response that does not end with the stop token (none pays when there is no stop token)
-            has_end = ends_with_stop(rollout.responses, mask, self.sampler.stop_token_id)
-        if self.args.missing_eos_penalty is not None:
-            scores = torch.where(has_end, scores, scores - self.args.missing_eos_penalty)
-        stats = GlobalSums()
-        for name, (total, count) in per_function.items():
-            stats.add(f"rewards/{name}", total, count)
-        stats.add("objective/scores", scores.sum(), scores.numel())
-        if self.sampler.stop_token_id is not None or eos_scored:  # with EOS suppressed, no response can reach it
-            stats.add("objective/eos_frac", has_end.float().sum(), has_end.numel())
-        stats.add("objective/response_length", mask.sum(), mask.shape[0])
-        return Rewards(completions, scores, applicable, stats.means(self.accelerator))
 
     # ------------------------------------------------------------------ steps 5-6: KL and controller
-    @torch.no_grad()
     def apply_kl(self, rollout: Rollout, rewards: Rewards) -> KLPenalty:
-        """Steps 5-6: the configured estimate in the rewards (score at the last response token) when `kl_mode`
-        applies it there; then one controller update from the globally reduced statistic. Every estimator of
-        `LOGGED_ESTIMATORS` is logged, whatever the configured one."""
-        args, acc, plan, mask = self.args, self.accelerator, self.kl_plan, rollout.response_mask
-        stats = GlobalSums()
-        per_seq_count = mask.shape[0] if plan.unit == "sequence" else mask.sum()
-        for i, name in enumerate(LOGGED_ESTIMATORS):  # each estimator's own reading (scoring masked them)
-            stats.add(f"kl/{name}", rollout.logged_kl[..., i].sum(), per_seq_count)
-        if plan.statistic not in LOGGED_ESTIMATORS:
-            stats.add(f"kl/{plan.statistic}", rollout.statistic_kl.sum(), per_seq_count)
-        stats.add("kl/clamped_frac", rollout.kl_clamped.sum(), mask.sum())
-        coef = self.kl_controller.value
-        non_score = kl_reward(rollout.kl, mask, coef) if "reward" in plan.places else torch.zeros_like(rollout.kl)
-        per_token = non_score.clone()
-        last = mask.sum(dim=1) - 1
-        per_token[torch.arange(per_token.shape[0], device=per_token.device), last] += rewards.scores
-        stats.add("objective/non_score_reward", non_score.sum(), mask.shape[0])
-        stats.add("objective/rlhf_reward", per_token.sum(), mask.shape[0])
-        nonfinite, _ = reduce_sum_count((~torch.isfinite(per_token)).sum(), 0, acc)
-        metrics = stats.means(acc)
-        reading = kl_statistic(rollout.statistic_kl, mask, unit=plan.unit, accelerator=acc).item()
-        finite = math.isfinite(reading) and nonfinite.item() == 0
-        if finite and not self.critic_warming_up:  # the controller does not move while the critic warms up
-            if hasattr(self.kl_controller, "observe_sequences"):
-                self._observe_sequences(rollout, rewards)
-            self._update_controller(reading, mask.shape[0] * acc.num_processes)
-        metrics.update({"kl/value": reading, "kl/coef": coef, "kl/coef_next": self.kl_controller.value})
-        if finite and hasattr(self.kl_controller, "metrics"):
-            metrics.update(self.kl_controller.metrics())
-        if args.kl_target:
-            metrics.update({"kl/target": args.kl_target, "kl/error": (reading - args.kl_target) / args.kl_target})
-        return KLPenalty(per_token, coef, reading, finite, metrics)
+        """Step 5: the configured estimate in the per-token rewards, at the coefficient in force, and the controller
+        statistic (`klppo.ppo.update.kl_penalty`); the controller does not move here (`update_controller`)."""
+        return kl_penalty(rollout, rewards, self.kl_plan, self.kl_controller.value, self.accelerator)
 
-    def _observe_sequences(self, rollout: Rollout, rewards: Rewards) -> None:
-        """Give a controller that reads the batch itself every scored sequence's score, summed log-ratio to the
-        reference (k1 over its tokens) and length, gathered over all ranks in rank order (the same on every rank).
-        Sequences no reward function scored are left out: they get no policy gradient."""
-        mask = rollout.response_mask
-        table = torch.stack([rewards.scores.double(), rollout.log_ratio.double().sum(dim=1), mask.sum(dim=1).double(),
-                             rewards.scorable.double()], dim=1)  # fmt: skip
-        table = self.accelerator.gather(table).cpu()
-        if self.args.advantage_estimator == "grpo" and "loss" in self.kl_plan.places:
-            # the group-normalised advantage follows the policy gradient of E[Delta * r]: that is the reward the
-            # KL in the loss is weighed against (docs/kl.md, "GRPO's group normalisation")
-            scores, group = table[:, 0], self.args.num_generations
-            table[:, 0] = scores * advantage_slope(sequence_advantages("grpo", scores, group), scores, group)
-        table = table[table[:, 3] > 0]
-        self.kl_controller.observe_sequences(table[:, 0], table[:, 1], table[:, 2], unit=self.kl_plan.unit)
-
-    def _update_controller(self, statistic: float, n_sequences: int) -> None:
-        """Step 6 on every rank alike (the statistic is global); the drift monitor sees the same value, and the
-        guard's low side arms once a reading reaches its bound."""
-        self.kl_controller.update(statistic, n_steps=n_sequences)
-        self.kl_guard.observe(statistic)
-        check_same_on_all_ranks(self.kl_controller.value, self.accelerator, "KL coefficient")
-        if self.drift_monitor is not None:
-            message = self.drift_monitor.update(statistic)
-            if message and self.is_world_process_zero():
-                logger.warning(message)
+    def update_controller(self, rollout: Rollout, rewards: Rewards, penalty: KLPenalty) -> dict[str, float]:
+        """Step 6: the controller's step on the rollout's statistic, the guard's and the drift monitor's reading
+        (`klppo.ppo.update.update_controller`); it does not move on a non-finite rollout or while the critic warms
+        up. Returns the next coefficient and the controller's metrics."""
+        if not penalty.finite or self.critic_warming_up:
+            return {"kl/coef_next": self.kl_controller.value}
+        return update_controller(self.kl_controller, self.kl_guard, self.drift_monitor, self.kl_plan, rollout, rewards,
+                                 penalty, self.accelerator, self.args.num_generations, self.is_world_process_zero())
 
     # ------------------------------------------------------------------ step 7: advantages
-    @torch.no_grad()
     def compute_advantages(self, rollout: Rollout, rewards: Rewards, penalty: KLPenalty) -> Advantages:
-        """Step 7: GAE over the per-token rewards (or, critic-free, RLOO / GRPO on each sequence's return, the same
-        on every token), whitened with global statistics (not GRPO's, normalised per group already). Samples no
-        reward function applied to carry no policy gradient (advantage 0) and stay out of the whitening."""
-        args, acc, mask = self.args, self.accelerator, rollout.response_mask
-        per_token = penalty.token_rewards
-        if args.whiten_rewards:
-            per_token = global_masked_whiten(per_token, mask, accelerator=acc, shift_mean=False)
-        if args.critic_free:  # the sequence's RLHF reward: score + summed KL rewards; groups of num_generations rows
-            returns = (per_token * mask).sum(dim=1)
-            advantages = sequence_advantages(args.advantage_estimator, returns, args.num_generations)
-            advantages, returns = advantages[:, None] * mask, returns[:, None] * mask
-        else:
-            advantages, returns = gae_advantages(per_token, rollout.values, mask, args.gamma, args.lam)
-        scorable = rewards.scorable.to(advantages.dtype)[:, None]
-        metrics = {}
-        if not args.critic_free:  # how much of the returns' variance the rollout's values explain
-            metrics["val/explained_variance"] = explained_variance(returns, rollout.values, mask, acc)
-        advantages = advantages * scorable
-        std = 1.0
-        if args.whiten_advantages and args.advantage_estimator != "grpo":
-            advantages, std = global_masked_whiten(advantages, mask * scorable, accelerator=acc, return_std=True)
-            std = std.item()
-        # Whitening divides the policy-gradient term by std(A), so the loss E[A]/std - c * KL maximises
-        # E[r] - c * std * KL: a loss-mode coefficient beta / std keeps beta's meaning that of reward mode
-        # (std floored: collapsed advantages would leave it at the whitening's epsilon)
-        # (GRPO: each group has its own scale; beta weighs KL against the group-normalised reward, as in TRL)
-        rescale = args.kl_loss_scale == "advantage_std" and args.advantage_estimator != "grpo"
-        scale = max(std, KL_LOSS_MIN_ADVANTAGE_STD) if rescale else 1.0
-        baseline = None
-        # (seq-mean-token-mean weighs a token by 1 / its response's length, which the token itself can set: the
-        # baseline's term would then have a non-zero expectation)
-        if (args.kl_loss_baseline and "loss" in self.kl_plan.places and not self.kl_plan.estimator_needs_logits
-                and args.kl_loss_agg_mode != "seq-mean-token-mean"):  # fmt: skip
-            baseline, metrics["kl/loss_baseline"] = self._kl_loss_baseline(rollout)
-        return Advantages(advantages, returns, penalty.coef / scale, {"policy/advantage_std": std, **metrics},
-                          kl_loss_baseline=baseline)  # fmt: skip
-
-    def _kl_loss_baseline(self, rollout: Rollout) -> tuple[torch.Tensor, float]:
-        """`kl_loss_baseline`'s b per sequence `[B, 1]`, and the rollout's mean for the log. `g` is the coefficient
-        the configured estimator puts on `w * grad log pi` in the loss, at the sampling policy (`d/dx` of the
-        estimate at log-ratios `d + x` to the reference and `x` to the sampling policy, x = 0); a sequence's b is the
-        token mean of `g` over every other sequence of the rollout, on all processes, so that it does not depend on
-        the sequence's own tokens."""
-        mask = rollout.response_mask
-        with torch.enable_grad():
-            x = torch.zeros_like(rollout.log_ratio, dtype=torch.float64, requires_grad=True)
-            kl = self.kl_plan.estimate(self.kl_plan.estimator, rollout.log_ratio.double() + x, x)
-            (g,) = torch.autograd.grad(kl.sum(), x)
-        rows, lengths = (g * mask).sum(dim=1), mask.sum(dim=1).double()
-        total, count = reduce_sum_count(rows.sum(), lengths.sum(), self.accelerator)
-        others = (total - rows) / (count - lengths).clamp(min=1)
-        return others[:, None], (total / count.clamp(min=1)).item()
+        """Step 7: advantages, returns and the KL loss term's weight (`klppo.ppo.update.compute_advantages`)."""
+        return compute_advantages(self.args, self.kl_plan, rollout, rewards, penalty, self.accelerator)
 
     # ------------------------------------------------------------------ step 8: optimisation
     def optimise(self, rollout: Rollout, advantages: Advantages, kl_reading: float | None = None) -> OptimiseResult:
@@ -736,52 +602,13 @@ class KLPPOTrainer(Trainer):
         return grad_norm
 
     def micro_batch_loss(self, mb: Rollout, advantages: Advantages, idx: torch.Tensor, counts: dict):
-        """Loss of one micro-batch `mb` (rows `idx` of the rollout), normalised by the mini-batch's GLOBAL
-        counts, its logging parts `{name: (sum, count)}` and its reading for the KL guard (`GuardSample`)."""
-        args, plan = self.args, self.kl_plan
-        mask, resp = mb.response_mask, mb.responses
-        pos = position_ids_from_mask(mb.attention_mask)
-        warming = self.critic_warming_up  # the critic alone: a shared head reads the trunk detached
-        logits, values = self.model_wrapped(
-            mb.query_responses, attention_mask=mb.attention_mask, position_ids=pos, response_length=resp.shape[1],
-            **({"detach_value_input": True} if warming else {}),
+        """Loss of one micro-batch `mb` (rows `idx` of the rollout), normalised by the mini-batch's GLOBAL counts, its
+        logging parts and its reading for the KL guard (`klppo.ppo.update.micro_batch_loss`)."""
+        share = 1.0 / (self.args.gradient_accumulation_steps * self.accelerator.num_processes)
+        return micro_batch_loss(
+            self.model_wrapped, mb, advantages, idx, counts, self.args, self.kl_plan, self.sampler.suppressed_ids,
+            lambda part: self.scorer.reference_logits(self.model_wrapped, part), self.critic_warming_up, share,
         )  # fmt: skip
-        logits = response_logits(logits, resp.shape[1], args.temperature, self.sampler.suppressed_ids)
-        values = values[:, mb.context_length - 1 : -1].float() if values is not None else None
-        logp = response_logprobs(logits, resp)
-        # Each micro-batch holds a share of its mini-batch's global mean: summed over micro-batches and ranks,
-        # the shares give one value per optimizer step.
-        share = 1.0 / (args.gradient_accumulation_steps * self.accelerator.num_processes)
-        loss, value_loss, parts = ppo_losses(
-            logits, logp, values, mb.logp, mb.values, advantages.advantages[idx], advantages.returns[idx], mask,
-            counts["num_tokens"], share, cliprange=args.cliprange, cliprange_value=args.cliprange_value,
-        )  # fmt: skip
-        # the log-ratios at the current policy: to the sampling policy, and to the reference from the rollout's
-        # (0 after the stop token, where the sampled token was replaced by padding)
-        old_log_ratio = torch.where(mask.bool(), logp - mb.logp, 0.0)
-        log_ratio = mb.log_ratio + old_log_ratio
-        sample = guard_sample(log_ratio.detach(), old_log_ratio.detach(), mb.log_ratio, mask, plan.unit)
-        parts["kl/during_update"] = (sample.kl_now, sample.count)  # the KL statistic at the current policy
-        if "loss" in plan.places and not warming:  # the estimator at the current policy, per kl_loss_agg_mode
-            ref_logits = None
-            if plan.estimator_needs_logits:
-                with torch.no_grad():
-                    ref_logits = self.scorer.reference_logits(self.model_wrapped, mb)
-            kl = plan.estimate(plan.estimator, log_ratio, old_log_ratio, logits=logits, ref_logits=ref_logits)
-            if advantages.kl_loss_baseline is not None:  # a zero-mean control variate: E_old[w * grad log pi] = 0
-                c = plan.log_ratio_clamp
-                w = (old_log_ratio if c is None else old_log_ratio.clamp(-c, c)).exp()
-                kl = kl - advantages.kl_loss_baseline[idx].to(w.dtype) * (w - w.detach())
-            kl_term = kl_loss(kl, mask, advantages.kl_loss_coef, args.kl_loss_agg_mode, **counts,
-                              norm_len=args.response_length)  # fmt: skip
-            loss = loss + kl_term
-            parts["loss/kl"] = (kl_term.detach(), share)
-        if warming:  # the critic alone. The policy's weights stay in the graph with a zero gradient (data
-            # parallelism reduces every weight), through its logits, which no policy loss can make non-finite here
-            loss = torch.nan_to_num(logits, nan=0.0, posinf=0.0, neginf=0.0).sum() * 0.0
-        if value_loss is not None:
-            loss = loss + args.vf_coef * value_loss
-        return loss, parts, sample
 
     # ------------------------------------------------------------------ reference resets
     def _reference_tensors(self) -> dict[str, torch.Tensor]:
