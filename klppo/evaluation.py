@@ -100,3 +100,31 @@ def heldout_perplexity(
         )
         return math.inf
     return math.exp(mean_nll)
+
+
+def eval_scores(trainer, prompts) -> float:
+    """`eval/scores`: the mean reward of the policy's completions of `prompts` (up to `local_rollout_batch_size`
+    per rank, dealt round-robin), sampled from a private random stream so that evaluating does not change the
+    training run. Every rank samples as many rows as the first: a sharded policy (FSDP, ZeRO-3) needs every rank in
+    every forward pass, and the rewards' statistics are reduced over ranks; a rank short of prompts fills up with
+    copies of the first, weighted 0."""
+    from .kl import reduce_sum_count
+
+    args, acc = trainer.args, trainer.accelerator
+    total = min(len(prompts), args.local_rollout_batch_size * acc.num_processes)
+    rows = [prompts[i] for i in range(acc.process_index, total, acc.num_processes)]
+    per_rank = math.ceil(total / acc.num_processes)
+    weights = [1.0] * len(rows) + [0.0] * (per_rank - len(rows))
+    rows += [prompts[0]] * (per_rank - len(rows))
+    _, rewards = trainer.sample(rows, seed=args.seed + trainer.state.global_step)
+    weights = torch.tensor(weights, dtype=torch.float64, device=rewards.scores.device)
+    score_sum, count = reduce_sum_count((rewards.scores.double() * weights).sum(), weights.sum(), acc)
+    return (score_sum / count).item()
+
+
+def completion_rows(step: int, prompts: list, rewards, n: int = 4) -> list[dict]:
+    """Up to `n` completions of an update as table rows: step, prompt, completion, score."""
+    from .rewards.text import completion_text
+
+    return [{"step": step, "prompt": completion_text(p), "completion": c, "score": float(s)}
+            for p, c, s in list(zip(prompts, rewards.completions, rewards.scores.tolist()))[:n]]  # fmt: skip

@@ -1203,7 +1203,7 @@ def test_a_resumed_run_continues_the_tracking_controller_exactly(tiny_path, prom
     def trainer_in(name, **changes):
         trainer = make_trainer(tiny_path, prompts, make_args(tmp_path, output_dir=str(tmp_path / name), **{**kw, **changes}))
         assert trainer.args.kl_guard is True
-        trainer.kl_guard = TenthLowBound(trainer.args.kl_target)
+        trainer.run.guard = TenthLowBound(trainer.args.kl_target)
         return trainer
 
     whole = trainer_in("whole")

@@ -84,3 +84,53 @@ def clear_optimizer_state(optimizer) -> None:
     while hasattr(optimizer, "optimizer"):
         optimizer = optimizer.optimizer  # accelerate's wrapper
     optimizer.state.clear()
+
+
+def check_reference_resets(fsdp: bool, policy: nn.Module, ref_model: nn.Module | None, adapter_reference: bool,
+                           ref_adapter: str | None) -> None:  # fmt: skip
+    """`ref_reset_steps` needs a reference it can write: refused, naming the fix, under FSDP (its sharded reference;
+    DeepSpeed is refused by the config), for a `ref_model` that does not have the policy's weights, and for LoRA
+    layers that cannot merge into a base weight of their own."""
+    from .caches import mergeable_lora_layers
+
+    if fsdp:
+        raise ValueError(
+            "`ref_reset_steps` is not available under FSDP: the sharded reference cannot take the policy's "
+            "weights. Run it under plain accelerate or DDP, or set ref_reset_steps to 0."
+        )
+    if not adapter_reference:  # a frozen reference takes the policy's weights, name by name
+        names = {n: p.shape for n, p in policy.named_parameters()}
+        if hasattr(policy, "peft_config") or names != {n: p.shape for n, p in ref_model.named_parameters()}:
+            raise ValueError(
+                "`ref_reset_steps` copies the policy's weights into the reference, but the `ref_model` given does "
+                "not have the policy's weights (another architecture, or a PEFT policy beside a separate "
+                "reference). Leave ref_model unset (a LoRA policy then uses its adapter-disabled self, a full "
+                "policy a frozen copy), or set ref_reset_steps to 0."
+            )
+    if adapter_reference and ref_adapter is None and mergeable_lora_layers(policy) is None:
+        raise ValueError(
+            "`ref_reset_steps` merges the LoRA adapter into the base weights, but this policy's LoRA layers cannot "
+            "merge into a floating-point base weight of their own (quantized, DoRA or other variants, tied "
+            "weights). Use plain LoRA on unquantized weights, or set ref_reset_steps to 0."
+        )
+
+
+@torch.no_grad()
+def kl_to_initial(rollout, reference_logits, tensors: dict, initial: dict, plan, chunk: int, accelerator) -> dict:
+    """`kl/initial`: the KL of the rollout's policy to the reference before the first reset (`k3` on the sampled
+    tokens: unbiased and never negative; in the statistic's unit), from the reference (`reference_logits(part)`)
+    with its first tensors (`initial`) swapped into `tensors`."""
+    from ..kl import GlobalSums, estimate_kl
+    from .logprobs import response_logprobs
+
+    mask = rollout.response_mask
+    total = torch.zeros((), dtype=torch.float64, device=mask.device)
+    with swapped_in(tensors, initial):
+        for start in range(0, rollout.batch_size, chunk):
+            part = rollout.select(slice(start, start + chunk))
+            logp = response_logprobs(reference_logits(part), part.responses)
+            k3 = estimate_kl("k3", part.logp, logp, log_ratio_clamp=plan.log_ratio_clamp)
+            total += torch.where(part.response_mask.bool(), k3, 0.0).double().sum()
+    stats = GlobalSums()
+    stats.add("kl/initial", total, mask.shape[0] if plan.unit == "sequence" else mask.sum())
+    return stats.means(accelerator)

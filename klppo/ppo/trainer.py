@@ -43,9 +43,6 @@ from trl.distributed import DistributedBackend
 
 from ..kl import (
     GlobalSums,
-    KLDriftMonitor,
-    build_kl_controller,
-    estimate_kl,
     reduce_sum_count,
 )
 from ..rewards import load_reward_funcs, reward_func_name, unique_names
@@ -54,19 +51,24 @@ from .build import as_prompt_dataset, build_models, check_trainer_inputs, load_p
 from .callbacks import KLProgressCallback, maybe_offline_wandb, now, timed
 from .config import KLPPOConfig
 from .engines import destroy_process_group_at_exit, load_full_weights, root_unsharded, unwrap
-from .guard import LOWER, UPPER, build_kl_guard, reset_momentum
-from .health import NonfiniteGuard, PPOHealthMonitor, TrainingDiverged, rollout_outputs_finite
+from .guard import LOWER, UPPER, reset_momentum
+from .health import TrainingDiverged, rollout_outputs_finite
 from .plan import make_kl_plan
 from .preemption import StopRequest
-from .reference import clear_optimizer_state, reference_tensors, reset_reference, swapped_in
+from .reference import (
+    check_reference_resets,
+    clear_optimizer_state,
+    kl_to_initial,
+    reference_tensors,
+    reset_reference,
+)
 from .rollback import snapshot_optimisation
-from .caches import mergeable_lora_layers
-from .logprobs import response_logprobs
 from .prompts import collate_prompts, endless_prompt_batches
 from .rollout import RolloutSampler
 from .sampling import DIVERGED_SAMPLING, eos_scored_as_any_token, truncate_at_stop
-from .safety import NONFINITE, StepChecks, UpdateSafety
+from .safety import NONFINITE, StepChecks
 from .scoring import RolloutScorer
+from .state import RunState
 from .update import compute_advantages, compute_rewards, kl_penalty, micro_batch_loss, update_controller
 from .steps import Advantages, KLPenalty, OptimiseResult, PromptBatch, Rewards, Rollout, Sequences
 
@@ -163,24 +165,33 @@ class KLPPOTrainer(Trainer):
             self.args.temperature, self.sampler.suppressed_ids, self.args.rollout_forward_batch_size,
             self.args.critic_free,
         )  # fmt: skip
-        # the KL controller and the monitors: the state a checkpoint carries beside the weights
-        self.kl_controller = build_kl_controller(args)
-        self.kl_guard = build_kl_guard(args.kl_guard, args.kl_target)
-        self.drift_monitor = KLDriftMonitor(args.kl_target, patience=args.kl_drift_patience) if args.kl_target else None
-        self.health_monitor = PPOHealthMonitor(patience=args.health_patience)
-        self.safety = UpdateSafety(NonfiniteGuard(args.max_nonfinite_updates), self.accelerator,
-                                   log=self.is_world_process_zero())  # fmt: skip
+        # what one update leaves for the next: the KL controller, the guard, the monitors, the non-finite path
+        self.run = RunState.build(args, self.kl_plan, self.accelerator, log=self.is_world_process_zero())
         self.completion_samples: list[dict] = []
         self.stop_request = StopRequest()  # SIGTERM while training (`checkpoint_on_sigterm`)
         self.stopped_by_signal: int | None = None  # the update a SIGTERM stopped the run after
         self._last_saved_step: int | None = None
         self._replace_jit_checkpoint()
-        self.reference_resets = 0  # `ref_reset_steps`: resets so far
         self._initial_reference: dict[str, torch.Tensor] | None = None  # the reference's tensors before the first
         if args.ref_reset_steps:
-            self._check_reference_resets()
-        logger.info("KL applied in: %s (estimator %s, controller %s, statistic %s in unit: %s)", args.kl_mode,
-                    args.kl_estimator, args.kl_controller, args.kl_statistic, args.kl_target_unit)  # fmt: skip
+            check_reference_resets(self.is_fsdp_enabled, policy, self.ref_model, self.use_adapter_reference,
+                                   self.ref_adapter_name)  # fmt: skip
+        logger.info("%s; controller %s", self.kl_plan.describe(), self.kl_controller.name)
+
+    @property
+    def kl_controller(self):
+        """The live KL controller (`RunState.controller`)."""
+        return self.run.controller
+
+    @property
+    def kl_guard(self):
+        """The KL guard (`RunState.guard`)."""
+        return self.run.guard
+
+    @property
+    def reference_resets(self) -> int:
+        """Reference resets so far (`ref_reset_steps`)."""
+        return self.run.reference_resets
 
     def _replace_jit_checkpoint(self) -> None:
         """transformers' `enable_jit_checkpoint` callback stops each rank on its own timer; klppo's SIGTERM handling
@@ -210,32 +221,6 @@ class KLPPOTrainer(Trainer):
     def _vocab_size(policy) -> int:
         config = policy.config
         return (config.get_text_config() if hasattr(config, "get_text_config") else config).vocab_size
-
-    def _check_reference_resets(self) -> None:
-        """`ref_reset_steps` needs a reference it can write: refused, naming the fix, under FSDP (its sharded
-        reference; DeepSpeed is refused by the config), for a `ref_model` that does not have the policy's weights, and
-        for LoRA layers that cannot merge into a base weight of their own."""
-        if self.is_fsdp_enabled:
-            raise ValueError(
-                "`ref_reset_steps` is not available under FSDP: the sharded reference cannot take the policy's "
-                "weights. Run it under plain accelerate or DDP, or set ref_reset_steps to 0."
-            )
-        policy = self.model.policy
-        if not self.use_adapter_reference:  # a frozen reference takes the policy's weights, name by name
-            names = {n: p.shape for n, p in policy.named_parameters()}
-            if hasattr(policy, "peft_config") or names != {n: p.shape for n, p in self.ref_model.named_parameters()}:
-                raise ValueError(
-                    "`ref_reset_steps` copies the policy's weights into the reference, but the `ref_model` given does "
-                    "not have the policy's weights (another architecture, or a PEFT policy beside a separate "
-                    "reference). Leave ref_model unset (a LoRA policy then uses its adapter-disabled self, a full "
-                    "policy a frozen copy), or set ref_reset_steps to 0."
-                )
-        if self.use_adapter_reference and self.ref_adapter_name is None and mergeable_lora_layers(policy) is None:
-            raise ValueError(
-                "`ref_reset_steps` merges the LoRA adapter into the base weights, but this policy's LoRA layers cannot "
-                "merge into a floating-point base weight of their own (quantized, DoRA or other variants, tied "
-                "weights). Use plain LoRA on unquantized weights, or set ref_reset_steps to 0."
-            )
 
     @property
     def critic_warming_up(self) -> bool:
@@ -408,7 +393,7 @@ class KLPPOTrainer(Trainer):
         if steps:
             metrics["kl/reference_resets"] = float(self.reference_resets)
         if not penalty.finite:
-            metrics.update(self.safety.record(self.state.global_step + 1, "rollout scores or KL", "no optimizer step was taken",
+            metrics.update(self.run.safety.record(self.state.global_step + 1, "rollout scores or KL", "no optimizer step was taken",
                                               self.optimizer))  # fmt: skip
         else:
             with timed(timings, "time/advantages", acc):
@@ -420,13 +405,13 @@ class KLPPOTrainer(Trainer):
             with timed(timings, "time/optimise", acc):
                 result = self.optimise(rollout, advantages, kl_reading=penalty.reading)  # step 8
             metrics.update(result.metrics, **advantages.metrics)
-            metrics.update(self.safety.after_optimise(self.state.global_step + 1, result, snapshot,
+            metrics.update(self.run.safety.after_optimise(self.state.global_step + 1, result, snapshot,
                                                       acc.unwrap_model(self.model_wrapped), self.optimizer,
                                                       self.lr_scheduler))  # fmt: skip
-            self.safety.checked_rows = rollout.sequences()
+            self.run.safety.checked_rows = rollout.sequences()
         timings["time/update"] = now(acc) - start
         metrics.update(timings, **{"train/nonfinite_skips": float(self.nonfinite_skips), "lr": lr})
-        for message in self.health_monitor.update(metrics):
+        for message in self.run.health.update(metrics):
             if self.is_world_process_zero():
                 logger.warning(message)
         self._record_samples(rollout.prompts, rewards)
@@ -486,7 +471,7 @@ class KLPPOTrainer(Trainer):
         up. Returns the next coefficient and the controller's metrics."""
         if not penalty.finite or self.critic_warming_up:
             return {"kl/coef_next": self.kl_controller.value}
-        return update_controller(self.kl_controller, self.kl_guard, self.drift_monitor, self.kl_plan, rollout, rewards,
+        return update_controller(self.kl_controller, self.kl_guard, self.run.drift, self.kl_plan, rollout, rewards,
                                  penalty, self.accelerator, self.args.num_generations, self.is_world_process_zero())
 
     # ------------------------------------------------------------------ step 7: advantages
@@ -619,10 +604,10 @@ class KLPPOTrainer(Trainer):
         """Make the reference the current policy (`klppo.ppo.reference`): the last update's policy is checked first
         (it can no longer be undone once the reference holds it), the reference's tensors before the first reset are
         kept for `kl/initial`, the optimizer's state is cleared (`ref_reset_optimizer`) and the KL controller, the
-        guard's low side and the drift monitor start again from a KL of 0."""
+        guard's low side and the drift monitor start again from a KL of 0 (`RunState.reference_reset`)."""
         self._settle_last_update()  # a diverged policy must not become the reference
-        if self.safety.unsettled is not None:
-            self.safety.unsettled.snapshot = None  # no undoing past a reset
+        if self.run.safety.unsettled is not None:
+            self.run.safety.unsettled.snapshot = None  # no undoing past a reset
         tensors = self._reference_tensors()
         if self._initial_reference is None:
             self._initial_reference = {name: t.detach().clone() for name, t in tensors.items()}
@@ -630,50 +615,35 @@ class KLPPOTrainer(Trainer):
         reset_reference(policy, self.ref_model, self.ref_adapter_name, self.use_adapter_reference)
         if self.args.ref_reset_optimizer and self.optimizer is not None:
             clear_optimizer_state(self.optimizer)
-        self.reference_resets += 1
-        self.kl_controller.reference_reset()
-        self.kl_guard.low_armed = False
-        if self.drift_monitor is not None:
-            self.drift_monitor = KLDriftMonitor(self.args.kl_target, patience=self.args.kl_drift_patience)
+        self.run.reference_reset()
         if self.is_world_process_zero():
             logger.info("Reference reset %d at update %d: the reference is now the policy.", self.reference_resets,
                         self.state.global_step)  # fmt: skip
 
-    @torch.no_grad()
     def _kl_to_initial(self, rollout: Rollout, timings: dict) -> dict[str, float]:
-        """`kl/initial`: the KL of the rollout's policy to the reference before the first reset (`k3` on the sampled
-        tokens: unbiased and never negative; in the statistic's unit), from the reference with its first tensors
-        swapped in."""
-        mask, chunk = rollout.response_mask, self.args.rollout_forward_batch_size
-        total = torch.zeros((), dtype=torch.float64, device=mask.device)
-        with timed(timings, "time/score_initial", self.accelerator), \
-                swapped_in(self._reference_tensors(), self._initial_reference):  # fmt: skip
-            for start in range(0, rollout.batch_size, chunk):
-                part = rollout.select(slice(start, start + chunk))
-                initial = response_logprobs(self.scorer.reference_logits(self.model_wrapped, part), part.responses)
-                k3 = estimate_kl("k3", part.logp, initial, log_ratio_clamp=self.kl_plan.log_ratio_clamp)
-                total += torch.where(part.response_mask.bool(), k3, 0.0).double().sum()
-        stats = GlobalSums()
-        stats.add("kl/initial", total, mask.shape[0] if self.kl_plan.unit == "sequence" else mask.sum())
-        return stats.means(self.accelerator)
+        """`kl/initial`: the KL to the reference before the first reset (`klppo.ppo.reference.kl_to_initial`)."""
+        with timed(timings, "time/score_initial", self.accelerator):
+            return kl_to_initial(rollout, lambda part: self.scorer.reference_logits(self.model_wrapped, part),
+                                 self._reference_tensors(), self._initial_reference, self.kl_plan,
+                                 self.args.rollout_forward_batch_size, self.accelerator)  # fmt: skip
 
     # ------------------------------------------------------------------ non-finite values
     def _settle_last_update(self, rollout: Rollout | None = None) -> dict[str, float] | None:
         """Check the policy the last update left (`UpdateSafety.settle`): with `rollout`'s forward passes, or with
         one over the last rollout before an evaluation, a save, a reset or the end of training."""
-        return self.safety.settle(rollout, self.model_wrapped, self.accelerator.unwrap_model(self.model_wrapped),
+        return self.run.safety.settle(rollout, self.model_wrapped, self.accelerator.unwrap_model(self.model_wrapped),
                                   self.optimizer, self.lr_scheduler, self.args)  # fmt: skip
 
     @property
     def nonfinite_skips(self) -> int:
         """Updates skipped so far because of NaN/inf in the rewards, the KL, a loss or a gradient."""
-        return self.safety.nonfinite.skips
+        return self.run.safety.nonfinite.skips
 
     @property
     def rollback_updates(self) -> bool:
         """Whether a non-finite step undoes its whole update (`UpdateSafety.decide_rollback`)."""
         engine = "deepspeed" if self.is_deepspeed_enabled else None
-        return self.safety.decide_rollback(self.args.nonfinite_rollback, self.accelerator.unwrap_model(self.model_wrapped),
+        return self.run.safety.decide_rollback(self.args.nonfinite_rollback, self.accelerator.unwrap_model(self.model_wrapped),
                                            engine)  # fmt: skip
 
     # ------------------------------------------------------------------ checkpoints
@@ -682,7 +652,7 @@ class KLPPOTrainer(Trainer):
         the actor-critic (value head / critic included) for resuming; never weights that are not finite."""
         output_dir = output_dir or self.args.output_dir
         self._settle_last_update()
-        if not self.safety.weights_finite(self.accelerator.unwrap_model(self.model_wrapped)):
+        if not self.run.safety.weights_finite(self.accelerator.unwrap_model(self.model_wrapped)):
             if self.is_world_process_zero():
                 logger.warning("Not saving to %s: the trainable weights are not finite, or training stopped on a "
                                "diverged policy.", output_dir)  # fmt: skip
@@ -698,7 +668,7 @@ class KLPPOTrainer(Trainer):
         """Write `checkpoint-N` atomically: every file (Trainer's and klppo's) goes into a staging folder that
         is renamed into place only when complete, so a crash mid-save never leaves a partial `checkpoint-N`."""
         self._settle_last_update()
-        if not self.safety.weights_finite(self.accelerator.unwrap_model(self.model_wrapped)):
+        if not self.run.safety.weights_finite(self.accelerator.unwrap_model(self.model_wrapped)):
             if self.is_world_process_zero():
                 logger.warning("Not writing checkpoint %d: the trainable weights are not finite, or training stopped on "
                                "a diverged policy; the last checkpoint is kept.", self.state.global_step)  # fmt: skip
@@ -731,17 +701,9 @@ class KLPPOTrainer(Trainer):
         self._last_saved_step = self.state.global_step
 
     def _klppo_state(self) -> dict:
-        """The state a checkpoint carries beside the weights: the KL controller's and the monitors', and the run's
-        settings that resuming compares."""
-        return {
-            "kl_controller": self.kl_controller.state_dict(),
-            "drift_monitor": self.drift_monitor.state_dict() if self.drift_monitor is not None else None,
-            "health_monitor": self.health_monitor.state_dict(),
-            **self.kl_guard.state_dict(),
-            **self.safety.state_dict(),
-            "reference_resets": self.reference_resets,
-            "settings": ckpt.resume_settings(self.args),
-        }
+        """The state a checkpoint carries beside the weights (`RunState`), and the run's settings that resuming
+        compares."""
+        return {**self.run.state_dict(), "settings": ckpt.resume_settings(self.args)}
 
     def latest_checkpoint(self) -> str | None:
         """The newest complete klppo checkpoint in `output_dir`, or None (`klppo.ppo.checkpoint.latest_checkpoint`)."""
@@ -771,13 +733,7 @@ class KLPPOTrainer(Trainer):
         self.state = TrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json"))
         self.state.max_steps = max_steps
         self.state.compute_steps(self.args, max_steps)
-        self.kl_controller.load_state_dict(state["kl_controller"])
-        if self.drift_monitor is not None and state.get("drift_monitor"):
-            self.drift_monitor.load_state_dict(state["drift_monitor"])
-        self.health_monitor.load_state_dict(state.get("health_monitor") or {})
-        self.kl_guard.load_state_dict(state)
-        self.safety.load_state_dict(state)
-        self.reference_resets = int(state.get("reference_resets", 0))
+        self.run.load_state_dict(state)
         if self.reference_resets:
             current, initial = ckpt.load_reference(checkpoint)
             tensors = self._reference_tensors()
@@ -817,52 +773,34 @@ class KLPPOTrainer(Trainer):
     @torch.no_grad()
     def evaluate_policy(self) -> dict[str, float]:
         """`eval/perplexity` of the policy on held-out text (klppo's offline set unless `heldout_texts` were given)
-        and, with eval prompts, `eval/scores`: their mean reward, sampled from a private random stream so that
-        evaluating does not change the training run."""
+        and, with eval prompts, `eval/scores`: their mean reward (`klppo.evaluation.eval_scores`)."""
         from ..data import load_heldout_texts
-        from ..evaluation import heldout_perplexity
+        from ..evaluation import eval_scores, heldout_perplexity
 
-        args, acc = self.args, self.accelerator
+        acc = self.accelerator
         self.setup_optimisation()  # a sharded policy (ZeRO-3, FSDP) runs inside its engine only
         if self.heldout_texts is None:
-            self.heldout_texts = load_heldout_texts(max_texts=args.heldout_eval_texts)
+            self.heldout_texts = load_heldout_texts(max_texts=self.args.heldout_eval_texts)
         policy = acc.unwrap_model(self.model_wrapped).policy
         with root_unsharded(self.model_wrapped):  # the forward enters through the policy, not the FSDP root
             metrics = {"eval/perplexity": heldout_perplexity(policy, self.processing_class, self.heldout_texts, accelerator=acc)}
-        prompts = self.eval_prompts
-        if prompts is not None and len(prompts) > 0:
-            # up to `local_rollout_batch_size` prompts per rank, dealt round-robin. Every rank samples as many rows as
-            # the first: a sharded policy (FSDP, ZeRO-3) needs every rank in every forward pass, and the rewards'
-            # statistics are reduced over ranks. A rank short of prompts fills up with copies of the first, weighted 0.
-            total = min(len(prompts), args.local_rollout_batch_size * acc.num_processes)
-            rows = [prompts[i] for i in range(acc.process_index, total, acc.num_processes)]
-            per_rank = math.ceil(total / acc.num_processes)
-            weights = [1.0] * len(rows) + [0.0] * (per_rank - len(rows))
-            rows += [prompts[0]] * (per_rank - len(rows))
-            _, rewards = self.sample(rows, seed=args.seed + self.state.global_step)
-            weights = torch.tensor(weights, dtype=torch.float64, device=rewards.scores.device)
-            score_sum, count = reduce_sum_count((rewards.scores.double() * weights).sum(), weights.sum(), acc)
-            metrics["eval/scores"] = (score_sum / count).item()
+        if self.eval_prompts is not None and len(self.eval_prompts) > 0:
+            metrics["eval/scores"] = eval_scores(self, self.eval_prompts)
         return metrics
 
     def _record_samples(self, prompts: list, rewards: Rewards) -> None:
         """Keep up to 4 completions of this update in `completion_samples` (and log them to wandb as a table),
         `num_sample_generations` times over the run, on the main process."""
-        from ..rewards.text import completion_text
+        from ..evaluation import completion_rows
 
-        args, state = self.args, self.state
-        n = args.num_sample_generations
+        n, state = self.args.num_sample_generations, self.state
         if n <= 0 or not self.is_world_process_zero() or state.global_step % max(1, state.max_steps // n):
             return
-        rows = [
-            {"step": state.global_step, "prompt": completion_text(p), "completion": c, "score": float(s)}
-            for p, c, s in list(zip(prompts, rewards.completions, rewards.scores.tolist()))[:4]
-        ]
+        rows = completion_rows(state.global_step, prompts, rewards)
         self.completion_samples.extend(rows)
-        if "wandb" in (args.report_to or []):
+        if "wandb" in (self.args.report_to or []):
+            import pandas as pd
             import wandb
 
             if wandb.run is not None:
-                import pandas as pd
-
                 wandb.log({"completions": wandb.Table(dataframe=pd.DataFrame(rows))})
