@@ -10,17 +10,17 @@ controllers' names, so the commands set it (from the repository root):
         -- --kl_controller equilibrium_projected --experimental '{"kl_guard": true}'
 """
 
-from klppo.kl.controllers import EquilibriumKLController, _log, register_kl_controller
+from klppo.kl.controllers import EquilibriumKLController, register_kl_controller, safe_log
 
 
 @register_kl_controller("equilibrium_projected")
 class ProjectedEquilibriumKLController(EquilibriumKLController):
     """The equilibrium controller with the approach on the projected reading (for ablations)."""
 
-    def _step(self, kl: float, n_steps: int) -> float:
+    def next_coef(self, kl: float, n_steps: int) -> float:
         previous = self.last_kl  # the reading before this one (the base class records it after each update)
-        super()._step(kl, n_steps)  # the equilibrium step and the arrival; its factor on the last reading is dropped
+        super().next_coef(kl, n_steps)  # the equilibrium step and the arrival; its factor on the last reading is dropped
         if self.arrived or previous is None:
             return self.coef
         projected = kl + max(kl - previous, 0.0)
-        return self._from_log(_log(self.coef) + self.approach_power * _log(min(max(projected, 0.0) / self.target, 1.0)))
+        return self.from_log(safe_log(self.coef) + self.approach_power * safe_log(min(max(projected, 0.0) / self.target, 1.0)))

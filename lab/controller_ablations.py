@@ -34,15 +34,15 @@ from klppo.ppo.guard import LOWER, KLGuard, register_kl_guard
 class _ConstantGain(EquilibriumKLController):
     gain = 1.0
 
-    def _equilibrium_step(self):
+    def equilibrium_coef(self):
         before = self.coef
-        new = super()._equilibrium_step()
+        new = super().equilibrium_coef()
         if self.ess is not None:
             self.ess = self.gain  # recompute the step with a constant gain
             import math
 
             now = math.log(before)
-            return self._from_log(now + self.gain * (self.estimate - now))
+            return self.from_log(now + self.gain * (self.estimate - now))
         return new
 
 
@@ -106,11 +106,11 @@ class TrackingNoStartup(TrackingKLController):
 
 @register_kl_controller("tracking_no_antiwindup")
 class TrackingNoAntiWindup(TrackingKLController):
-    def _step(self, kl, n_steps):
+    def next_coef(self, kl, n_steps):
         bounds = self.coef_min, self.coef_max
         self.coef_min, self.coef_max = 1e-30, 1e30  # the integral's clamp follows these bounds
         try:
-            beta = super()._step(kl, n_steps)
+            beta = super().next_coef(kl, n_steps)
         finally:
             self.coef_min, self.coef_max = bounds
         return min(max(beta, self.coef_min), self.coef_max)

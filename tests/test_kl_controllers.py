@@ -52,7 +52,7 @@ def test_register_and_unregister_a_controller_through_the_public_api():
             super().__init__(kl_coef)
             self.target, self.factor = target, factor
 
-        def _step(self, kl, n_steps):
+        def next_coef(self, kl, n_steps):
             return self._value / self.factor if kl > self.target else self._value
 
     try:

@@ -167,3 +167,20 @@ def test_the_fixed_frontier_is_read_at_the_controlled_arms_kl(tmp_path, capsys):
     # seed 1: 0.35 - 0.3 = +0.05; seed 2: 0.25 - 0.2 = +0.05 (its KL read from final_kl)
     assert "tracking minus fixed at equal KL: +0.050 +- 0.000 (SE, 2 seeds)" in out
     assert math.isclose(float(out.split("difference ")[1].split()[0]), 0.05)
+
+
+def test_the_lab_uses_no_private_name_of_klppo():
+    """The lab extends klppo through its public hooks (a controller's `next_coef`, a guard's class attributes and
+    `check`, the registries): no `from klppo... import _name`, and no call of a private klppo method on a klppo
+    object it did not define itself."""
+    import ast
+    from pathlib import Path
+
+    lab = Path(__file__).resolve().parents[1] / "lab"
+    offenders = []
+    for path in lab.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("klppo"):
+                offenders += [f"{path.name}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+    assert not offenders, offenders

@@ -61,17 +61,17 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl.models.utils import disable_gradient_checkpointing
 
 from ..kl import build_kl_controller
 from ..kl.config import KLControlConfig
 from ..ppo.advantages import advantage_slope
+from ..ppo.checkpoint import CONTROLLER_STATE_NAME, latest_checkpoint  # the same file as klppo's own checkpoints
 from ..ppo.config import warn_once
 
 logger = logging.getLogger(__name__)
 
-CONTROLLER_STATE_NAME = "kl_controller.json"  # the same file name as klppo's own checkpoints
 TRAINER_KINDS = {"GRPOTrainer": ("loss", "k3"), "RLOOTrainer": ("reward", "k1")}  # where TRL puts the KL, and how
 # KLPPOConfig fields that are not the controller's: set by the TRL trainer itself, or about klppo's own trainer
 _NOT_CONTROLLER_FIELDS = {
@@ -395,7 +395,7 @@ def add_kl_control(trainer, **kl_fields):
         if isinstance(folder, str) and folder.lower() in ("true", "false"):
             folder = folder.lower() == "true"
         if folder is True:
-            folder = get_last_checkpoint(trainer.args.output_dir)
+            folder = latest_checkpoint(trainer.args.output_dir, required=())
         callback.resume_from = folder or None
         return train(resume_from_checkpoint, *args, **kwargs)
 

@@ -153,12 +153,16 @@ def _check_bounds(coef_min, coef_max) -> tuple[float, float]:
     return coef_min, coef_max
 
 
-def _log(x: float) -> float:
+def safe_log(x: float) -> float:
+    """`log x`, and `-inf` for `x <= 0` (a coefficient or a reading of 0), for controllers that act on log beta."""
     return math.log(x) if x > 0 else -math.inf
 
 
 class KLController:
-    """Base class: bookkeeping shared by all controllers. Subclasses implement ``_step``.
+    """Base class: bookkeeping shared by all controllers. A controller implements :meth:`next_coef`, the extension
+    hook: the new coefficient from one update's statistic (:meth:`update` calls it, skips NaN readings and
+    results, and counts the updates). A variant of a controller subclasses it and overrides ``next_coef``, calling
+    ``super().next_coef`` for the original's step.
 
     What a controller reads besides the KL statistic, it declares: ``reads_sequences = True`` for one that reads
     the batch itself (each sequence's score, log-ratio and length, given to :meth:`observe_sequences` before each
@@ -195,7 +199,7 @@ class KLController:
         if not math.isfinite(kl):
             self.skipped_updates += 1
             return self._value
-        new = self._step(kl, steps)
+        new = self.next_coef(kl, steps)
         if math.isfinite(new) and new >= 0:  # defensive: a controller must never emit NaN
             self._value = new
         else:
@@ -205,7 +209,9 @@ class KLController:
         self.n_updates += 1
         return self._value
 
-    def _step(self, kl: float, n_steps: int) -> float:
+    def next_coef(self, kl: float, n_steps: int) -> float:
+        """The coefficient after one update whose global KL statistic is `kl` (a finite float, in the target's
+        unit), over `n_steps` sequences of all ranks. Subclasses implement it."""
         raise NotImplementedError
 
     def observe_sequences(self, scores, log_ratios, lengths, unit: str = "sequence") -> None:
@@ -276,7 +282,7 @@ class FixedKLController(KLController):
         kl_coef = _check_nonnegative(kl_coef, "kl_coef", "use 0 to disable the KL penalty")
         super().__init__(kl_coef)
 
-    def _step(self, kl: float, n_steps: int) -> float:
+    def next_coef(self, kl: float, n_steps: int) -> float:
         return self._value
 
 
@@ -313,7 +319,7 @@ class AdaptiveKLController(KLController):
         self.coef_min, self.coef_max = _check_bounds(coef_min, coef_max)
         super().__init__(min(max(kl_coef, self.coef_min), self.coef_max))
 
-    def _step(self, kl: float, n_steps: int) -> float:
+    def next_coef(self, kl: float, n_steps: int) -> float:
         error = min(max(kl / self.target - 1.0, -self.error_clip), self.error_clip)
         self.last_error = error
         multiplier = max(1.0 + error * n_steps / self.horizon, self.MIN_MULTIPLIER)
@@ -324,25 +330,26 @@ class AdaptiveKLController(KLController):
                     coef_min=self.coef_min, coef_max=self.coef_max)
 
 
-class _LogSpaceController(KLController):
-    """Shared pieces of the controllers that act on log(beta)."""
+class LogSpaceController(KLController):
+    """Shared pieces of the controllers that act on log(beta): `log_bounds` (the coefficient's bounds, as logs) and
+    `from_log` (a coefficient from its log, held within the bounds), for subclasses and their variants."""
 
-    def _log_bounds(self) -> tuple[float, float]:
-        lo = max(_log(self.coef_min), -_LOG_LIMIT)
-        hi = min(_log(self.coef_max), _LOG_LIMIT)
+    def log_bounds(self) -> tuple[float, float]:
+        lo = max(safe_log(self.coef_min), -_LOG_LIMIT)
+        hi = min(safe_log(self.coef_max), _LOG_LIMIT)
         return lo, hi
 
-    def _from_log(self, log_beta: float) -> float:
-        lo, hi = self._log_bounds()
+    def from_log(self, log_beta: float) -> float:
+        lo, hi = self.log_bounds()
         if log_beta <= lo:  # exactly the bound, free of exp/log round-off
-            return self.coef_min if lo == _log(self.coef_min) else math.exp(lo)
+            return self.coef_min if lo == safe_log(self.coef_min) else math.exp(lo)
         if log_beta >= hi:
-            return self.coef_max if hi == _log(self.coef_max) else math.exp(hi)
+            return self.coef_max if hi == safe_log(self.coef_max) else math.exp(hi)
         return min(max(math.exp(log_beta), self.coef_min), self.coef_max)
 
 
 @register_kl_controller("exponential")
-class ExponentialKLController(_LogSpaceController):
+class ExponentialKLController(LogSpaceController):
     """``beta <- clamp(beta * exp(rate * (kl - target)), coef_min, coef_max)``.
 
     Computed in log space (``log beta + rate * (kl - target)``, clamped, then exp), so a huge
@@ -367,17 +374,17 @@ class ExponentialKLController(_LogSpaceController):
         self.coef_min, self.coef_max = _check_bounds(coef_min, coef_max)
         super().__init__(min(max(kl_coef, self.coef_min), self.coef_max))
 
-    def _step(self, kl: float, n_steps: int) -> float:
+    def next_coef(self, kl: float, n_steps: int) -> float:
         self.last_error = kl - self.target
         step = self.rate * (kl - self.target)  # may be +-inf for absurd readings: saturates below
-        return self._from_log(math.log(self._value) + step)
+        return self.from_log(math.log(self._value) + step)
 
     def _hparams(self) -> dict:
         return dict(target=self.target, rate=self.rate, coef_min=self.coef_min, coef_max=self.coef_max)
 
 
 @register_kl_controller("pid")
-class PIDKLController(_LogSpaceController):
+class PIDKLController(LogSpaceController):
     """PID control of log(beta) on the relative error, with anti-windup and bounds.
 
     ``e = clip((kl - target) / target, -error_clip, error_clip)``
@@ -427,16 +434,16 @@ class PIDKLController(_LogSpaceController):
         self.prev_error: Optional[float] = None
 
     def _integral_bounds(self) -> tuple[float, float]:
-        lo, hi = self._log_bounds()
+        lo, hi = self.log_bounds()
         return (max(-self.integral_limit, lo - self.log_beta0),
                 min(self.integral_limit, hi - self.log_beta0))
 
-    def _step(self, kl: float, n_steps: int) -> float:
+    def next_coef(self, kl: float, n_steps: int) -> float:
         error = (kl - self.target) / self.target
         error = min(max(error, -self.error_clip), self.error_clip)
         self.last_error = error
         derivative = 0.0 if self.prev_error is None else error - self.prev_error
-        lo, hi = self._log_bounds()
+        lo, hi = self.log_bounds()
         i_lo, i_hi = self._integral_bounds()
 
         rest = self.log_beta0 + self.kp * error + self.kd * derivative
@@ -450,14 +457,14 @@ class PIDKLController(_LogSpaceController):
         u = rest + integral
         self.integral = integral
         self.prev_error = error
-        return self._from_log(u)
+        return self.from_log(u)
 
     def _hparams(self) -> dict:
         return dict(target=self.target, kp=self.kp, ki=self.ki, kd=self.kd, coef_min=self.coef_min,
                     coef_max=self.coef_max, integral_limit=self.integral_limit, error_clip=self.error_clip)
 
     def reference_reset(self) -> None:
-        self.log_beta0, self.integral, self.prev_error = _log(self._value), 0.0, None
+        self.log_beta0, self.integral, self.prev_error = safe_log(self._value), 0.0, None
 
     def _dynamic_state(self) -> dict:
         return {"log_beta0": self.log_beta0, "integral": self.integral, "prev_error": self.prev_error}
@@ -470,7 +477,7 @@ class PIDKLController(_LogSpaceController):
 
 
 @register_kl_controller("tracking")
-class TrackingKLController(_LogSpaceController):
+class TrackingKLController(LogSpaceController):
     """PI control of log(beta) on the KL reading, with a start-up hold: holds a target where integral control
     winds up while the policy is still on its way. klppo's default with a ``kl_target`` for a KL whose optimum is not
     known (``equilibrium`` is elsewhere).
@@ -593,7 +600,7 @@ class TrackingKLController(_LogSpaceController):
         std = math.sqrt(sum((y - mean) ** 2 for y in self.readings) / (n - 1))
         return mean > max(2.0 * std / math.sqrt(n), self.target / 100)
 
-    def _step(self, kl: float, n_steps: int) -> float:
+    def next_coef(self, kl: float, n_steps: int) -> float:
         self.readings = (self.readings + [kl])[-self.window :]
         self.slope, stderr = self._trend()
         if kl >= self.arm_fraction * self.target:
@@ -609,7 +616,7 @@ class TrackingKLController(_LogSpaceController):
         if error < 0 and not self.armed:
             # start-up: the KL cannot yet tell "not moved yet" from "held back too hard"
             integrate = 0.0 if self.holding else self.startup_rate * error
-        lo, hi = self._log_bounds()
+        lo, hi = self.log_bounds()
         rest = self.log_beta0 + self.kp * error
         # anti-windup: the integral never takes the output past a bound
         self.integral = min(max(self.integral + self.ki * integrate, lo - rest), hi - rest)
@@ -617,8 +624,8 @@ class TrackingKLController(_LogSpaceController):
             # start-up: a KL still short of the target never raises beta. The proportional term's cut fades as
             # the KL rises; the integral keeps it instead (bumpless), so beta does not climb back before the KL
             # arrives.
-            self.integral = min(self.integral, max(_log(self._value), lo) - rest)
-        return self._from_log(rest + self.integral)
+            self.integral = min(self.integral, max(safe_log(self._value), lo) - rest)
+        return self.from_log(rest + self.integral)
 
     def _hparams(self) -> dict:
         return dict(target=self.target, kp=self.kp, ki=self.ki, lookahead=self.lookahead, window=self.window,
@@ -628,7 +635,7 @@ class TrackingKLController(_LogSpaceController):
     def reference_reset(self) -> None:
         """The climb from 0 again: the start-up hold re-arms, the window and the integral start from the current
         beta."""
-        self.log_beta0, self.integral = _log(self._value), 0.0
+        self.log_beta0, self.integral = safe_log(self._value), 0.0
         self.readings, self.slope, self.armed, self.holding, self.predicted = [], 0.0, False, True, None
 
     def _dynamic_state(self) -> dict:
@@ -646,7 +653,7 @@ class TrackingKLController(_LogSpaceController):
 
 
 @register_kl_controller("equilibrium")
-class EquilibriumKLController(_LogSpaceController):
+class EquilibriumKLController(LogSpaceController):
     """Moves log beta toward the batch's estimate of beta*, the coefficient whose KL-regularised optimum has the
     target KL, by the share of the batch that backs the estimate (its effective sample size); until the KL first
     reaches the target, beta is that times ``(kl / target) ** approach_power``. klppo's default with a ``kl_target``
@@ -718,15 +725,15 @@ class EquilibriumKLController(_LogSpaceController):
         (the trainer calls it with every rank's sequences)."""
         self._batch = (scores, log_ratios, lengths, unit)
 
-    def _step(self, kl: float, n_steps: int) -> float:
+    def next_coef(self, kl: float, n_steps: int) -> float:
         self.last_error = math.log(max(kl, self.target / math.e) / self.target)
-        self.coef = self._equilibrium_step()
+        self.coef = self.equilibrium_coef()
         self.arrived = self.arrived or kl >= self.target
         if self.arrived:
             return self.coef
-        return self._from_log(_log(self.coef) + self.approach_power * _log(max(kl, 0.0) / self.target))
+        return self.from_log(safe_log(self.coef) + self.approach_power * safe_log(max(kl, 0.0) / self.target))
 
-    def _equilibrium_step(self) -> float:
+    def equilibrium_coef(self) -> float:
         """The equilibrium coefficient after this update's batch (unchanged by a batch that tells nothing)."""
         import torch
 
@@ -744,11 +751,11 @@ class EquilibriumKLController(_LogSpaceController):
         target = self.target
         if unit == "token":
             target *= float(torch.as_tensor(lengths, dtype=torch.float64).mean())
-        lo, hi = self._log_bounds()
+        lo, hi = self.log_bounds()
         self.estimate = self.optimum.solve(r, d, target, lo, hi)
         self.ess = self.optimum.ess(self.estimate + math.log(self.optimum.scale), r, d)
-        now = max(_log(self.coef), lo)
-        return self._from_log(now + self.ess * (self.estimate - now))
+        now = max(safe_log(self.coef), lo)
+        return self.from_log(now + self.ess * (self.estimate - now))
 
     def metrics(self) -> dict:
         """What the trainer logs after each update: the equilibrium coefficient before the approach factor

@@ -295,3 +295,37 @@ def check_critic_reads_policy_tokens(reward_fn) -> None:
             "policy's own token ids at every response position. Use critic_init='policy' (the default), "
             "critic='shared', or a reward model of the policy's family (same tokenizer), or pass value_model=."
         )
+
+
+def enable_activation_checkpointing(actor_critic, args):
+    """Turn on activation checkpointing when the arguments ask for it (transformers >= 5.20 names it activation
+    checkpointing; earlier versions have only the gradient_* fields), and take the flags off `args` (done here, not
+    for Trainer to redo). Returns the kwargs it was turned on with (None: off), which generation needs to turn it
+    back on after decoding."""
+    if not (getattr(args, "activation_checkpointing", False) or args.gradient_checkpointing):
+        return None
+    kwargs = getattr(args, "activation_checkpointing_kwargs", None) or args.gradient_checkpointing_kwargs
+    actor_critic.activation_checkpointing_enable(kwargs)
+    args.gradient_checkpointing = False
+    if hasattr(args, "activation_checkpointing"):
+        args.activation_checkpointing = False
+    return kwargs
+
+
+def prepare_frozen_models(ref_model, reward_funcs, accelerator, deepspeed: bool, fsdp: bool):
+    """Frozen models live beside the policy (sharded under ZeRO-3 / FSDP): the reference, returned, and the reward
+    models inside `reward_funcs`, prepared in place."""
+    for fn in reward_funcs:
+        if isinstance(getattr(fn, "model", None), nn.Module):
+            fn.model = prepare_frozen(fn.model, accelerator, deepspeed=deepspeed, fsdp=fsdp)
+    return prepare_frozen(ref_model, accelerator, deepspeed=deepspeed, fsdp=fsdp) if ref_model is not None else None
+
+
+def load_rewards(reward_funcs, args, policy_tokenizer):
+    """`(functions, weights, names)` of the trainer's `reward_funcs` (one or a list of callables, models or paths),
+    weighted by `args.reward_weights`, each name unique (`klppo.rewards`)."""
+    from ..rewards import load_reward_funcs, reward_func_name, unique_names
+
+    specs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    funcs, weights = load_reward_funcs(specs, args.reward_weights, policy_tokenizer=policy_tokenizer)
+    return funcs, weights, unique_names([reward_func_name(f) for f in funcs])

@@ -15,9 +15,11 @@ import json
 import logging
 import os
 import re
+import shutil
+from contextlib import contextmanager
 
 import torch
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from ..utils import write_json
 
@@ -40,10 +42,12 @@ class ResumeMismatch(ValueError):
     """A checkpoint's settings cannot be combined with the resuming run's."""
 
 
-def latest_checkpoint(output_dir: str) -> str | None:
-    """The newest complete klppo checkpoint in `output_dir` (None if there is none). Incomplete folders, such as one
-    an older version left behind when it crashed while saving, are skipped with a warning (transformers'
-    `get_last_checkpoint` takes the highest number whatever the folder holds)."""
+def latest_checkpoint(output_dir: str, required: tuple[str, ...] = CHECKPOINT_FILES) -> str | None:
+    """The newest complete checkpoint in `output_dir` (None if there is none): the highest-numbered
+    `checkpoint-N` folder holding every file of `required` (klppo's own checkpoint files by default; a TRL trainer's
+    checkpoints, which `add_kl_control` reads, need none of them). Incomplete folders, such as one an older version
+    left behind when it crashed while saving, are skipped with a warning (transformers' `get_last_checkpoint` takes
+    the highest number whatever the folder holds)."""
     if not os.path.isdir(output_dir):
         return None
     found = sorted(
@@ -53,7 +57,7 @@ def latest_checkpoint(output_dir: str) -> str | None:
     )
     for _, entry in reversed(found):
         folder = os.path.join(output_dir, entry)
-        missing = [f for f in CHECKPOINT_FILES if not os.path.isfile(os.path.join(folder, f))]
+        missing = [f for f in required if not os.path.isfile(os.path.join(folder, f))]
         if not missing:
             return folder
         logger.warning("Skipping incomplete checkpoint %s (missing %s).", folder, ", ".join(missing))
@@ -180,3 +184,41 @@ def load_reference(checkpoint: str) -> tuple[dict, dict]:
         which, name = key.split(".", 1)
         split[which][name] = value
     return split["current"], split["initial"]
+
+
+@contextmanager
+def staged(run_dir: str, name: str, args, accelerator, best_model_checkpoint=None):
+    """Write checkpoint `name` of `run_dir` atomically: the block writes into the staging folder it is given
+    (`(staging_root, staged)`: the root Trainer writes and rotates in, and the checkpoint's own folder there); once
+    every rank's files are in place the folder is renamed into place and older checkpoints rotated, so a crash
+    mid-save never leaves a partial checkpoint."""
+    staging_root = os.path.join(run_dir, STAGING_DIR)
+    folder = os.path.join(staging_root, name)
+    if args.should_save and os.path.isdir(folder):
+        shutil.rmtree(folder)  # left by a save that was interrupted
+    yield staging_root, folder
+    accelerator.wait_for_everyone()  # every rank's files (RNG states) are in place
+    if args.should_save:
+        final = os.path.join(run_dir, name)
+        if os.path.isdir(final):
+            shutil.rmtree(final)
+        os.replace(folder, final)
+        shutil.rmtree(staging_root, ignore_errors=True)
+        rotate_checkpoints(output_dir=run_dir, save_total_limit=args.save_total_limit,
+                           best_model_checkpoint=best_model_checkpoint, use_mtime=True)  # fmt: skip
+    accelerator.wait_for_everyone()
+
+
+def load_weights(checkpoint: str, model_wrapped, model, deepspeed: bool) -> None:
+    """Put a checkpoint's trainable weights back: under DeepSpeed from the engine's own checkpoint (sharded weights
+    and optimizer state, exactly), else into `model` (under FSDP2 into the shards, where the optimizer's state
+    maps: a forward before now may leave them whole)."""
+    from .engines import load_full_weights
+
+    weights = load_trainable_weights(checkpoint, model)
+    if deepspeed:
+        from transformers.integrations.deepspeed import deepspeed_load_checkpoint
+
+        deepspeed_load_checkpoint(model_wrapped, checkpoint, load_module_strict=False)
+    else:
+        load_full_weights(model, weights)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import math
 import weakref
 from contextlib import contextmanager
 
@@ -110,3 +111,41 @@ def destroy_process_group_at_exit() -> None:
             torch.distributed.destroy_process_group()
 
     atexit.register(destroy)
+
+
+def backward(accelerator, model_wrapped, loss: torch.Tensor, boundary: bool, deepspeed: bool, discard: bool = False) -> None:
+    """Backward pass of one micro-batch's loss. The loss is this rank's share of the mini-batch's global mean, and
+    data parallelism averages gradients over ranks, hence the factor `num_processes`. Under DeepSpeed the engine is
+    told where the accumulation boundary is (accelerate would make every micro-batch one) and must not rescale by
+    its own accumulation count; `discard` poisons the boundary pass so that the engine's overflow check drops the
+    accumulated gradients (DeepSpeed offers no other way to drop them)."""
+    loss = loss * accelerator.num_processes
+    if not deepspeed:
+        accelerator.backward(loss)
+        return
+    model_wrapped.set_gradient_accumulation_boundary(boundary)
+    model_wrapped.backward(loss * math.nan if discard else loss, scale_wrt_gas=False)
+
+
+def optimizer_step(accelerator, model_wrapped, optimizer, scheduler, max_grad_norm: float | None,
+                   deepspeed: bool) -> float | None:  # fmt: skip
+    """Clip the gradients and take the optimizer step (and the scheduler's) unless their norm is not finite. Returns
+    the gradient norm before clipping (None when it is not measured). DeepSpeed's engine clips
+    (`gradient_clipping`) and skips non-finite gradients itself."""
+    from torch.profiler import record_function
+
+    if deepspeed:
+        model_wrapped.step()
+        grad_norm = model_wrapped.get_global_grad_norm()
+    else:
+        grad_norm = None
+        if max_grad_norm and max_grad_norm > 0:
+            with record_function("klppo/clip_grad_norm"):
+                grad_norm = float(accelerator.clip_grad_norm_(model_wrapped.parameters(), max_grad_norm))
+        if grad_norm is None or math.isfinite(grad_norm):
+            with record_function("klppo/optimizer_step"):
+                optimizer.step()
+    grad_norm = None if grad_norm is None else float(grad_norm)
+    if (grad_norm is None or math.isfinite(grad_norm)) and scheduler is not None:
+        scheduler.step()
+    return grad_norm

@@ -17,12 +17,15 @@ and ranks that stop after different updates meet different collectives.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
 import time
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 DUPLICATE_WINDOW_S = 5.0
 # the exit status of a run stopped by SIGTERM after saving its checkpoint (128 + SIGTERM, the shell's convention)
@@ -37,6 +40,15 @@ class StopRequest:
         self.received_at: float | None = None
         self._previous = None
         self._installed = False
+
+    @classmethod
+    def for_trainer(cls, trainer) -> "StopRequest":
+        """A trainer's request, with transformers' `enable_jit_checkpoint` callback taken off it when the field asked
+        for one (`replace_jit_checkpoint`): klppo's handling does its job."""
+        if replace_jit_checkpoint(trainer) and trainer.is_world_process_zero():
+            logger.info("enable_jit_checkpoint: klppo saves a checkpoint on SIGTERM itself (experimental "
+                        "checkpoint_on_sigterm, on by default), every rank after the same update.")  # fmt: skip
+        return cls()
 
     @property
     def requested(self) -> bool:
@@ -75,3 +87,21 @@ class StopRequest:
             return self.requested
         flag = torch.tensor([float(self.requested)], device=accelerator.device)
         return bool(accelerator.reduce(flag, reduction="sum").item() > 0)
+
+
+def replace_jit_checkpoint(trainer) -> bool:
+    """Remove transformers' `enable_jit_checkpoint` callback from `trainer`, when the field asked for it, and give
+    SIGTERM back the handler it replaced: that callback stops each rank on its own timer, and klppo's own handling
+    does its job with every rank stopping after the same update. Returns whether there was one."""
+    try:
+        from transformers.trainer_jit_checkpoint import JITCheckpointCallback
+    except ImportError:  # a transformers release without it
+        return False
+    callback = next((c for c in trainer.callback_handler.callbacks if isinstance(c, JITCheckpointCallback)), None)
+    if callback is None:
+        return False
+    trainer.remove_callback(callback)
+    manager = callback.jit_manager
+    if manager is not None and manager._original_sigterm_handler is not None:
+        signal.signal(signal.SIGTERM, manager._original_sigterm_handler)
+    return True

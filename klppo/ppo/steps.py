@@ -1,13 +1,14 @@
 """The data one PPO update builds, one typed result per step.
 
 `KLPPOTrainer.ppo_update` reads as the steps of the algorithm; each step returns one of these, and the data
-between steps travels only in them (the trainer's own state that steps change: the KL controller and guard in
-`apply_kl`, the weights and the optimizer in `optimise`):
+between steps travels only in them (the trainer's own state that steps change: the KL controller, the guard and the
+drift monitor in `update_controller`, the weights and the optimizer in `optimise`):
 
     batch    = trainer.prompt_batch(prompts)                  PromptBatch
     rollout  = trainer.rollout(batch)                         Rollout      steps 1-3
     rewards  = trainer.compute_rewards(rollout)               Rewards      step 4
-    penalty  = trainer.apply_kl(rollout, rewards)             KLPenalty    steps 5-6
+    penalty  = trainer.apply_kl(rollout, rewards)             KLPenalty    step 5
+    trainer.update_controller(rollout, rewards, penalty)      its metrics  step 6
     adv      = trainer.compute_advantages(rollout, rewards, penalty)  Advantages  step 7
     result   = trainer.optimise(rollout, adv, kl_reading=penalty.reading)  OptimiseResult  step 8
                                            (the reading is what the KL guard starts from)
@@ -121,11 +122,11 @@ class Rewards(_Selectable):
 
 @dataclass
 class KLPenalty:
-    """Steps 5-6: the per-token rewards with the KL penalty in them, the coefficient in force and the controller's
-    reading."""
+    """Step 5: the per-token rewards with the KL penalty in them, the coefficient in force and the controller's
+    statistic (its reading), before the controller's step."""
 
     token_rewards: torch.Tensor  # [B, R] -coef * kl in reward mode (else 0), plus the score at the last token
-    coef: float  # the coefficient used in this update (the controller's next value is in metrics)
+    coef: float  # the coefficient used in this update (the controller's next value: `update_controller`)
     reading: float  # the controller statistic `kl/value` of this rollout, reduced over all ranks
     finite: bool  # False: the scores or the KL held NaN/inf and the update must be skipped
     metrics: dict = field(default_factory=dict)

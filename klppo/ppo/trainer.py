@@ -2,55 +2,61 @@
 
 One PPO update (`ppo_update`), each step a public method that returns a typed result (`klppo.ppo.steps`):
 
-0. draw a batch of prompts (`_train`, from the endless prompt loader)  `prompt_batch` -> `PromptBatch`
-1. generate responses                                        `rollout`
-2. truncate at the stop token, build masks                   `rollout`
-3. score: policy / reference log-probs, values, the KL       `rollout` (`RolloutScorer`, in `scoring.py`)
-4. rewards, missing-EOS penalty                              `compute_rewards`
-5. KL: every estimator logged; in reward mode the configured  `apply_kl`
+0. draw a batch of prompts (`_train`, the endless prompt loader)   `prompt_batch`       -> `PromptBatch`
+1. sample responses (`RolloutSampler`, `rollout.py`)               `rollout`
+2. truncate at the stop token, build masks                         `rollout`
+3. score: policy / reference log-probs, values, the KL             `rollout`            -> `Rollout` (`scoring.py`)
+4. rewards, missing-EOS penalty                                    `compute_rewards`    -> `Rewards`
+5. the KL: every estimator logged; in reward mode the configured   `apply_kl`           -> `KLPenalty`
    one charged to each token's reward
-6. controller update from the globally reduced statistic     `apply_kl` (the new coefficient serves the next update)
-7. advantages (GAE, or critic-free RLOO / GRPO), whitening   `compute_advantages`
-8. PPO epochs over mini-batches; in loss mode the KL term,   `optimise` -> `micro_batch_loss` (`losses.py`)
-   re-estimated at the current policy, joins the loss
-9. log, evaluate, checkpoint                                 `_train` -> `_log_evaluate_save`
+6. the controller's step on the globally reduced statistic         `update_controller`  (serves the next update)
+7. advantages (GAE, or critic-free RLOO / GRPO), whitening         `compute_advantages` -> `Advantages`
+8. PPO epochs over mini-batches; each step's loss                  `optimise`           -> `OptimiseResult`
+   (`micro_batch_loss`), and beside it the step's checks
+   (`StepChecks`, `safety.py`: non-finite loss, the KL guard)
+9. log, evaluate, checkpoint                                       `_train` -> `_log_evaluate_save`
 
-Which KL, from which logits, where it goes, is decided once when the trainer is built (`self.kl_plan`,
-`klppo.ppo.plan`); the rollout carries the log-ratio and the per-token estimates of the sampling policy. Every
-statistic is reduced across ranks as `(sum, count)` (`klppo.kl.GlobalSums`), so each rank logs, and the controller
-sees, the same global value. Between updates the trainer keeps one thing of its own: the last update's
-finiteness check, settled by the next rollout's forwards (`_settle_last_update`).
+Steps 4-8 are functions of what they read, in `update.py`. Every KL decision they follow (the estimator and where
+it acts, the statistic and its unit, the loss term's weight and baseline, the guard, the target) is decided once
+when the trainer is built (`self.kl_plan`, `plan.py`). What an update leaves for the next ones (the controller, the
+guard, the monitors, the update no rollout has checked yet, the reference resets) is one object, `self.run`
+(`RunState`, `state.py`), saved in every checkpoint. Every statistic is reduced across ranks as `(sum, count)`
+(`klppo.kl.GlobalSums`), so each rank logs, and the controller sees, the same global value.
 """
-
 from __future__ import annotations
 
 import logging
 import math
 import os
-import shutil
 import time
 from collections import defaultdict
 from contextlib import ExitStack, nullcontext
 
 import torch
-from torch import nn
 from torch.profiler import record_function
 from transformers import PreTrainedTokenizerBase, Trainer, set_seed
 from transformers.trainer_callback import ProgressCallback
 from transformers.trainer import OPTIMIZER_NAME
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
 from trl.distributed import DistributedBackend
 
 from ..kl import (
     GlobalSums,
     reduce_sum_count,
 )
-from ..rewards import load_reward_funcs, reward_func_name, unique_names
 from . import checkpoint as ckpt
-from .build import as_prompt_dataset, build_models, check_trainer_inputs, load_policy_and_tokenizer, prepare_frozen
+from .build import (
+    load_rewards,
+    as_prompt_dataset,
+    build_models,
+    check_trainer_inputs,
+    enable_activation_checkpointing,
+    load_policy_and_tokenizer,
+    prepare_frozen_models,
+)
 from .callbacks import KLProgressCallback, maybe_offline_wandb, now, timed
 from .config import KLPPOConfig
-from .engines import destroy_process_group_at_exit, load_full_weights, root_unsharded, unwrap
+from .engines import backward, destroy_process_group_at_exit, optimizer_step, root_unsharded, unwrap
 from .guard import LOWER, UPPER, reset_momentum
 from .health import TrainingDiverged, rollout_outputs_finite
 from .plan import make_kl_plan
@@ -69,7 +75,7 @@ from .sampling import DIVERGED_SAMPLING, eos_scored_as_any_token, truncate_at_st
 from .safety import NONFINITE, StepChecks
 from .scoring import RolloutScorer
 from .state import RunState
-from .update import compute_advantages, compute_rewards, kl_penalty, micro_batch_loss, update_controller
+from . import update
 from .steps import Advantages, KLPenalty, OptimiseResult, PromptBatch, Rewards, Rollout, Sequences
 
 logger = logging.getLogger(__name__)
@@ -117,23 +123,13 @@ class KLPPOTrainer(Trainer):
         maybe_offline_wandb(args)
         given_path = model if isinstance(model, str) else None
         model, _, processing_class = load_policy_and_tokenizer(model, processing_class)
-        specs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-        self.reward_funcs, self.reward_weights = load_reward_funcs(specs, args.reward_weights, policy_tokenizer=processing_class)
-        self.reward_func_names = unique_names([reward_func_name(f) for f in self.reward_funcs])
+        self.reward_funcs, self.reward_weights, self.reward_func_names = load_rewards(reward_funcs, args, processing_class)
         args.resolve_learning_rate(lora=peft_config is not None or hasattr(model, "peft_config"))
         actor_critic, self.ref_model, self.use_adapter_reference, self.ref_adapter_name = build_models(
             model, given_path, args, ref_model, value_model, peft_config, self.reward_funcs,
             ref_adapter_name=getattr(args, "ref_adapter_name", None),
         )  # fmt: skip
-        # transformers >= 5.20 names it activation checkpointing; earlier versions have only the gradient_* fields
-        self.checkpointing_kwargs = None  # the kwargs activation checkpointing was turned on with, kept after decoding
-        if getattr(args, "activation_checkpointing", False) or args.gradient_checkpointing:
-            kwargs = getattr(args, "activation_checkpointing_kwargs", None) or args.gradient_checkpointing_kwargs
-            actor_critic.activation_checkpointing_enable(kwargs)
-            self.checkpointing_kwargs = kwargs
-            args.gradient_checkpointing = False  # done; not for Trainer to redo
-            if hasattr(args, "activation_checkpointing"):
-                args.activation_checkpointing = False
+        self.checkpointing_kwargs = enable_activation_checkpointing(actor_critic, args)  # kept for after decoding
         self.heldout_texts, self.eval_prompts = heldout_texts, eval_dataset
         # Trainer insists on an eval_dataset when eval_strategy is set; evaluation here is held-out perplexity
         # (+ eval prompts when given), so a one-row placeholder satisfies that check.
@@ -143,40 +139,40 @@ class KLPPOTrainer(Trainer):
             eval_dataset=eval_dataset if eval_dataset is not None else placeholder,
             processing_class=processing_class, callbacks=callbacks,
         )  # fmt: skip
+        self._build_update_parts(self.model.policy)
+        self.completion_samples: list[dict] = []
+        self.stop_request = StopRequest.for_trainer(self)  # SIGTERM while training (`checkpoint_on_sigterm`)
+        self.stopped_by_signal: int | None = None  # the update a SIGTERM stopped the run after
+        self._last_saved_step: int | None = None
+        self._initial_reference: dict[str, torch.Tensor] | None = None  # the reference's tensors before the first
+        if args.ref_reset_steps:
+            check_reference_resets(self.is_fsdp_enabled, self.model.policy, self.ref_model,
+                                   self.use_adapter_reference, self.ref_adapter_name)  # fmt: skip
+        logger.info("%s; controller %s", self.kl_plan.describe(), self.kl_controller.name)
+
+    def _build_update_parts(self, policy) -> None:
+        """After Trainer's own setup: the progress bar, the frozen models prepared beside the policy, and the parts of
+        an update decided once: the sampler (`RolloutSampler`), the KL plan (`make_kl_plan`), the
+        scorer (`RolloutScorer`) and the state that lives across updates (`RunState`)."""
+        args = self.args
         self.remove_callback(ProgressCallback)
         if self.accelerator.num_processes > 1:
             destroy_process_group_at_exit()
-        if not self.args.disable_tqdm:
+        if not args.disable_tqdm:
             self.add_callback(KLProgressCallback())
-        engines = dict(deepspeed=self.is_deepspeed_enabled, fsdp=self.is_fsdp_enabled)
-        if self.ref_model is not None:  # frozen models live beside the policy (sharded under ZeRO-3 / FSDP)
-            self.ref_model = prepare_frozen(self.ref_model, self.accelerator, **engines)
-        for fn in self.reward_funcs:
-            if isinstance(getattr(fn, "model", None), nn.Module):
-                fn.model = prepare_frozen(fn.model, self.accelerator, **engines)
-        policy = self.model.policy
+        self.ref_model = prepare_frozen_models(self.ref_model, self.reward_funcs, self.accelerator,
+                                               deepspeed=self.is_deepspeed_enabled, fsdp=self.is_fsdp_enabled)  # fmt: skip
         engine = "deepspeed" if self.is_deepspeed_enabled else "fsdp" if self.is_fsdp_enabled else None
-        self.sampler = RolloutSampler(self.args, self.accelerator, self.processing_class, policy, engine,
+        self.sampler = RolloutSampler(args, self.accelerator, self.processing_class, policy, engine,
                                       self.checkpointing_kwargs)  # fmt: skip
-        self.kl_plan = make_kl_plan(self.args, policy, self._mixed_precision(), self._vocab_size(policy),
+        self.kl_plan = make_kl_plan(args, policy, self._mixed_precision(), self._vocab_size(policy),
                                     compiled_decoding=self.sampler.compiled)  # fmt: skip
         self.scorer = RolloutScorer(
             self.kl_plan, self.accelerator, self.ref_model, self.use_adapter_reference, self.ref_adapter_name,
-            self.args.temperature, self.sampler.suppressed_ids, self.args.rollout_forward_batch_size,
-            self.args.critic_free,
+            args.temperature, self.sampler.suppressed_ids, args.rollout_forward_batch_size, args.critic_free,
         )  # fmt: skip
         # what one update leaves for the next: the KL controller, the guard, the monitors, the non-finite path
         self.run = RunState.build(args, self.kl_plan, self.accelerator, log=self.is_world_process_zero())
-        self.completion_samples: list[dict] = []
-        self.stop_request = StopRequest()  # SIGTERM while training (`checkpoint_on_sigterm`)
-        self.stopped_by_signal: int | None = None  # the update a SIGTERM stopped the run after
-        self._last_saved_step: int | None = None
-        self._replace_jit_checkpoint()
-        self._initial_reference: dict[str, torch.Tensor] | None = None  # the reference's tensors before the first
-        if args.ref_reset_steps:
-            check_reference_resets(self.is_fsdp_enabled, policy, self.ref_model, self.use_adapter_reference,
-                                   self.ref_adapter_name)  # fmt: skip
-        logger.info("%s; controller %s", self.kl_plan.describe(), self.kl_controller.name)
 
     @property
     def kl_controller(self):
@@ -192,26 +188,6 @@ class KLPPOTrainer(Trainer):
     def reference_resets(self) -> int:
         """Reference resets so far (`ref_reset_steps`)."""
         return self.run.reference_resets
-
-    def _replace_jit_checkpoint(self) -> None:
-        """transformers' `enable_jit_checkpoint` callback stops each rank on its own timer; klppo's SIGTERM handling
-        (`klppo.ppo.preemption`) does its job with every rank stopping after the same update. The callback, when the
-        field asked for it, is removed and SIGTERM given back its handler."""
-        try:
-            from transformers.trainer_jit_checkpoint import JITCheckpointCallback
-        except ImportError:  # a transformers release without it
-            return
-        callback = next((c for c in self.callback_handler.callbacks if isinstance(c, JITCheckpointCallback)), None)
-        if callback is None:
-            return
-        self.remove_callback(callback)
-        manager = callback.jit_manager
-        if manager is not None and manager._original_sigterm_handler is not None:
-            import signal
-
-            signal.signal(signal.SIGTERM, manager._original_sigterm_handler)
-        logger.info("enable_jit_checkpoint: klppo saves a checkpoint on SIGTERM itself (experimental "
-                    "checkpoint_on_sigterm, on by default), every rank after the same update.")  # fmt: skip
 
     def _mixed_precision(self) -> bool:
         """Whether the arguments or accelerate (`mixed_precision` in an accelerate config file) set mixed precision."""
@@ -453,7 +429,7 @@ class KLPPOTrainer(Trainer):
     # ------------------------------------------------------------------ step 4: rewards
     def compute_rewards(self, rollout: Sequences) -> Rewards:
         """Step 4: the reward functions' scores, and the missing-EOS penalty (`klppo.ppo.update.compute_rewards`)."""
-        return compute_rewards(
+        return update.compute_rewards(
             rollout, self.reward_funcs, self.reward_weights, self.reward_func_names, self.processing_class,
             self.sampler.stop_token_id, eos_scored_as_any_token(self.args, self.sampler.stop_token_id),
             self.args.missing_eos_penalty, self.accelerator, log=self.is_world_process_zero(),
@@ -463,7 +439,7 @@ class KLPPOTrainer(Trainer):
     def apply_kl(self, rollout: Rollout, rewards: Rewards) -> KLPenalty:
         """Step 5: the configured estimate in the per-token rewards, at the coefficient in force, and the controller
         statistic (`klppo.ppo.update.kl_penalty`); the controller does not move here (`update_controller`)."""
-        return kl_penalty(rollout, rewards, self.kl_plan, self.kl_controller.value, self.accelerator)
+        return update.kl_penalty(rollout, rewards, self.kl_plan, self.kl_controller.value, self.accelerator)
 
     def update_controller(self, rollout: Rollout, rewards: Rewards, penalty: KLPenalty) -> dict[str, float]:
         """Step 6: the controller's step on the rollout's statistic, the guard's and the drift monitor's reading
@@ -471,13 +447,13 @@ class KLPPOTrainer(Trainer):
         up. Returns the next coefficient and the controller's metrics."""
         if not penalty.finite or self.critic_warming_up:
             return {"kl/coef_next": self.kl_controller.value}
-        return update_controller(self.kl_controller, self.kl_guard, self.run.drift, self.kl_plan, rollout, rewards,
+        return update.update_controller(self.kl_controller, self.kl_guard, self.run.drift, self.kl_plan, rollout, rewards,
                                  penalty, self.accelerator, self.args.num_generations, self.is_world_process_zero())
 
     # ------------------------------------------------------------------ step 7: advantages
     def compute_advantages(self, rollout: Rollout, rewards: Rewards, penalty: KLPenalty) -> Advantages:
         """Step 7: advantages, returns and the KL loss term's weight (`klppo.ppo.update.compute_advantages`)."""
-        return compute_advantages(self.args, self.kl_plan, rollout, rewards, penalty, self.accelerator)
+        return update.compute_advantages(self.args, self.kl_plan, rollout, rewards, penalty, self.accelerator)
 
     # ------------------------------------------------------------------ step 8: optimisation
     def optimise(self, rollout: Rollout, advantages: Advantages, kl_reading: float | None = None) -> OptimiseResult:
@@ -533,14 +509,15 @@ class KLPPOTrainer(Trainer):
                 if boundary:  # one collective and host sync per step
                     verdict = checks.verdict(acc, self.kl_guard, kl_reading, applied)
                 with record_function("klppo/backward"):
-                    self._backward(loss, boundary, discard=verdict is not None)
+                    backward(acc, model, loss, boundary, self.is_deepspeed_enabled, discard=verdict is not None)
             for name, (total, count) in parts.items():
                 stats.add(name, total, count)
         if verdict is None:
             if self.critic_warming_up:  # no step, no weight decay, no optimizer state for the policy's weights
                 for p in unwrap(self.accelerator, model).policy.parameters():
                     p.grad = None
-            grad_norm = self._step()
+            grad_norm = optimizer_step(acc, model, self.optimizer, self.lr_scheduler, args.max_grad_norm,
+                                       self.is_deepspeed_enabled)  # fmt: skip
             if grad_norm is not None and math.isfinite(grad_norm):
                 stats.add("train/grad_norm", torch.tensor(grad_norm / acc.num_processes, dtype=torch.float64), 1.0 / acc.num_processes)
             verdict = "applied" if grad_norm is None or math.isfinite(grad_norm) else NONFINITE
@@ -552,45 +529,11 @@ class KLPPOTrainer(Trainer):
         self.optimizer.zero_grad(set_to_none=True)
         return verdict
 
-    def _backward(self, loss: torch.Tensor, boundary: bool, discard: bool = False) -> None:
-        """Backward pass of one micro-batch's loss. The loss is this rank's share of the mini-batch's global mean,
-        and data parallelism averages gradients over ranks, hence the factor `num_processes`. Under DeepSpeed the
-        engine is told where the accumulation boundary is (accelerate would make every micro-batch one) and must
-        not rescale by its own accumulation count; `discard` poisons the boundary pass so that the engine's
-        overflow check drops the accumulated gradients (DeepSpeed offers no other way to drop them)."""
-        loss = loss * self.accelerator.num_processes
-        if not self.is_deepspeed_enabled:
-            self.accelerator.backward(loss)
-            return
-        engine = self.model_wrapped
-        engine.set_gradient_accumulation_boundary(boundary)
-        engine.backward(loss * math.nan if discard else loss, scale_wrt_gas=False)
-
-    def _step(self) -> float | None:
-        """Clip the gradients and take the optimizer step (and the scheduler's) unless their norm is not finite.
-        Returns the gradient norm before clipping (None when it is not measured)."""
-        args, acc = self.args, self.accelerator
-        if self.is_deepspeed_enabled:  # the engine clips (`gradient_clipping`) and skips non-finite gradients
-            self.model_wrapped.step()
-            grad_norm = self.model_wrapped.get_global_grad_norm()
-        else:
-            grad_norm = None
-            if args.max_grad_norm and args.max_grad_norm > 0:
-                with record_function("klppo/clip_grad_norm"):
-                    grad_norm = float(acc.clip_grad_norm_(self.model_wrapped.parameters(), args.max_grad_norm))
-            if grad_norm is None or math.isfinite(grad_norm):
-                with record_function("klppo/optimizer_step"):
-                    self.optimizer.step()
-        grad_norm = None if grad_norm is None else float(grad_norm)
-        if (grad_norm is None or math.isfinite(grad_norm)) and self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-        return grad_norm
-
     def micro_batch_loss(self, mb: Rollout, advantages: Advantages, idx: torch.Tensor, counts: dict):
         """Loss of one micro-batch `mb` (rows `idx` of the rollout), normalised by the mini-batch's GLOBAL counts, its
         logging parts and its reading for the KL guard (`klppo.ppo.update.micro_batch_loss`)."""
         share = 1.0 / (self.args.gradient_accumulation_steps * self.accelerator.num_processes)
-        return micro_batch_loss(
+        return update.micro_batch_loss(
             self.model_wrapped, mb, advantages, idx, counts, self.args, self.kl_plan, self.sampler.suppressed_ids,
             lambda part: self.scorer.reference_logits(self.model_wrapped, part), self.critic_warming_up, share,
         )  # fmt: skip
@@ -665,39 +608,26 @@ class KLPPOTrainer(Trainer):
             ckpt.save_model_files(output_dir, unwrapped, state_dict, self.processing_class, self.args, merged=merged)
 
     def _save_checkpoint(self, model, trial) -> None:
-        """Write `checkpoint-N` atomically: every file (Trainer's and klppo's) goes into a staging folder that
-        is renamed into place only when complete, so a crash mid-save never leaves a partial `checkpoint-N`."""
+        """Write `checkpoint-N` atomically (`klppo.ppo.checkpoint.staged`): every file, Trainer's and klppo's (the
+        run's state, the reference after a reset), goes into a staging folder renamed into place when complete."""
         self._settle_last_update()
         if not self.run.safety.weights_finite(self.accelerator.unwrap_model(self.model_wrapped)):
             if self.is_world_process_zero():
                 logger.warning("Not writing checkpoint %d: the trainable weights are not finite, or training stopped on "
                                "a diverged policy; the last checkpoint is kept.", self.state.global_step)  # fmt: skip
             return
-        run_dir = self._get_output_dir(trial)
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        staging_root = os.path.join(run_dir, ckpt.STAGING_DIR)
-        staged = os.path.join(staging_root, name)
-        if self.args.should_save and os.path.isdir(staged):
-            shutil.rmtree(staged)  # left by a save that was interrupted
-        self._get_output_dir = lambda trial=None: staging_root  # Trainer writes (and rotates) inside staging
-        try:
-            super()._save_checkpoint(model, trial)
-        finally:
-            del self._get_output_dir
-        if self.args.should_save:
-            ckpt.write_controller_state(staged, self._klppo_state())
-            if self._initial_reference is not None:  # after a reset: the reference and the initial one
-                ckpt.save_reference(staged, self._reference_tensors(), self._initial_reference)
-        self.accelerator.wait_for_everyone()  # every rank's files (RNG states) are in place
-        if self.args.should_save:
-            final = os.path.join(run_dir, name)
-            if os.path.isdir(final):
-                shutil.rmtree(final)
-            os.replace(staged, final)
-            shutil.rmtree(staging_root, ignore_errors=True)
-            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
-                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)  # fmt: skip
-        self.accelerator.wait_for_everyone()
+        with ckpt.staged(self._get_output_dir(trial), name, self.args, self.accelerator,
+                         self.state.best_model_checkpoint) as (staging_root, folder):  # fmt: skip
+            self._get_output_dir = lambda trial=None: staging_root  # Trainer writes (and rotates) inside staging
+            try:
+                super()._save_checkpoint(model, trial)
+            finally:
+                del self._get_output_dir
+            if self.args.should_save:
+                ckpt.write_controller_state(folder, self._klppo_state())
+                if self._initial_reference is not None:  # after a reset: the reference and the initial one
+                    ckpt.save_reference(folder, self._reference_tensors(), self._initial_reference)
         self._last_saved_step = self.state.global_step
 
     def _klppo_state(self) -> dict:
@@ -715,14 +645,8 @@ class KLPPOTrainer(Trainer):
 
         state = ckpt.read_controller_state(checkpoint)
         ckpt.check_resume_settings(state.get("settings"), self.args, log=self.is_world_process_zero())
-        unwrapped = self.accelerator.unwrap_model(self.model_wrapped)
-        weights = ckpt.load_trainable_weights(checkpoint, unwrapped)
-        if self.is_deepspeed_enabled:  # the engine's own checkpoint: sharded weights and optimizer state, exactly
-            from transformers.integrations.deepspeed import deepspeed_load_checkpoint
-
-            deepspeed_load_checkpoint(self.model_wrapped, checkpoint, load_module_strict=False)
-        else:  # FSDP2: into the shards, where the optimizer's state maps (a forward before now may leave them whole)
-            load_full_weights(unwrapped, weights)
+        ckpt.load_weights(checkpoint, self.model_wrapped, self.accelerator.unwrap_model(self.model_wrapped),
+                          deepspeed=self.is_deepspeed_enabled)  # fmt: skip
         self._load_optimizer_and_scheduler(checkpoint)
         plain = not (self.is_deepspeed_enabled or self.is_fsdp_enabled)  # the engines keep the optimizer elsewhere
         if plain and not os.path.isfile(os.path.join(checkpoint, OPTIMIZER_NAME)) and self.is_world_process_zero():
