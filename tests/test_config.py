@@ -77,3 +77,22 @@ def test_a_switch_of_the_experimental_settings_must_be_a_bool(tmp_path):
     time, naming the valid values."""
     with pytest.raises(ValueError, match="`kl_loss_baseline` must be true or false, got 'false'"):
         KLPPOConfig(output_dir=str(tmp_path), report_to="none", experimental={"kl_loss_baseline": "false"})
+
+
+def test_each_documented_default_is_the_codes():
+    """Every field's docstring entry says what it defaults to (`name (`type`, *optional*, defaults to `X`)`), and
+    X is the dataclass's default: for each public field of `KLPPOConfig` and each experimental setting."""
+    import ast
+    import re
+
+    entry = re.compile(r"(\w+) \(`[^)]*?, \*optional\*, defaults to `([^`]*)`")
+    for doc, cls, names in ((KL_CONTROL_DOC + KLPPO_CONFIG_DOC, KLPPOConfig, public_fields()),
+                            (EXPERIMENTAL_DOC, ExperimentalSettings, EXPERIMENTAL_KEYS)):  # fmt: skip
+        documented = dict(entry.findall(_flat(doc)))
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        assert set(names) <= set(documented), sorted(set(names) - set(documented))
+        for name in names:
+            field = fields[name]
+            code = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+            said = ast.literal_eval(documented[name])
+            assert said == code and isinstance(said, bool) == isinstance(code, bool), (name, said, code)

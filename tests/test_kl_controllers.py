@@ -571,3 +571,24 @@ def test_tracking_on_simulated_plants(lag, start):
     history = _simulate(TrackingKLController(beta_star * start, target), c, lag=lag)
     mean, rms = _tracking(history, target)
     assert abs(mean - 1) < 0.05 and rms < 0.1
+
+
+def test_a_controller_written_with_the_old_hook_names_still_steps_and_reads_the_batch():
+    """`_step` (now `next_coef`) and a defined `observe_sequences` (now declared by `reads_sequences = True`) keep
+    working, each with a DeprecationWarning that names the new spelling."""
+    from klppo.kl import KLController
+
+    with pytest.warns(DeprecationWarning, match="rename it `next_coef`"):
+        class Halving(KLController):
+            def _step(self, kl, n_steps):
+                return self.value / 2
+
+    with pytest.warns(DeprecationWarning, match="reads_sequences = True"):
+        class Reading(Halving):
+            def observe_sequences(self, scores, log_ratios, lengths, unit="sequence"):
+                self.seen = len(scores)
+
+    controller = Reading(0.8)
+    assert controller.update(1.0, 4) == 0.4 and Reading.reads_sequences and not Halving.reads_sequences
+    controller.observe_sequences([1.0, 2.0], [0.1, 0.2], [3, 4])
+    assert controller.seen == 2

@@ -52,8 +52,8 @@ def test_controller_table_comes_from_the_registry():
         def __init__(self, kl_coef, target, step=2, floor=0.5):
             super().__init__(kl_coef)
 
-        def _step(self, kl, n_steps):
-            return self._value
+        def next_coef(self, kl, n_steps):
+            return self.value
 
     try:
         assert "| `throwaway` | Never moves. | `step=2`, `floor=0.5` | yes |" in controller_table_markdown()

@@ -177,3 +177,27 @@ def test_warmup_and_resets_refuse_what_they_cannot_do(tmp_path):
             klppo_config(**base, critic_warmup_steps=2)
     finally:
         del os.environ["ACCELERATE_USE_DEEPSPEED"]
+
+
+def test_the_drift_monitor_follows_the_target_in_force_after_a_resume_and_a_reset(tmp_path):
+    """`kl_target` may change at a resume (the new one is used): the drift monitor then starts a new band at the new
+    target, instead of the checkpoint's streak at the old one, and a reference reset builds it at the new one too."""
+    from klppo import KLPPOConfig
+    from klppo.ppo.plan import make_kl_plan
+    from klppo.ppo.state import RunState
+
+    def run_state(target):
+        args = KLPPOConfig(output_dir=str(tmp_path), report_to="none", kl_target=target, use_cpu=True)
+        plan = make_kl_plan(args, torch.nn.Linear(2, 2), mixed_precision=False, vocab_size=8)
+        return RunState.build(args, plan, None, log=False)
+
+    saved = run_state(4.0)
+    for _ in range(3):
+        saved.drift.update(9.0)
+    same, changed = run_state(4.0), run_state(2.0)
+    same.load_state_dict(saved.state_dict())
+    changed.load_state_dict(saved.state_dict())
+    assert same.drift.state_dict() == saved.drift.state_dict()
+    assert (changed.drift.target, changed.drift.streak) == (2.0, 0)
+    changed.reference_reset()
+    assert changed.drift.target == 2.0 and changed.reference_resets == 1

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 from typing import Any, Optional
 
 from .optimum import KLOptimum, equilibrium_log_coef, optimum_kl
@@ -171,6 +172,19 @@ class KLController:
 
     name = "base"
     reads_sequences = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # controllers written for klppo 0.x: their step was `_step`, and defining `observe_sequences` said they read
+        # the batch. Both still work, with a warning naming the new spelling.
+        if "_step" in cls.__dict__ and "next_coef" not in cls.__dict__:
+            warnings.warn(f"{cls.__name__} defines `_step`: rename it `next_coef` (the controllers' step hook).",
+                          DeprecationWarning, stacklevel=2)  # fmt: skip
+            cls.next_coef = cls.__dict__["_step"]
+        if "observe_sequences" in cls.__dict__ and not cls.reads_sequences:
+            warnings.warn(f"{cls.__name__} defines `observe_sequences`: set `reads_sequences = True` on the class, "
+                          "which is how a controller declares that it reads the batch.", DeprecationWarning, stacklevel=2)  # fmt: skip
+            cls.reads_sequences = True
 
     def __init__(self, kl_coef: float):
         self._value = _as_float(kl_coef)

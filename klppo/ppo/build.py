@@ -1,4 +1,5 @@
-"""What `KLPPOTrainer` is built from: checked inputs, the policy, its reference and its critic."""
+"""What `KLPPOTrainer` is built from: checked inputs, the policy, its reference and its critic, the reward functions
+and models, and how they are prepared (frozen models under each engine, activation checkpointing)."""
 
 from __future__ import annotations
 

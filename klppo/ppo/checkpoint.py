@@ -3,8 +3,8 @@
 A klppo checkpoint is Trainer's (optimizer, scheduler, RNG, `trainer_state.json`) plus the policy in Hugging Face
 format, a separate critic in `value_model/` (`CriticModel.from_pretrained`), every trainable weight of the
 actor-critic (`klppo_trainable.safetensors`) and the state of the KL controller and the monitors with the run's KL
-settings (`kl_controller.json`). The trainer writes it into a staging folder and renames it into place when
-complete, so a crash never leaves a partial `checkpoint-N`.
+settings (`kl_controller.json`). `staged` writes it into a staging folder and renames it into place when complete,
+so a crash never leaves a partial `checkpoint-N`.
 
 Every function takes what it reads as arguments; the trainer's `_save`, `_save_checkpoint` and `_resume` call them.
 """

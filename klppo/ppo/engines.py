@@ -1,4 +1,8 @@
-"""What the sharding engines need from klppo's forward passes.
+"""What the engines (DDP, DeepSpeed, FSDP2) need from klppo's forward passes, backward passes and optimizer steps.
+
+`backward` and `optimizer_step`: a mini-batch's last micro-batch is the accumulation boundary. DeepSpeed's engine is
+told it (its ZeRO-2/3 refuse `no_sync`), runs its own backward and step and clips the gradients itself
+(`gradient_clipping`); elsewhere accelerate's backward, clipping to `max_grad_norm`, and the optimizer's step.
 
 FSDP2 (`torch.distributed.fsdp.fully_shard`) gathers a module's own parameters only around that module's forward.
 The actor-critic's root unit holds the parameters no wrapped block owns (embeddings, final norm, LM head, value

@@ -24,7 +24,7 @@ from ..kl.reduce import all_reduce_sum
 from .health import policy_outputs_finite, rollout_outputs_finite
 from .rollback import restore_optimisation
 
-NONFINITE = "nonfinite"
+APPLIED, NONFINITE = "applied", "nonfinite"  # a step's verdicts, beside the guard's (`klppo.ppo.guard`)
 
 
 @dataclass
@@ -55,9 +55,9 @@ def guard_sample(log_ratio: torch.Tensor, old_log_ratio: torch.Tensor, rollout_l
     before = rollout_log_ratio.double() * mask
     if unit == "sequence":
         now_units, before_units = now.sum(dim=1), before.sum(dim=1)
-        count = torch.tensor(float(mask.shape[0]), dtype=torch.float64, device=mask.device)
-    else:
-        now_units, before_units, count = now[mask.bool()], before[mask.bool()], mask.sum()
+        count = torch.full((), float(mask.shape[0]), dtype=torch.float64, device=mask.device)
+    else:  # the masked positions are 0 in both, and add nothing to any sum (no indexing: no host sync)
+        now_units, before_units, count = now, before, mask.sum()
     change = now_units - before_units
     return GuardSample(now_units.sum(), before_units.sum(), (change * change).sum(), count)
 

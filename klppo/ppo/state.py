@@ -28,6 +28,7 @@ class RunState:
     drift: KLDriftMonitor | None
     health: PPOHealthMonitor
     safety: UpdateSafety
+    plan: KLPlan  # the run's settings, not saved: the target and patience of a drift monitor built again
     reference_resets: int = 0
 
     @classmethod
@@ -37,7 +38,7 @@ class RunState:
         drift = KLDriftMonitor(plan.target, patience=plan.drift_patience) if plan.target else None
         return cls(build_kl_controller(args), build_kl_guard(plan.guard, plan.target), drift,
                    PPOHealthMonitor(patience=args.health_patience),
-                   UpdateSafety(NonfiniteGuard(args.max_nonfinite_updates), accelerator, log))  # fmt: skip
+                   UpdateSafety(NonfiniteGuard(args.max_nonfinite_updates), accelerator, log), plan)  # fmt: skip
 
     def reference_reset(self) -> None:
         """The reference has become the policy: the KL starts again from 0 for the controller, the guard's low side
@@ -46,7 +47,7 @@ class RunState:
         self.controller.reference_reset()
         self.guard.low_armed = False
         if self.drift is not None:
-            self.drift = KLDriftMonitor(self.drift.target, patience=self.drift.patience)
+            self.drift = KLDriftMonitor(self.plan.target, patience=self.plan.drift_patience)
 
     def state_dict(self) -> dict:
         return {
@@ -60,8 +61,9 @@ class RunState:
 
     def load_state_dict(self, state: dict) -> None:
         self.controller.load_state_dict(state["kl_controller"])
-        if self.drift is not None and state.get("drift_monitor"):
-            self.drift.load_state_dict(state["drift_monitor"])
+        saved = state.get("drift_monitor")
+        if self.drift is not None and saved and saved.get("target") == self.plan.target:  # a new target: a new band
+            self.drift.load_state_dict(saved)
         self.health.load_state_dict(state.get("health_monitor") or {})
         self.guard.load_state_dict(state)
         self.safety.load_state_dict(state)

@@ -11,12 +11,14 @@ One PPO update (`ppo_update`), each step a public method that returns a typed re
    one charged to each token's reward
 6. the controller's step on the globally reduced statistic         `update_controller`  (serves the next update)
 7. advantages (GAE, or critic-free RLOO / GRPO), whitening         `compute_advantages` -> `Advantages`
-8. PPO epochs over mini-batches; each step's loss                  `optimise`           -> `OptimiseResult`
+8. PPO epochs over mini-batches; each micro-batch's loss           `optimise`           -> `OptimiseResult`
    (`micro_batch_loss`), and beside it the step's checks
    (`StepChecks`, `safety.py`: non-finite loss, the KL guard)
 9. log, evaluate, checkpoint                                       `_train` -> `_log_evaluate_save`
 
-Steps 4-8 are functions of what they read, in `update.py`. Every KL decision they follow (the estimator and where
+Steps 4-7 and step 8's loss are functions of what they read, in `update.py`; step 8's loop over epochs and
+mini-batches (`optimise`) and step 6's gate (the controller keeps still while the critic warms up) stay in the
+trainer, which owns the optimizer and the run's state. Every KL decision they follow (the estimator and where
 it acts, the statistic and its unit, the loss term's weight and baseline, the guard, the target) is decided once
 when the trainer is built (`self.kl_plan`, `plan.py`). What an update leaves for the next ones (the controller, the
 guard, the monitors, the update no rollout has checked yet, the reference resets) is one object, `self.run`
@@ -72,7 +74,7 @@ from .rollback import snapshot_optimisation
 from .prompts import collate_prompts, endless_prompt_batches
 from .rollout import RolloutSampler
 from .sampling import DIVERGED_SAMPLING, eos_scored_as_any_token, truncate_at_stop
-from .safety import NONFINITE, StepChecks
+from .safety import APPLIED, NONFINITE, StepChecks
 from .scoring import RolloutScorer
 from .state import RunState
 from . import update
@@ -377,12 +379,12 @@ class KLPPOTrainer(Trainer):
             snapshot = None
             if self.rollback_updates:
                 with timed(timings, "time/rollback_snapshot", acc):
-                    snapshot = snapshot_optimisation(acc.unwrap_model(self.model_wrapped), self.optimizer, self.lr_scheduler)
+                    snapshot = snapshot_optimisation(unwrap(acc, self.model_wrapped), self.optimizer, self.lr_scheduler)
             with timed(timings, "time/optimise", acc):
                 result = self.optimise(rollout, advantages, kl_reading=penalty.reading)  # step 8
             metrics.update(result.metrics, **advantages.metrics)
             metrics.update(self.run.safety.after_optimise(self.state.global_step + 1, result, snapshot,
-                                                      acc.unwrap_model(self.model_wrapped), self.optimizer,
+                                                      unwrap(acc, self.model_wrapped), self.optimizer,
                                                       self.lr_scheduler))  # fmt: skip
             self.run.safety.checked_rows = rollout.sequences()
         timings["time/update"] = now(acc) - start
@@ -445,8 +447,10 @@ class KLPPOTrainer(Trainer):
         """Step 6: the controller's step on the rollout's statistic, the guard's and the drift monitor's reading
         (`klppo.ppo.update.update_controller`); it does not move on a non-finite rollout or while the critic warms
         up. Returns the next coefficient and the controller's metrics."""
-        if not penalty.finite or self.critic_warming_up:
+        if not penalty.finite:
             return {"kl/coef_next": self.kl_controller.value}
+        if self.critic_warming_up:  # the controller keeps still; what it reports is logged all the same
+            return {"kl/coef_next": self.kl_controller.value, **self.kl_controller.metrics()}
         return update.update_controller(self.kl_controller, self.kl_guard, self.run.drift, self.kl_plan, rollout, rewards,
                                  penalty, self.accelerator, self.args.num_generations, self.is_world_process_zero())
 
@@ -457,70 +461,69 @@ class KLPPOTrainer(Trainer):
 
     # ------------------------------------------------------------------ step 8: optimisation
     def optimise(self, rollout: Rollout, advantages: Advantages, kl_reading: float | None = None) -> OptimiseResult:
-        """Step 8: `num_ppo_epochs` passes over shuffled mini-batches, one optimizer step each. A non-finite loss
-        or gradient drops that step's gradients and, when updates are rolled back (`rollback_updates`), stops the
-        update. The KL guard (`klppo.ppo.guard.KLGuard`) ends the update early once the KL to the reference leaves
-        its bounds; `kl_reading` (the rollout's controller statistic, `KLPenalty.reading`) is where its estimate
-        starts."""
-        self.model_wrapped.train()
-        n_local, mb_size = rollout.batch_size, self.args.local_mini_batch_size
+        """Step 8: `num_ppo_epochs` passes over shuffled mini-batches. A mini-batch accumulates gradients over
+        micro-batches (`micro_batch_loss`); before the last one's backward pass (under DeepSpeed, the accumulation
+        boundary that reduces the gradients), the step's checks (`StepChecks`: a non-finite loss, the KL guard
+        `klppo.ppo.guard.KLGuard`) decide, the same on every rank, whether its gradients are kept; then one optimizer
+        step (`_end_step`). A non-finite step ends the update when updates are rolled back (`rollback_updates`); the
+        guard ends it once the KL to the reference leaves its bounds. `kl_reading` (the rollout's controller
+        statistic, `KLPenalty.reading`) is where the guard's estimate starts."""
+        args, acc, model = self.args, self.accelerator, self.model_wrapped
+        model.train()
+        n_local, mb_size, micro = rollout.batch_size, args.local_mini_batch_size, args.per_device_train_batch_size
         if n_local % mb_size:
             raise ValueError(f"Rollout batch {n_local} is not a multiple of the mini-batch size {mb_size}.")
-        stats, skipped, applied, guarded = GlobalSums(), False, 0, None
-        for _epoch in range(self.args.num_ppo_epochs):
-            if (skipped and self.rollback_updates) or guarded:
-                break  # the whole update is undone (or the guard fired): no point in more steps
-            order = torch.randperm(n_local, device=rollout.responses.device)
-            for mb_start in range(0, n_local, mb_size):
-                status = self._optimizer_step(rollout, advantages, order[mb_start : mb_start + mb_size], stats, applied, kl_reading)
-                skipped, applied = skipped or status == NONFINITE, applied + int(status == "applied")
-                guarded = status if status in (UPPER, LOWER) else None
-                if (status == NONFINITE and self.rollback_updates) or guarded:
-                    break
-        metrics = {**stats.means(self.accelerator), **self.kl_guard.metrics(guarded)}
+        stats, skipped, applied, verdict, stop = GlobalSums(), False, 0, None, False
+        for _epoch in range(args.num_ppo_epochs):
+            for mb_idx in torch.randperm(n_local, device=rollout.responses.device).split(mb_size):
+                # the mini-batch's global counts: every loss is a global mean, whatever the split
+                tokens, seqs = reduce_sum_count(rollout.response_mask[mb_idx].sum().double(), float(len(mb_idx)), acc)
+                checks, verdict, micro_batches = StepChecks(acc.device), None, mb_idx.split(micro)
+                for i, idx in enumerate(micro_batches):
+                    boundary = i == len(micro_batches) - 1
+                    # DDP reduces at the boundary only; DeepSpeed is told the boundary in `backward` (its ZeRO-2/3
+                    # refuse no_sync)
+                    with nullcontext() if boundary or acc.num_processes == 1 or self.is_deepspeed_enabled else acc.no_sync(model):
+                        with record_function("klppo/forward"):
+                            mb = rollout.select(idx).without_padding_columns()
+                            loss, parts, sample = self.micro_batch_loss(mb, advantages, idx, dict(num_tokens=tokens, num_seqs=seqs))
+                        checks.add(loss, sample)
+                        if boundary:  # one collective and host sync per step
+                            verdict = checks.verdict(acc, self.kl_guard, kl_reading, applied)
+                        with record_function("klppo/backward"):
+                            backward(acc, model, loss, boundary, self.is_deepspeed_enabled, discard=verdict is not None)
+                    for name, (total, count) in parts.items():
+                        stats.add(name, total, count)
+                verdict = self._end_step(verdict, stats)
+                skipped, applied = skipped or verdict == NONFINITE, applied + int(verdict == APPLIED)
+                stop = verdict in (UPPER, LOWER) or (verdict == NONFINITE and self.rollback_updates)
+                if stop:
+                    break  # the guard fired, or the whole update is undone: no point in more steps
+            if stop:
+                break
+        guarded = verdict if verdict in (UPPER, LOWER) else None
+        metrics = {**stats.means(acc), **self.kl_guard.metrics(guarded)}
         if "val/ratio_sq" in metrics:  # the ratio's variance over the update's tokens, from its two moments
             metrics["val/ratio_var"] = max(metrics.pop("val/ratio_sq") - metrics["val/ratio"] ** 2, 0.0)
         if guarded and self.is_world_process_zero():
             logger.info(self.kl_guard.describe(guarded, applied))
         return OptimiseResult(metrics, skipped, applied)
 
-    def _optimizer_step(self, rollout: Rollout, advantages: Advantages, mb_idx: torch.Tensor, stats, applied: int = 0,
-                        kl_reading: float | None = None) -> str:
-        """One mini-batch: gradient accumulation over micro-batches, then one optimizer step. Returns "applied",
-        or, with the gradients dropped, "nonfinite" (a rank saw a non-finite loss or gradient norm) or the KL
-        guard's verdict ("guard" / "guard_low"). Both are decided, the same on every rank, before the last
-        micro-batch's backward pass: under DeepSpeed that pass is the accumulation boundary that reduces the
-        gradients and lets its engine step."""
-        args, acc, model = self.args, self.accelerator, self.model_wrapped
-        micro = args.per_device_train_batch_size
-        # Global counts of the mini-batch: every loss is a global mean, whatever the split
-        tokens, seqs = reduce_sum_count(rollout.response_mask[mb_idx].sum().double(), float(len(mb_idx)), acc)
-        counts = dict(num_tokens=tokens, num_seqs=seqs)
-        checks, verdict = StepChecks(acc.device), None
-        for micro_start in range(0, len(mb_idx), micro):
-            idx = mb_idx[micro_start : micro_start + micro]
-            boundary = micro_start + micro >= len(mb_idx)
-            # DDP reduces at the boundary only; DeepSpeed is told the boundary in `_backward` (its ZeRO-2/3 refuse no_sync)
-            with nullcontext() if boundary or acc.num_processes == 1 or self.is_deepspeed_enabled else acc.no_sync(model):
-                with record_function("klppo/forward"):
-                    mb = rollout.select(idx).without_padding_columns()
-                    loss, parts, sample = self.micro_batch_loss(mb, advantages, idx, counts)
-                checks.add(loss, sample)
-                if boundary:  # one collective and host sync per step
-                    verdict = checks.verdict(acc, self.kl_guard, kl_reading, applied)
-                with record_function("klppo/backward"):
-                    backward(acc, model, loss, boundary, self.is_deepspeed_enabled, discard=verdict is not None)
-            for name, (total, count) in parts.items():
-                stats.add(name, total, count)
+    def _end_step(self, verdict: str | None, stats: GlobalSums) -> str:
+        """The end of one mini-batch: with the checks passed (`verdict` None), one optimizer step on the accumulated
+        gradients (the critic's alone while it warms up). Returns "applied", or, with the gradients dropped,
+        "nonfinite" (a rank saw a non-finite loss or gradient norm) or the KL guard's verdict ("guard" /
+        "guard_low")."""
+        acc, model = self.accelerator, self.model_wrapped
         if verdict is None:
             if self.critic_warming_up:  # no step, no weight decay, no optimizer state for the policy's weights
-                for p in unwrap(self.accelerator, model).policy.parameters():
+                for p in unwrap(acc, model).policy.parameters():
                     p.grad = None
-            grad_norm = optimizer_step(acc, model, self.optimizer, self.lr_scheduler, args.max_grad_norm,
+            grad_norm = optimizer_step(acc, model, self.optimizer, self.lr_scheduler, self.args.max_grad_norm,
                                        self.is_deepspeed_enabled)  # fmt: skip
             if grad_norm is not None and math.isfinite(grad_norm):
                 stats.add("train/grad_norm", torch.tensor(grad_norm / acc.num_processes, dtype=torch.float64), 1.0 / acc.num_processes)
-            verdict = "applied" if grad_norm is None or math.isfinite(grad_norm) else NONFINITE
+            verdict = APPLIED if grad_norm is None or math.isfinite(grad_norm) else NONFINITE
         elif self.is_deepspeed_enabled:
             model.step()  # finds the poisoned gradients non-finite: drops them and skips the step
         if verdict in (UPPER, LOWER) and self.kl_guard.clears_momentum and not reset_momentum(self.optimizer):
@@ -540,7 +543,7 @@ class KLPPOTrainer(Trainer):
 
     # ------------------------------------------------------------------ reference resets
     def _reference_tensors(self) -> dict[str, torch.Tensor]:
-        policy = self.accelerator.unwrap_model(self.model_wrapped).policy
+        policy = unwrap(self.accelerator, self.model_wrapped).policy
         return reference_tensors(policy, self.ref_model, self.ref_adapter_name, self.use_adapter_reference)
 
     def reset_reference(self) -> None:
@@ -554,7 +557,7 @@ class KLPPOTrainer(Trainer):
         tensors = self._reference_tensors()
         if self._initial_reference is None:
             self._initial_reference = {name: t.detach().clone() for name, t in tensors.items()}
-        policy = self.accelerator.unwrap_model(self.model_wrapped).policy
+        policy = unwrap(self.accelerator, self.model_wrapped).policy
         reset_reference(policy, self.ref_model, self.ref_adapter_name, self.use_adapter_reference)
         if self.args.ref_reset_optimizer and self.optimizer is not None:
             clear_optimizer_state(self.optimizer)
@@ -574,7 +577,7 @@ class KLPPOTrainer(Trainer):
     def _settle_last_update(self, rollout: Rollout | None = None) -> dict[str, float] | None:
         """Check the policy the last update left (`UpdateSafety.settle`): with `rollout`'s forward passes, or with
         one over the last rollout before an evaluation, a save, a reset or the end of training."""
-        return self.run.safety.settle(rollout, self.model_wrapped, self.accelerator.unwrap_model(self.model_wrapped),
+        return self.run.safety.settle(rollout, self.model_wrapped, unwrap(self.accelerator, self.model_wrapped),
                                   self.optimizer, self.lr_scheduler, self.args)  # fmt: skip
 
     @property
@@ -586,7 +589,7 @@ class KLPPOTrainer(Trainer):
     def rollback_updates(self) -> bool:
         """Whether a non-finite step undoes its whole update (`UpdateSafety.decide_rollback`)."""
         engine = "deepspeed" if self.is_deepspeed_enabled else None
-        return self.run.safety.decide_rollback(self.args.nonfinite_rollback, self.accelerator.unwrap_model(self.model_wrapped),
+        return self.run.safety.decide_rollback(self.args.nonfinite_rollback, unwrap(self.accelerator, self.model_wrapped),
                                            engine)  # fmt: skip
 
     # ------------------------------------------------------------------ checkpoints
@@ -595,7 +598,7 @@ class KLPPOTrainer(Trainer):
         the actor-critic (value head / critic included) for resuming; never weights that are not finite."""
         output_dir = output_dir or self.args.output_dir
         self._settle_last_update()
-        if not self.run.safety.weights_finite(self.accelerator.unwrap_model(self.model_wrapped)):
+        if not self.run.safety.weights_finite(unwrap(self.accelerator, self.model_wrapped)):
             if self.is_world_process_zero():
                 logger.warning("Not saving to %s: the trainable weights are not finite, or training stopped on a "
                                "diverged policy.", output_dir)  # fmt: skip
@@ -611,7 +614,7 @@ class KLPPOTrainer(Trainer):
         """Write `checkpoint-N` atomically (`klppo.ppo.checkpoint.staged`): every file, Trainer's and klppo's (the
         run's state, the reference after a reset), goes into a staging folder renamed into place when complete."""
         self._settle_last_update()
-        if not self.run.safety.weights_finite(self.accelerator.unwrap_model(self.model_wrapped)):
+        if not self.run.safety.weights_finite(unwrap(self.accelerator, self.model_wrapped)):
             if self.is_world_process_zero():
                 logger.warning("Not writing checkpoint %d: the trainable weights are not finite, or training stopped on "
                                "a diverged policy; the last checkpoint is kept.", self.state.global_step)  # fmt: skip
@@ -645,7 +648,7 @@ class KLPPOTrainer(Trainer):
 
         state = ckpt.read_controller_state(checkpoint)
         ckpt.check_resume_settings(state.get("settings"), self.args, log=self.is_world_process_zero())
-        ckpt.load_weights(checkpoint, self.model_wrapped, self.accelerator.unwrap_model(self.model_wrapped),
+        ckpt.load_weights(checkpoint, self.model_wrapped, unwrap(self.accelerator, self.model_wrapped),
                           deepspeed=self.is_deepspeed_enabled)  # fmt: skip
         self._load_optimizer_and_scheduler(checkpoint)
         plain = not (self.is_deepspeed_enabled or self.is_fsdp_enabled)  # the engines keep the optimizer elsewhere
@@ -705,7 +708,7 @@ class KLPPOTrainer(Trainer):
         self.setup_optimisation()  # a sharded policy (ZeRO-3, FSDP) runs inside its engine only
         if self.heldout_texts is None:
             self.heldout_texts = load_heldout_texts(max_texts=self.args.heldout_eval_texts)
-        policy = acc.unwrap_model(self.model_wrapped).policy
+        policy = unwrap(acc, self.model_wrapped).policy
         with root_unsharded(self.model_wrapped):  # the forward enters through the policy, not the FSDP root
             metrics = {"eval/perplexity": heldout_perplexity(policy, self.processing_class, self.heldout_texts, accelerator=acc)}
         if self.eval_prompts is not None and len(self.eval_prompts) > 0:
