@@ -592,3 +592,31 @@ def test_a_controller_written_with_the_old_hook_names_still_steps_and_reads_the_
     assert controller.update(1.0, 4) == 0.4 and Reading.reads_sequences and not Halving.reads_sequences
     controller.observe_sequences([1.0, 2.0], [0.1, 0.2], [3, 4])
     assert controller.seen == 2
+
+
+def test_a_guard_whose_check_predates_change_sq_is_called_without_it():
+    """`KLGuard.check` gained `change_sq` (for `low_significance`); a registered guard that overrides `check` with
+    the four arguments it had before is still called, with those four."""
+    import torch
+
+    from klppo.ppo.guard import KLGuard
+    from klppo.ppo.safety import GuardSample, StepChecks
+
+    calls = []
+
+    class OldGuard(KLGuard):
+        def check(self, kl_sum, kl_count, kl_rollout, reading):
+            calls.append((kl_sum, kl_count, kl_rollout, reading))
+            return "guard"
+
+    class NewGuard(KLGuard):
+        def check(self, kl_sum, kl_count, kl_rollout, reading, change_sq=None):
+            calls.append(change_sq)
+            return None
+
+    one = torch.tensor(1.0, dtype=torch.float64)
+    for guard, expected in ((OldGuard(1.0), "guard"), (NewGuard(1.0), None)):
+        checks = StepChecks("cpu")
+        checks.add(torch.tensor(0.5), GuardSample(2 * one, one, 3 * one, 4 * one))
+        assert checks.verdict(None, guard, 0.9, applied=1) == expected
+    assert calls == [(2.0, 4.0, 1.0, 0.9), 3.0]

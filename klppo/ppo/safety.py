@@ -16,6 +16,8 @@ guard judges how far this update has moved the KL and how noisy that estimate is
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -82,7 +84,16 @@ class StepChecks:
             return NONFINITE
         if applied == 0:
             return None
+        if not guard_reads_change_sq(type(guard)):  # a guard written before `change_sq` existed
+            return guard.check(kl_now, count, kl_rollout, reading)
         return guard.check(kl_now, count, kl_rollout, reading, change_sq=change_sq)
+
+
+@functools.cache
+def guard_reads_change_sq(guard_class: type) -> bool:
+    """Whether `guard_class.check` takes `change_sq` (the squared change's sum, added for `low_significance`)."""
+    parameters = inspect.signature(guard_class.check).parameters
+    return "change_sq" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
 
 
 @dataclass
