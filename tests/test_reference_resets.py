@@ -186,18 +186,21 @@ def test_the_drift_monitor_follows_the_target_in_force_after_a_resume_and_a_rese
     from klppo.ppo.plan import make_kl_plan
     from klppo.ppo.state import RunState
 
-    def run_state(target):
-        args = KLPPOConfig(output_dir=str(tmp_path), report_to="none", kl_target=target, use_cpu=True)
+    def run_state(target, patience=5):
+        args = KLPPOConfig(output_dir=str(tmp_path), report_to="none", kl_target=target, use_cpu=True,
+                           experimental={"kl_drift_patience": patience})  # fmt: skip
         plan = make_kl_plan(args, torch.nn.Linear(2, 2), mixed_precision=False, vocab_size=8)
         return RunState.build(args, plan, None, log=False)
 
     saved = run_state(4.0)
     for _ in range(3):
         saved.drift.update(9.0)
-    same, changed = run_state(4.0), run_state(2.0)
-    same.load_state_dict(saved.state_dict())
-    changed.load_state_dict(saved.state_dict())
+    same, changed, patient = run_state(4.0), run_state(2.0), run_state(4.0, patience=9)
+    for state in (same, changed, patient):
+        state.load_state_dict(saved.state_dict())
     assert same.drift.state_dict() == saved.drift.state_dict()
+    assert (patient.drift.patience, patient.drift.streak) == (9, 0)
     assert (changed.drift.target, changed.drift.streak) == (2.0, 0)
+    changed.drift.target = 9.0  # the reset builds the monitor from the run's settings, not from the one it replaces
     changed.reference_reset()
     assert changed.drift.target == 2.0 and changed.reference_resets == 1

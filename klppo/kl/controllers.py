@@ -173,15 +173,24 @@ class KLController:
     name = "base"
     reads_sequences = False
 
+    # the hooks' names before they were public: (old, new)
+    _RENAMED_HOOKS = (("_step", "next_coef"), ("_from_log", "from_log"), ("_log_bounds", "log_bounds"),
+                      ("_equilibrium_step", "equilibrium_coef"))  # fmt: skip
+
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        # controllers written for klppo 0.x: their step was `_step`, and defining `observe_sequences` said they read
-        # the batch. Both still work, with a warning naming the new spelling.
-        if "_step" in cls.__dict__ and "next_coef" not in cls.__dict__:
-            warnings.warn(f"{cls.__name__} defines `_step`: rename it `next_coef` (the controllers' step hook).",
-                          DeprecationWarning, stacklevel=2)  # fmt: skip
-            cls.next_coef = cls.__dict__["_step"]
-        if "observe_sequences" in cls.__dict__ and not cls.reads_sequences:
+        # Controllers written against the hooks' old names keep working: a class that defines a hook under its old
+        # name has it under the new one too (with a warning naming it), and every class answers to the old names, so
+        # `super()._step(...)` in such a subclass reaches its parent's `next_coef`. Defining `observe_sequences`
+        # without saying `reads_sequences` declared, before, that the controller reads the batch.
+        for old, new in cls._RENAMED_HOOKS:
+            if old in cls.__dict__ and new not in cls.__dict__:
+                warnings.warn(f"{cls.__name__} defines `{old}`: rename it `{new}` (the controllers' hook).",
+                              DeprecationWarning, stacklevel=2)  # fmt: skip
+                setattr(cls, new, cls.__dict__[old])
+            elif new in cls.__dict__ and old not in cls.__dict__:
+                setattr(cls, old, cls.__dict__[new])
+        if "observe_sequences" in cls.__dict__ and "reads_sequences" not in cls.__dict__ and not cls.reads_sequences:
             warnings.warn(f"{cls.__name__} defines `observe_sequences`: set `reads_sequences = True` on the class, "
                           "which is how a controller declares that it reads the batch.", DeprecationWarning, stacklevel=2)  # fmt: skip
             cls.reads_sequences = True

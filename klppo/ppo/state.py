@@ -62,7 +62,8 @@ class RunState:
     def load_state_dict(self, state: dict) -> None:
         self.controller.load_state_dict(state["kl_controller"])
         saved = state.get("drift_monitor")
-        if self.drift is not None and saved and saved.get("target") == self.plan.target:  # a new target: a new band
+        same = saved and (saved.get("target"), saved.get("patience")) == (self.plan.target, self.plan.drift_patience)
+        if self.drift is not None and same:  # a new target or patience: a new band
             self.drift.load_state_dict(saved)
         self.health.load_state_dict(state.get("health_monitor") or {})
         self.guard.load_state_dict(state)
