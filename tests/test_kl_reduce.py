@@ -226,3 +226,12 @@ def test_whiten_returns_the_divisor_it_used():
     expected = (kept - kept.mean()) / std
     assert torch.allclose(whitened[mask.bool()], expected, rtol=1e-12)
     assert torch.equal(global_masked_whiten(values, mask), whitened)
+
+
+def test_unit_count_is_the_rows_or_the_masked_tokens():
+    from klppo.kl.reduce import unit_count
+
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1]])
+    for unit, expected in (("sequence", 3.0), ("token", 6.0)):
+        count = unit_count(mask, unit)
+        assert count.dtype == torch.float64 and count.item() == expected

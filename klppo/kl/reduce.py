@@ -172,6 +172,14 @@ def global_sequence_sum_mean(values: torch.Tensor, mask: torch.Tensor, accelerat
     return total / count.clamp(min=1)
 
 
+def unit_count(mask: torch.Tensor, unit: str) -> torch.Tensor:
+    """How many units a statistic in `unit` averages over on this rank: the rows of `mask` (`"sequence"`) or its
+    tokens (`"token"`), a float64 tensor on `mask`'s device (no host sync)."""
+    if unit == "sequence":
+        return torch.full((), float(mask.shape[0]), dtype=torch.float64, device=mask.device)
+    return mask.sum(dtype=torch.float64)
+
+
 def kl_statistic(kl: torch.Tensor, mask: torch.Tensor, unit: str = "token", accelerator=None) -> torch.Tensor:
     """The controller's KL statistic, ``[B, T] -> []`` (float64).
 

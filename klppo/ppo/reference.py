@@ -121,6 +121,7 @@ def kl_to_initial(rollout, reference_logits, tensors: dict, initial: dict, plan,
     tokens: unbiased and never negative; in the statistic's unit), from the reference (`reference_logits(part)`)
     with its first tensors (`initial`) swapped into `tensors`."""
     from ..kl import GlobalSums, estimate_kl
+    from ..kl.reduce import unit_count
     from .logprobs import response_logprobs
 
     mask = rollout.response_mask
@@ -132,5 +133,5 @@ def kl_to_initial(rollout, reference_logits, tensors: dict, initial: dict, plan,
             k3 = estimate_kl("k3", part.logp, logp, log_ratio_clamp=plan.log_ratio_clamp)
             total += torch.where(part.response_mask.bool(), k3, 0.0).double().sum()
     stats = GlobalSums()
-    stats.add("kl/initial", total, mask.shape[0] if plan.unit == "sequence" else mask.sum())
+    stats.add("kl/initial", total, unit_count(mask, plan.unit))
     return stats.means(accelerator)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kl.reduce import all_reduce_sum
+from ..kl.reduce import all_reduce_sum, unit_count
 from .health import policy_outputs_finite, rollout_outputs_finite
 from .rollback import restore_optimisation
 
@@ -57,11 +57,10 @@ def guard_sample(log_ratio: torch.Tensor, old_log_ratio: torch.Tensor, rollout_l
     before = rollout_log_ratio.double() * mask
     if unit == "sequence":
         now_units, before_units = now.sum(dim=1), before.sum(dim=1)
-        count = torch.full((), float(mask.shape[0]), dtype=torch.float64, device=mask.device)
     else:  # the masked positions are 0 in both, and add nothing to any sum (no indexing: no host sync)
-        now_units, before_units, count = now, before, mask.sum()
+        now_units, before_units = now, before
     change = now_units - before_units
-    return GuardSample(now_units.sum(), before_units.sum(), (change * change).sum(), count)
+    return GuardSample(now_units.sum(), before_units.sum(), (change * change).sum(), unit_count(mask, unit))
 
 
 class StepChecks:

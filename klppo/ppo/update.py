@@ -18,7 +18,7 @@ import math
 import torch
 
 from ..kl import GlobalSums, check_same_on_all_ranks, kl_loss, kl_reward, kl_statistic, reduce_sum_count
-from ..kl.reduce import explained_variance, global_masked_whiten
+from ..kl.reduce import explained_variance, global_masked_whiten, unit_count
 from ..rewards import combine_rewards
 from .advantages import advantage_slope, gae_advantages, sequence_advantages
 from .config import KL_LOSS_MIN_ADVANTAGE_STD
@@ -78,7 +78,7 @@ def kl_penalty(rollout: Rollout, rewards: Rewards, plan: KLPlan, coef: float, ac
     `LOGGED_ESTIMATORS` is logged, whatever the configured one. Nothing changes state here."""
     mask = rollout.response_mask
     stats = GlobalSums()
-    per_unit = mask.shape[0] if plan.unit == "sequence" else mask.sum()
+    per_unit = unit_count(mask, plan.unit)
     for i, name in enumerate(LOGGED_ESTIMATORS):  # each estimator's own reading (scoring masked them)
         stats.add(f"kl/{name}", rollout.logged_kl[..., i].sum(), per_unit)
     if plan.statistic not in LOGGED_ESTIMATORS:
