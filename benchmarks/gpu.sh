@@ -23,7 +23,7 @@
 # KLPPO_BENCH_ASSETS (default .bench-assets), KLPPO_BENCH_TARGETS (default a new temporary folder),
 # KLPPO_BENCH_BUDGET_S (default 440: no step starts with under KLPPO_BENCH_MIN_STEP_S, default 60, seconds left,
 # and a step still running at the end is stopped, its finished workloads kept),
-# KLPPO_BENCH_KL_MEMORY=1 (also the full-vocabulary KL memory check, in the float32 step), KLPPO_BENCH_EXTRAS=0
+# KLPPO_BENCH_STEPS (a comma-separated choice of steps, run in that order), KLPPO_BENCH_KL_MEMORY=1 (also the full-vocabulary KL memory check, in the float32 step), KLPPO_BENCH_EXTRAS=0
 # (skip sampling.py and padding.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -83,6 +83,23 @@ STEPS=(
   "random-$SHAPE-fp32|--model-shape $SHAPE --dtype float32 --workloads a,b $KL"
   "random-$SHAPE-bf16-a-run$RUN|--model-shape $SHAPE --dtype bfloat16 --workloads a --no-kl-memory --warmup 0 --updates $RUN"
 )
+
+# KLPPO_BENCH_STEPS=name,name,...: only those steps, in that order (names as above: random-360m-bf16, decode, ...)
+if [ -n "${KLPPO_BENCH_STEPS:-}" ]; then
+  chosen=()
+  IFS=, read -r -a wanted <<<"$KLPPO_BENCH_STEPS"
+  for want in "${wanted[@]}"; do
+    found=0
+    for step in "${STEPS[@]}"; do
+      [ "${step%%|*}" = "$want" ] && { chosen+=("$step"); found=1; }
+    done
+    if [ "$found" = 0 ]; then
+      echo "gpu.sh: KLPPO_BENCH_STEPS names no step '$want'; the steps are: $(printf '%s ' "${STEPS[@]%%|*}")" >&2
+      exit 2
+    fi
+  done
+  STEPS=("${chosen[@]}")
+fi
 
 # run_bench SECONDS ARGS...: one bench.py call, stopped (with every run it started) after SECONDS
 run_bench() {

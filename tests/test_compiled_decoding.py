@@ -48,7 +48,7 @@ def tiny_path():
 
 @pytest.fixture
 def prompts():
-    # widths from 2 to 9 tokens: every rollout batch has its own width, all under max_prompt_length
+    # widths from 2 to 20 tokens (clipped at max_prompt_length): rollout batches have widths of their own
     texts = ["Hi", "The day was", "My friend said that the weather", "A letter came for you this morning, and",
              "It rained", "Our team lost the final game of the season after", "Food", "The old man and the sea were"]
     return Dataset.from_dict({"prompt": [t for t in texts for _ in range(3)]})
@@ -183,3 +183,31 @@ def test_a_rollout_in_the_other_mode_is_caught(tiny_path, prompts, tmp_path, mon
     torch.compiler.set_stance("default")
     trainer.rollout(batch)
     assert len(GRAPHS) == 2
+
+
+def test_the_static_cache_is_as_long_as_the_longest_prompt(tiny_path, prompts, tmp_path, caplog):
+    """Each decoding step attends over the whole static cache, so the cache holds the longest prompt of the run's
+    datasets plus the response, not `max_prompt_length` plus the response. A batch wider than that (prompts from
+    outside the datasets) grows every cache to `max_prompt_length` once, with a warning, and the step compiles again
+    for it; the responses still come."""
+    from klppo.ppo.prompts import longest_prompt
+
+    trainer = compiled_trainer(tiny_path, prompts, tmp_path, max_steps=1, max_prompt_length=24)
+    tokenizer = trainer.processing_class
+    widths = [len(tokenizer(text)["input_ids"]) for text in prompts["prompt"]]
+    assert max(widths) < 24  # the fixture's prompts are narrower than max_prompt_length
+    caches = trainer.sampler.static_caches
+    assert caches.prompt_width == max(widths) and caches.max_len == max(widths) + 5
+    assert longest_prompt([prompts], tokenizer, 3) == 3  # clipped, as collation clips
+    trainer.train()
+    assert len(GRAPHS) == 1
+    (size,) = caches.caches
+    assert caches.caches[size].get_max_length() == max(widths) + 5
+    torch.compiler.set_stance("default")
+    wide = trainer.prompt_batch(["one two three four five six seven eight nine ten eleven twelve thirteen"] * 4)
+    assert wide.input_ids.shape[1] == 24
+    with caplog.at_level("WARNING", logger="klppo.ppo.caches"):
+        rollout = trainer.rollout(wide)
+    assert "grow to max_prompt_length + response_length = 29" in caplog.text
+    assert caches.max_len == 29 and caches.caches[size].get_max_length() == 29
+    assert rollout.responses.shape == (4, 5) and len(GRAPHS) == 2

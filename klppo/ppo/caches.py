@@ -3,11 +3,14 @@ compiled decoding step, and LoRA adapters merged into copies of the base weights
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from contextlib import contextmanager
 
 import torch
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 
 def mergeable_lora_layers(model) -> list | None:
@@ -87,20 +90,35 @@ def _merge_copy(tensor: torch.Tensor, buffers: dict | None, key) -> torch.Tensor
 
 class StaticCaches:
     """Static KV caches for generation (`cache_implementation="static"`), one per batch size, each of `max_len`
-    positions (the longest prompt plus the response), made once and reused by every rollout.
+    positions: the widest prompt batch the run will decode (`prompt_width`) plus the response. Made once and
+    reused by every rollout.
 
     With a static cache `generate` compiles the decoding step (on a GPU; `generation_config.compile_config` says how).
     Every tensor the compiled step sees then keeps its shape from one rollout to the next whatever the prompts'
-    width, since the cache is as long as the longest prompt allows: the step compiles once per batch size, and the
-    policy's weight updates change values, not shapes."""
+    width, since the cache is as long as the widest batch: the step compiles once per batch size, and the policy's
+    weight updates change values, not shapes. Each decoding step attends over the whole cache, so a cache no longer
+    than the prompts need keeps that step short. A batch wider than `prompt_width` (prompts from outside the run's
+    datasets) makes every cache `max_prompt_length` wide, once, and the step compiles again for it."""
 
-    def __init__(self, config, max_len: int):
-        self.config, self.max_len = config, int(max_len)
+    def __init__(self, config, prompt_width: int, response_length: int, max_prompt_length: int):
+        self.config, self.response_length, self.max_prompt_length = config, int(response_length), int(max_prompt_length)
+        self.prompt_width = min(int(prompt_width), self.max_prompt_length)
         self.caches: dict[int, object] = {}
 
-    def __call__(self, batch_size: int):
+    @property
+    def max_len(self) -> int:
+        """The caches' length in positions."""
+        return self.prompt_width + self.response_length
+
+    def __call__(self, batch_size: int, prompt_width: int = 0):
         from transformers import StaticCache
 
+        if prompt_width > self.prompt_width:
+            logger.warning("A prompt batch %d tokens wide is wider than the run's prompts (%d): the static KV caches "
+                           "grow to max_prompt_length + response_length = %d positions, and the decoding step "
+                           "compiles again.", prompt_width, self.prompt_width,
+                           self.max_prompt_length + self.response_length)  # fmt: skip
+            self.prompt_width, self.caches = self.max_prompt_length, {}
         if batch_size not in self.caches:
             self.caches[batch_size] = StaticCache(config=self.config, max_cache_len=self.max_len)
         return self.caches[batch_size]

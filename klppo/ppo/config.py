@@ -278,8 +278,9 @@ KLPPO_CONFIG_DOC = r"""
         max_prompt_length (`int` or `None`, *optional*, defaults to `256`):
             Prompts are truncated (from the left) to this many tokens.
         cache_implementation (`str`, *optional*, defaults to `"auto"`):
-            The KV cache generation decodes into. `"static"`: one cache of `max_prompt_length + response_length`
-            positions per batch size, made once and reused, into which `generate` decodes with its decoding step
+            The KV cache generation decodes into. `"static"`: one cache per batch size, made once and reused, as
+            long as the longest prompt of the training and evaluation datasets (at most `max_prompt_length`; one
+            tokenization pass over the prompts finds it) plus `response_length`, into which `generate` decodes with its decoding step
             compiled (`torch.compile`, experimental `generation_compile_config`): the step compiles once, at the first rollout,
             whatever the prompts' width, and a smaller batch (an evaluation, the last prompts) is padded to the
             rollout's size so that it reuses it. `"dynamic"`: transformers' dynamic cache, nothing compiled.

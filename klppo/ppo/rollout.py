@@ -18,6 +18,7 @@ from trl.models.utils import unwrap_model_for_generation
 
 from .caches import StaticCaches, merged_lora, supports_static_cache
 from .engines import restore_zero3_hooks, unwrap
+from .prompts import longest_prompt
 from .sampling import Generation, contiguous_lm_head_input, generate_responses, sampling_setup
 
 logger = logging.getLogger(__name__)
@@ -33,19 +34,22 @@ class RolloutSampler:
         policy: the policy (before distributed wrapping; its generation config fills unset sampling fields).
         engine: `"deepspeed"`, `"fsdp"` or None.
         checkpointing_kwargs: the kwargs activation checkpointing was turned on with (None: off).
+        prompt_sets: the datasets whose prompts the run decodes (training, evaluation): a static cache is as long
+            as their longest prompt allows (`klppo.ppo.prompts.longest_prompt`); none: `max_prompt_length`.
 
     Attributes:
         stop_token_id, suppressed_ids, generation_config: the sampling setup (`klppo.ppo.sampling.sampling_setup`).
         static_caches: the static KV caches (`cache_implementation`), or None for transformers' dynamic cache.
     """
 
-    def __init__(self, args, accelerator, tokenizer, policy, engine: str | None, checkpointing_kwargs=None):
+    def __init__(self, args, accelerator, tokenizer, policy, engine: str | None, checkpointing_kwargs=None,
+                 prompt_sets=()):  # fmt: skip
         self.args, self.accelerator, self.engine = args, accelerator, engine
         self.checkpointing_kwargs = checkpointing_kwargs
         self.stop_token_id, self.suppressed_ids, self.generation_config = sampling_setup(
             args, tokenizer, getattr(policy, "generation_config", None)
         )
-        self.static_caches = self._static_caches(policy)
+        self.static_caches = self._static_caches(policy, tokenizer, prompt_sets)
         if self.static_caches is not None:  # `generate` compiles its decoding step as configured
             self.generation_config.compile_config = args.compile_config()
         self.merged_weights: dict = {}  # with a static cache, the merged LoRA weights, kept for the run
@@ -55,7 +59,7 @@ class RolloutSampler:
         """Whether the decoding step is compiled (a static cache)."""
         return self.static_caches is not None
 
-    def _static_caches(self, policy) -> StaticCaches | None:
+    def _static_caches(self, policy, tokenizer, prompt_sets) -> StaticCaches | None:
         """The static KV caches to decode into, with the decoding step compiled (`cache_implementation`), or None
         (the dynamic cache). `"auto"` takes them on a GPU; a model that transformers does not mark as compilable,
         DeepSpeed ZeRO-3, FSDP and a run without `max_prompt_length` keep the dynamic cache, with one log line."""
@@ -74,9 +78,14 @@ class RolloutSampler:
                 logger.warning("Generation decodes into the dynamic KV cache, uncompiled: the static cache "
                                "(cache_implementation=%r) is not used, as %s.", choice, why)  # fmt: skip
             return None
-        logger.info("Generation decodes into a static KV cache of %d positions, its decoding step compiled (%s).",
-                    args.max_prompt_length + args.response_length, args.compile_config())  # fmt: skip
-        return StaticCaches(policy.config, args.max_prompt_length + args.response_length)
+        width = args.max_prompt_length
+        if any(dataset is not None for dataset in prompt_sets):
+            width = longest_prompt(prompt_sets, tokenizer, args.max_prompt_length)
+        caches = StaticCaches(policy.config, width, args.response_length, args.max_prompt_length)
+        logger.info("Generation decodes into a static KV cache of %d positions (the longest prompt, %d tokens, plus "
+                    "the response), its decoding step compiled (%s).", caches.max_len, width,
+                    args.compile_config())  # fmt: skip
+        return caches
 
     @contextmanager
     def unwrapped(self, model_wrapped):
@@ -131,7 +140,7 @@ class RolloutSampler:
             fill = size - rows
             input_ids = torch.cat([input_ids, input_ids[:1].expand(fill, -1)]) if fill else input_ids
             attention_mask = torch.cat([attention_mask, attention_mask[:1].expand(fill, -1)]) if fill else attention_mask
-            cache = self.static_caches(size)
+            cache = self.static_caches(size, input_ids.shape[1])
         generated = generate_responses(
             model.policy, input_ids, attention_mask, self.generation_config, with_logprobs=plan.read_while_decoding,
             value_head=model.value_head if plan.read_while_decoding else None, keep_logits=plan.keep_generation_logits,

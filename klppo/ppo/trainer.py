@@ -166,7 +166,7 @@ class KLPPOTrainer(Trainer):
                                                deepspeed=self.is_deepspeed_enabled, fsdp=self.is_fsdp_enabled)  # fmt: skip
         engine = "deepspeed" if self.is_deepspeed_enabled else "fsdp" if self.is_fsdp_enabled else None
         self.sampler = RolloutSampler(args, self.accelerator, self.processing_class, policy, engine,
-                                      self.checkpointing_kwargs)  # fmt: skip
+                                      self.checkpointing_kwargs, (self.train_dataset, self.eval_prompts))  # fmt: skip
         self.kl_plan = make_kl_plan(args, policy, self._mixed_precision(), self._vocab_size(policy),
                                     compiled_decoding=self.sampler.compiled)  # fmt: skip
         self.scorer = RolloutScorer(
