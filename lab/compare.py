@@ -179,7 +179,7 @@ RESOLVED_KEYS = ("kl_controller", "kl_statistic", "kl_guard")
 
 def resolved_settings(args) -> dict:
     """The RESOLVED_KEYS of a parsed config."""
-    return {k: getattr(args, k) for k in RESOLVED_KEYS}
+    return {k: getattr(args.experimental if hasattr(args.experimental, k) else args, k) for k in RESOLVED_KEYS}
 
 
 def fingerprint(base: dict, fields: dict, seed: int, resolved: dict) -> str:
@@ -223,9 +223,9 @@ def run_worker(job: dict) -> None:
         "kl_target": args.kl_target,
         "kl_target_unit": args.kl_target_unit,
         "kl_controller": args.kl_controller,
-        "kl_statistic": args.kl_statistic,
+        "kl_statistic": args.experimental.kl_statistic,
         "kl_controller_kwargs": args.kl_controller_kwargs,
-        "kl_guard": args.kl_guard,
+        "kl_guard": args.experimental.kl_guard,
         "kl_coef_initial": args.kl_coef,
         "kl_coef_final": trainer.kl_controller.value,
         "controller_state": trainer.kl_controller.state_dict(),

@@ -94,13 +94,13 @@ def test_every_arm_of_the_shipped_comparisons_parses(tmp_path, name):
     resolved = {}
     for arm, fields in spec["arms"].items():
         _, args, _ = parse(compare.train_argv(config, compare.arm_overrides(base, fields), 0, str(tmp_path / arm)))
-        resolved[arm] = (args.kl_controller, args.kl_guard)
+        resolved[arm] = (args.kl_controller, args.experimental.kl_guard)
     assert resolved["equilibrium"] == ("equilibrium", True)
     assert resolved["tracking"] == ("tracking", True) and resolved["tracking-no-guard"] == ("tracking", False)
     assert resolved["adaptive"] == ("adaptive", False)
     if "tracking-detached-critic" in spec["arms"]:
         _, args, _ = parse(compare.train_argv(config, spec["arms"]["tracking-detached-critic"], 0, str(tmp_path / "d")))
-        assert args.shared_critic_detach is True
+        assert args.experimental.shared_critic_detach is True
 
 
 def test_an_arms_experimental_settings_are_added_to_the_base_experiments(tmp_path):
@@ -113,7 +113,7 @@ def test_an_arms_experimental_settings_are_added_to_the_base_experiments(tmp_pat
     config.write_text(yaml.safe_dump(base))
     fields = {"kl_controller": "tracking", "kl_target": 1.0, "experimental": {"kl_guard": False}}
     _, args, _ = parse(compare.train_argv(config, compare.arm_overrides(base, fields), 0, str(tmp_path / "out")))
-    assert (args.kl_statistic, args.kl_guard) == ("k3", False)
+    assert (args.experimental.kl_statistic, args.experimental.kl_guard) == ("k3", False)
     assert compare.arm_overrides({}, fields) == fields
 
 

@@ -4,6 +4,7 @@ the research settings behind `experimental`; the documents built from those text
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -46,8 +47,18 @@ def test_the_public_fields_are_at_most_36_and_the_rest_is_experimental(tmp_path)
     assert not set(EXPERIMENTAL_KEYS) & set(public_fields())
     args = KLPPOConfig(output_dir=str(tmp_path), report_to="none", kl_target=2.0,
                        experimental={"kl_guard": False, "health_patience": 5})  # fmt: skip
-    assert args.kl_guard is False and args.health_patience == 5 and args.kl_statistic == "full"
-    assert isinstance(args._experimental, ExperimentalSettings)
+    x = args.experimental
+    assert isinstance(x, ExperimentalSettings)
+    assert x.kl_guard is False and x.health_patience == 5 and x.kl_statistic == "full"
+    assert not hasattr(args, "kl_guard") and not hasattr(args, "health_patience")  # read through `experimental` only
+    # serialised as a mapping, resolved (wandb's config, a saved config), and built again from it
+    saved = json.loads(args.to_json_string())["experimental"]
+    assert saved == dataclasses.asdict(x) and saved["kl_statistic"] == "full"
+    assert KLPPOConfig(output_dir=str(tmp_path), report_to="none", kl_target=2.0, experimental=saved).experimental == x
+    # a rebuilt config (dataclasses.replace) chooses again what klppo chose; what the user set stays
+    rebuilt = dataclasses.replace(args, kl_target=None, kl_controller="fixed")
+    assert (rebuilt.experimental.kl_statistic, rebuilt.experimental.kl_guard) == ("k1", False)
+    assert rebuilt.experimental.health_patience == 5 and rebuilt.automatic == {"kl_statistic": "k1"}
     with pytest.raises(ValueError, match="no setting 'kl_gaurd'.*kl_statistic, kl_guard"):
         KLPPOConfig(output_dir=str(tmp_path), report_to="none", experimental={"kl_gaurd": False})
     with pytest.raises(ValueError, match="`health_patience` must be >= 1"):

@@ -179,7 +179,7 @@ def test_the_default_controller_holds_the_target_at_the_corners_of_the_speed_gri
     assert beta_star == pytest.approx(BETA, rel=1e-6)
     trainer = bandit_trainer(tiny_path, tmp_path, kl_target=target, kl_coef=start * beta_star,
                              rollout_forward_batch_size=128, **CORNERS[corner])
-    assert (trainer.args.kl_controller, trainer.args.kl_guard) == ("equilibrium", True)  # the defaults
+    assert (trainer.args.kl_controller, trainer.args.experimental.kl_guard) == ("equilibrium", True)  # the defaults
     trainer.train()
     logs = [h for h in trainer.state.log_history if "kl/coef" in h]
     betas, kls = [h["kl/coef"] for h in logs], [h["kl/value"] for h in logs]

@@ -163,12 +163,12 @@ def test_the_default_with_a_target_is_equilibrium_where_the_optimum_is_known_and
 
     base = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", kl_target=4.0)
     c = KLPPOConfig(**base)
-    assert (c.kl_controller, c.kl_guard, c.kl_optimum()) == ("equilibrium", True, KLOptimum(REVERSE, 1.0))
+    assert (c.kl_controller, c.experimental.kl_guard, c.kl_optimum()) == ("equilibrium", True, KLOptimum(REVERSE, 1.0))
     for mode, estimator, optimum in (("loss", "k2", KLOptimum(REVERSE, 1.0, per_token=True)),
                                      ("loss", "k3", KLOptimum(FORWARD, 1.0, per_token=True)),
                                      ("both", "k1+", KLOptimum(REVERSE, 2.0, per_token=True))):
         c = KLPPOConfig(**base, kl_mode=mode, kl_estimator=estimator)
-        assert (c.kl_controller, c.kl_guard, c.kl_optimum()) == ("equilibrium", True, optimum)
+        assert (c.kl_controller, c.experimental.kl_guard, c.kl_optimum()) == ("equilibrium", True, optimum)
         assert build_kl_controller(c).optimum == optimum  # the controller learns it from the config
     # a loss weight that moves with the policy hides the optimum: tracking, with one warning saying why
     for extra, why in (({"experimental": {"kl_loss_scale": "none"}}, "kl_loss_scale='none'"),

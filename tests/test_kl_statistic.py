@@ -26,9 +26,9 @@ def _config(tmp_path, **overrides) -> KLPPOConfig:
 
 
 def test_the_statistic_defaults_to_full_with_a_target_and_to_the_estimator_without(tmp_path):
-    assert _config(tmp_path, kl_target=4.0).kl_statistic == "full"
-    assert _config(tmp_path, kl_estimator="k3").kl_statistic == "k3"
-    assert _config(tmp_path, kl_target=4.0, kl_statistic="k1").kl_statistic == "k1"
+    assert _config(tmp_path, kl_target=4.0).experimental.kl_statistic == "full"
+    assert _config(tmp_path, kl_estimator="k3").experimental.kl_statistic == "k3"
+    assert _config(tmp_path, kl_target=4.0, kl_statistic="k1").experimental.kl_statistic == "k1"
     with pytest.raises(ValueError, match="kl_statistic.*k1.*full"):
         _config(tmp_path, kl_target=4.0, kl_statistic="k9")
     with pytest.raises(ValueError, match="generation_logits_max_mb"):
@@ -54,7 +54,7 @@ def test_full_statistic_is_the_exact_kl_of_one_token_responses(tiny_path, tmp_pa
     exactly, whatever was sampled, while `k1` (the same expectation) scatters around it."""
     trainer = bandit_trainer(tiny_path, tmp_path, kl_target=1.0, max_steps=1, per_device_train_batch_size=32,
                              rollout_forward_batch_size=32)  # fmt: skip
-    assert trainer.args.kl_statistic == "full" and trainer.args.kl_estimator == "k1"
+    assert trainer.args.experimental.kl_statistic == "full" and trainer.args.kl_estimator == "k1"
     _, metrics = _moved_policy_rollout(trainer, 32)
     exact = kl(*policy_and_reference(trainer))
     assert exact > 0.1  # the policy has moved: a real KL to read

@@ -52,7 +52,7 @@ def test_the_guard_variants_change_one_piece_each(tmp_path):
     """`no_low_side` never fires below the target; `keeps_momentum` fires as the default guard does but leaves the
     optimizer's momentum; both are chosen through `experimental`, as klppo's own guard is."""
     import_plugin("controller_ablations")
-    guards = {name: build_kl_guard(guard_config(tmp_path, name).kl_guard, 1.0)
+    guards = {name: build_kl_guard(guard_config(tmp_path, name).experimental.kl_guard, 1.0)
               for name in ("default", "no_low_side", "keeps_momentum")}
     for guard in guards.values():
         guard.observe(1.5)  # a reading at the target arms the low side (where there is one)

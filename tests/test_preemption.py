@@ -197,4 +197,4 @@ def test_sigterm_in_process_stops_the_trainer_and_the_handler_is_given_back(tiny
     assert (tmp_path / "out" / "checkpoint-2" / "kl_controller.json").is_file()
     assert signal.getsignal(signal.SIGTERM) == before
     off = klppo_config(output_dir=str(tmp_path / "off"), report_to="none", use_cpu=True, checkpoint_on_sigterm=False)
-    assert off.checkpoint_on_sigterm is False
+    assert off.experimental.checkpoint_on_sigterm is False

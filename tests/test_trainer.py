@@ -1037,18 +1037,18 @@ def test_the_guard_holds_the_target_by_default_with_the_equilibrium_and_tracking
     `kl_guard`. On, the trainer's guard holds the target itself on both sides and clears the momentum."""
     import dataclasses
 
-    assert make_args(tmp_path, kl_target=4.0).kl_guard is True
-    assert make_args(tmp_path, kl_target=4.0, kl_controller="tracking").kl_guard is True
-    assert make_args(tmp_path, kl_target=4.0, kl_controller="equilibrium").kl_guard is True
+    assert make_args(tmp_path, kl_target=4.0).experimental.kl_guard is True
+    assert make_args(tmp_path, kl_target=4.0, kl_controller="tracking").experimental.kl_guard is True
+    assert make_args(tmp_path, kl_target=4.0, kl_controller="equilibrium").experimental.kl_guard is True
     for controller in ("adaptive", "pid", "exponential", "fixed"):
-        assert make_args(tmp_path, kl_target=4.0, kl_controller=controller).kl_guard is False
-    assert make_args(tmp_path).kl_guard is False
-    assert make_args(tmp_path, kl_target=4.0, kl_controller="pid", kl_guard=True).kl_guard is True
+        assert make_args(tmp_path, kl_target=4.0, kl_controller=controller).experimental.kl_guard is False
+    assert make_args(tmp_path).experimental.kl_guard is False
+    assert make_args(tmp_path, kl_target=4.0, kl_controller="pid", kl_guard=True).experimental.kl_guard is True
     off = make_args(tmp_path, kl_target=4.0, kl_guard=False)
-    assert off.kl_controller == "equilibrium" and off.kl_guard is False
-    assert dataclasses.replace(off).kl_guard is False  # stays off when resolved again
-    assert dataclasses.replace(make_args(tmp_path, kl_target=4.0)).kl_guard is True
-    assert make_args(tmp_path, kl_guard=False).kl_guard is False  # off needs no target
+    assert off.kl_controller == "equilibrium" and off.experimental.kl_guard is False
+    assert dataclasses.replace(off).experimental.kl_guard is False  # stays off when resolved again
+    assert dataclasses.replace(make_args(tmp_path, kl_target=4.0)).experimental.kl_guard is True
+    assert make_args(tmp_path, kl_guard=False).experimental.kl_guard is False  # off needs no target
     with pytest.raises(ValueError, match="kl_guard.*kl_target"):
         make_args(tmp_path, kl_guard=True)
     with pytest.raises(ValueError, match="kl_guard.*kl_target"):
@@ -1083,7 +1083,7 @@ def test_the_default_guard_fires_in_training_and_a_changed_guard_setting_is_name
     kw = dict(kl_target=1e-6, num_mini_batches=2, num_ppo_epochs=2, per_device_train_batch_size=4,
               gradient_accumulation_steps=1, max_steps=2, save_strategy="steps", save_steps=2)  # fmt: skip
     args = make_args(tmp_path, **kw)
-    assert args.kl_controller == "equilibrium" and args.kl_guard is True and args.kl_controller_kwargs is None
+    assert args.kl_controller == "equilibrium" and args.experimental.kl_guard is True and args.kl_controller_kwargs is None
     trainer = make_trainer(tiny_path, prompts, args)
     trainer.train()
     assert [h["kl/guard_fired"] for h in trainer.state.log_history if "kl/guard_fired" in h] == [1.0, 1.0]
@@ -1202,7 +1202,7 @@ def test_a_resumed_run_continues_the_tracking_controller_exactly(tiny_path, prom
 
     def trainer_in(name, **changes):
         trainer = make_trainer(tiny_path, prompts, make_args(tmp_path, output_dir=str(tmp_path / name), **{**kw, **changes}))
-        assert trainer.args.kl_guard is True
+        assert trainer.args.experimental.kl_guard is True
         trainer.run.guard = TenthLowBound(trainer.args.kl_target)
         return trainer
 

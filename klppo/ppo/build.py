@@ -166,7 +166,7 @@ def build_models(model, given_path: str | None, args: KLPPOConfig, ref_model, va
         if value_model is not None:
             raise ValueError("`value_model` is for critic='separate'; critic='shared' puts a head on the policy.")
         head = ValueHead(hidden_size_of(model.config))
-        actor_critic = ActorCritic(model, value_head=head, detach_value_input=args.shared_critic_detach)
+        actor_critic = ActorCritic(model, value_head=head, detach_value_input=args.experimental.shared_critic_detach)
     else:
         actor_critic = ActorCritic(model, critic=build_critic(value_model, args, critic_start, reward_funcs))
     for module in (actor_critic, ref_model):

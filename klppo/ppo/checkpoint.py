@@ -109,9 +109,15 @@ def save_model_files(output_dir: str, actor_critic, state_dict: dict, tokenizer,
     torch.save(args, os.path.join(output_dir, "training_args.bin"))
 
 
+def _setting(args, name: str):
+    """A field of the config, or one of its experimental settings (checkpoints record both under their own names)."""
+    experimental = getattr(args, "experimental", None)
+    return getattr(experimental, name) if hasattr(experimental, name) else getattr(args, name)
+
+
 def resume_settings(args) -> dict:
     """The settings a checkpoint records, to compare with a resuming run's."""
-    return {name: getattr(args, name) for name in RESUME_REFUSED + RESUME_COMBINED + RESUME_IGNORED}
+    return {name: _setting(args, name) for name in RESUME_REFUSED + RESUME_COMBINED + RESUME_IGNORED}
 
 
 def write_controller_state(folder: str, state: dict) -> None:
@@ -132,7 +138,8 @@ def check_resume_settings(saved: dict | None, args, log: bool = True) -> None:
         return
     if "kl_statistic" not in saved and "kl_estimator" in saved:  # written before kl_statistic: it read the estimator
         saved = {**saved, "kl_statistic": saved["kl_estimator"]}
-    changed = {k: (v, getattr(args, k)) for k, v in saved.items() if hasattr(args, k) and v != getattr(args, k)}
+    now = resume_settings(args)
+    changed = {k: (v, now[k]) for k, v in saved.items() if k in now and v != now[k]}
     refused = {k: v for k, v in changed.items() if k in RESUME_REFUSED}
     if refused:
         listed = "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in refused.items())

@@ -12,7 +12,7 @@ import json
 import logging
 import math
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from transformers import TrainingArguments
 
@@ -43,8 +43,8 @@ CRITIC_FREE_DEFAULT_GENERATIONS = 4
 EXPERIMENTAL_DOC = r"""
     Research and implementation settings of `KLPPOConfig`, set through its one mapping `experimental` (YAML:
     `experimental: {kl_guard: false}`; command line: `--experimental '{"kl_guard": false}'`). The defaults are the
-    settings the evidence in `docs/results.md` backs; the keys are read on the config as attributes
-    (`args.kl_guard`), resolved.
+    settings the evidence in `docs/results.md` backs. After the config is built, `args.experimental` is this
+    dataclass, with the settings klppo chooses resolved (`args.experimental.kl_guard`).
 
     Parameters:
         kl_statistic (`str` or `None`, *optional*, defaults to `None`):
@@ -178,6 +178,42 @@ class ExperimentalSettings:
     generation_compile_config: dict | None = None
     checkpoint_on_sigterm: bool = True
 
+    @classmethod
+    def parse(cls, given) -> "ExperimentalSettings":
+        """Settings from a mapping, a JSON string (a command line), None, or settings already resolved (a config
+        built again, as `dataclasses.replace` does: what klppo chose is chosen again, for the new config)."""
+        if isinstance(given, cls):
+            return replace(given, **{name: None for name in given.chosen_by_klppo})
+        if isinstance(given, str):  # from a command line
+            try:
+                given = json.loads(given)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"`experimental` must be a mapping (JSON on a command line), got {given!r}: {err}.") from None
+        if given is not None and not isinstance(given, dict):
+            raise ValueError(f"`experimental` must be a mapping of settings to values, got {given!r}.")
+        unknown = sorted(set(given or {}) - set(EXPERIMENTAL_KEYS))
+        if unknown:
+            raise ValueError(
+                f"`experimental` has no setting {', '.join(map(repr, unknown))}; its settings are: "
+                f"{', '.join(EXPERIMENTAL_KEYS)} (documented under 'Experimental settings' in docs/configuration.md). "
+                "Remove the others."
+            )
+        return cls(**(given or {}))
+
+    @property
+    def chosen_by_klppo(self) -> tuple[str, ...]:
+        """The settings left unset that klppo resolved (`KLPPOConfig.automatic` names them with their values)."""
+        return self.__dict__.get("_chosen", ())
+
+    def resolved(self, **chosen) -> "ExperimentalSettings":
+        """These settings with `chosen` filled in by klppo (remembered, so that a rebuilt config chooses again)."""
+        out = replace(self, **chosen)
+        object.__setattr__(out, "_chosen", tuple(chosen))
+        return out
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
 
 EXPERIMENTAL_KEYS = tuple(f.name for f in fields(ExperimentalSettings))
 
@@ -309,7 +345,8 @@ KLPPO_CONFIG_DOC = r"""
         experimental (`dict` or `None`, *optional*, defaults to `None`):
             Research and implementation settings, as one mapping of the names below to values (from a command
             line, a JSON string: `--experimental '{"kl_guard": false}'`). Their defaults are the settings the
-            evidence in `docs/results.md` backs; a key not listed is refused. See "Experimental settings" in
+            evidence in `docs/results.md` backs; a key not listed is refused. Once the config is built it is an
+            `ExperimentalSettings`, read as `args.experimental.kl_guard`. See "Experimental settings" in
             `docs/configuration.md`.
 
         > Defaults that differ from `TrainingArguments`
@@ -389,7 +426,7 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
 
     def __post_init__(self):
         none_from_text(self)  # `--stop_token None` on a command line means None
-        self._experimental = self._parse_experimental()
+        self.experimental = ExperimentalSettings.parse(self.experimental)
         self._resolve_automatic()
         self.validate_kl_control()
         self._validate_experimental()
@@ -415,7 +452,7 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
                 return None, ("advantage_estimator='grpo' with kl_mode='both' divides each group's return, KL "
                               "included, by its own spread, which moves with the policy")  # fmt: skip
             # otherwise its optimum is the one for the reward Delta * r (`_observe_sequences`), at the aggregation's weight
-        elif self.kl_loss_scale == "none" and self.whiten_advantages:
+        elif self.experimental.kl_loss_scale == "none" and self.experimental.whiten_advantages:
             return None, ("kl_loss_scale='none' weighs the KL against the whitened advantage, whose scale moves with "
                           "the policy")  # fmt: skip
         fixed_length = self.stop_token is None and getattr(self, "stop_token_id", None) is None
@@ -425,29 +462,9 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
             return 1.0, ""
         return super()._loss_weight()
 
-    def _parse_experimental(self) -> ExperimentalSettings:
-        given = self.experimental
-        if isinstance(given, str):  # from a command line
-            try:
-                given = json.loads(given)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"`experimental` must be a mapping (JSON on a command line), got {given!r}: {err}.") from None
-        given = dict(given or {})
-        unknown = sorted(set(given) - set(EXPERIMENTAL_KEYS))
-        if unknown:
-            raise ValueError(
-                f"`experimental` has no setting {', '.join(map(repr, unknown))}; its settings are: "
-                f"{', '.join(EXPERIMENTAL_KEYS)} (documented under 'Experimental settings' in docs/configuration.md). "
-                "Remove the others."
-            )
-        self.experimental = given or None
-        return ExperimentalSettings(**given)
-
     def _resolve_automatic(self) -> None:
         """Every setting left unset for klppo to choose, chosen here (the model-dependent `learning_rate` in
         `resolve_learning_rate`), recorded in `self.automatic` and logged once."""
-        from dataclasses import replace
-
         chosen = {}
         if self.kl_controller is None:
             self.kl_controller = chosen["kl_controller"] = self.default_controller()
@@ -457,13 +474,13 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
                     "controller, which solves for the coefficient whose optimum has the target KL, does not apply, as "
                     "%s.", self._optimum_and_why()[1],
                 )  # fmt: skip
-        x = self._experimental
-        statistic, guard = x.kl_statistic, x.kl_guard
-        if statistic is None:  # the exact KL over the vocabulary, when a controller reads it
-            statistic = chosen["kl_statistic"] = "full" if self.kl_target is not None else self.kl_estimator
-        if guard is None:  # on with klppo's own controllers, so that the published ones behave as published
-            guard = chosen["kl_guard"] = self.kl_controller in ("equilibrium", "tracking") and self.kl_target is not None
-        self._experimental = replace(x, kl_statistic=statistic, kl_guard=guard)
+        x, resolved = self.experimental, {}
+        if x.kl_statistic is None:  # the exact KL over the vocabulary, when a controller reads it
+            resolved["kl_statistic"] = "full" if self.kl_target is not None else self.kl_estimator
+        if x.kl_guard is None:  # on with klppo's own controllers, so that the published ones behave as published
+            resolved["kl_guard"] = self.kl_controller in ("equilibrium", "tracking") and self.kl_target is not None
+        self.experimental = x.resolved(**resolved)
+        chosen.update(resolved)
         if self.num_generations is None:
             self.num_generations = chosen["num_generations"] = (
                 1 if self.advantage_estimator == "gae" else CRITIC_FREE_DEFAULT_GENERATIONS
@@ -492,7 +509,7 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
         """Check the experimental settings, naming the valid values and the fix."""
         from .guard import kl_guards
 
-        x = self._experimental
+        x = self.experimental
         if x.kl_statistic not in kl_estimators():
             raise choice_error("kl_statistic", x.kl_statistic, kl_estimators())
         guard = x.kl_guard
@@ -525,71 +542,6 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
         if x.nonfinite_rollback is not None and not isinstance(x.nonfinite_rollback, bool):
             raise ValueError(f"`nonfinite_rollback` must be true, false or unset, got {x.nonfinite_rollback!r}.")
 
-    # ------------------------------------------------------------------ experimental settings, resolved
-    @property
-    def kl_statistic(self):
-        return self._experimental.kl_statistic
-
-    @property
-    def kl_guard(self):
-        return self._experimental.kl_guard
-
-    @property
-    def kl_loss_scale(self):
-        return self._experimental.kl_loss_scale
-
-    @property
-    def kl_loss_baseline(self):
-        return self._experimental.kl_loss_baseline
-
-    @property
-    def kl_log_ratio_clamp(self):
-        return self._experimental.kl_log_ratio_clamp
-
-    @property
-    def kl_drift_patience(self):
-        return self._experimental.kl_drift_patience
-
-    @property
-    def full_kl_chunk_size(self):
-        return self._experimental.full_kl_chunk_size
-
-    @property
-    def generation_logits_max_mb(self):
-        return self._experimental.generation_logits_max_mb
-
-    @property
-    def merge_adapter_for_generation(self):
-        return self._experimental.merge_adapter_for_generation
-
-    @property
-    def shared_critic_detach(self):
-        return self._experimental.shared_critic_detach
-
-    @property
-    def whiten_advantages(self):
-        return self._experimental.whiten_advantages
-
-    @property
-    def nonfinite_rollback(self):
-        return self._experimental.nonfinite_rollback
-
-    @property
-    def health_patience(self):
-        return self._experimental.health_patience
-
-    @property
-    def max_nonfinite_updates(self):
-        return self._experimental.max_nonfinite_updates
-
-    @property
-    def checkpoint_on_sigterm(self):
-        return self._experimental.checkpoint_on_sigterm
-
-    @property
-    def ref_reset_optimizer(self):
-        return self._experimental.ref_reset_optimizer
-
     def _deepspeed_settings(self) -> None:
         """Under DeepSpeed: on a machine with no GPU (DeepSpeed's CPU accelerator), accelerate only counts the
         processes of a named backend, so without one every rank would believe it is alone: `ddp_backend` defaults
@@ -599,7 +551,7 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
         deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" or self.deepspeed
         if deepspeed and self.ddp_backend is None and not self.use_cpu and not torch.cuda.is_available():
             self.ddp_backend = "gloo"
-        if deepspeed and self.nonfinite_rollback:
+        if deepspeed and self.experimental.nonfinite_rollback:
             raise ValueError(
                 "nonfinite_rollback=True is not available under DeepSpeed: its optimizer state is sharded and cannot "
                 "be copied and restored by klppo. DeepSpeed itself drops a step whose gradients are not finite. "
@@ -697,6 +649,13 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
                     f"`{name}='steps'` with `{name.split('_')[0]}_steps` (in PPO updates)."
                 )
 
+    def to_dict(self) -> dict:
+        """`TrainingArguments.to_dict`, with the experimental settings as a mapping (JSON, wandb's config)."""
+        out = super().to_dict()
+        if isinstance(out.get("experimental"), ExperimentalSettings):
+            out["experimental"] = out["experimental"].to_dict()
+        return out
+
     def _validate_decoding(self) -> None:
         """`cache_implementation` and `generation_compile_config`, parsed and checked (`compile_config`)."""
         if self.cache_implementation not in CACHE_IMPLEMENTATIONS:
@@ -714,7 +673,7 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
         experimental `generation_compile_config`."""
         from transformers import CompileConfig
 
-        given = self._experimental.generation_compile_config
+        given = self.experimental.generation_compile_config
         if given is not None and not isinstance(given, dict):
             raise ValueError(f"`generation_compile_config` must be a mapping or None, got {given!r}.")
         known = ("mode", "fullgraph", "dynamic", "backend", "options")

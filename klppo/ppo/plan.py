@@ -105,22 +105,23 @@ def make_kl_plan(args, policy: torch.nn.Module, mixed_precision: bool, vocab_siz
     arguments set mixed precision and whether generation runs a compiled decoding step (a static cache: the scoring
     forward then gives the log-probs, which costs far less than reading them in every compiled step, where a shared
     critic's read of the hidden states would split the compiled graph)."""
+    x = args.experimental
     estimator = get_kl_estimator_spec(args.kl_estimator)
-    statistic = get_kl_estimator_spec(args.kl_statistic)
+    statistic = get_kl_estimator_spec(x.kl_statistic)
     float32 = not mixed_precision and all(p.dtype == torch.float32 for p in policy.parameters() if p.is_floating_point())
     # a rollout's response logits, float32, per process: decided from the configured size, so every process agrees
     logits_bytes = args.local_rollout_batch_size * args.response_length * vocab_size * 4
-    fits = logits_bytes <= args.generation_logits_max_mb * 2**20
+    fits = logits_bytes <= x.generation_logits_max_mb * 2**20
     read = float32 and not compiled_decoding and not estimator.needs_logits and (fits or not statistic.needs_logits)
     places, grpo = args.kl_modes_applied, args.advantage_estimator == "grpo"
     return KLPlan(
-        estimator=args.kl_estimator, statistic=args.kl_statistic, places=places,
-        unit=args.kl_target_unit, log_ratio_clamp=args.kl_log_ratio_clamp, value_clamp=args.kl_value_clamp,
-        chunk_size=args.full_kl_chunk_size, read_while_decoding=read,
+        estimator=args.kl_estimator, statistic=x.kl_statistic, places=places,
+        unit=args.kl_target_unit, log_ratio_clamp=x.kl_log_ratio_clamp, value_clamp=args.kl_value_clamp,
+        chunk_size=x.full_kl_chunk_size, read_while_decoding=read,
         keep_generation_logits=read and statistic.needs_logits and fits, mode=args.kl_mode, target=args.kl_target,
-        guard=args.kl_guard, drift_patience=args.kl_drift_patience, loss_agg_mode=args.kl_loss_agg_mode,
-        loss_scale_by_advantage_std=args.kl_loss_scale == "advantage_std" and not grpo,
-        loss_baseline=(args.kl_loss_baseline and "loss" in places and not estimator.needs_logits
+        guard=x.kl_guard, drift_patience=x.kl_drift_patience, loss_agg_mode=args.kl_loss_agg_mode,
+        loss_scale_by_advantage_std=x.kl_loss_scale == "advantage_std" and not grpo,
+        loss_baseline=(x.kl_loss_baseline and "loss" in places and not estimator.needs_logits
                        and args.kl_loss_agg_mode != "seq-mean-token-mean"),
         grpo_slope=grpo and "loss" in places,
     )  # fmt: skip

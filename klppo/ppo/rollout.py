@@ -117,7 +117,7 @@ class RolloutSampler:
         (`merge_adapter_for_generation`), except under DeepSpeed or FSDP, whose sharded parameters are not plain
         tensors to copy. With a static cache the copies are kept for the run, so that the compiled step reads the
         same tensors at every rollout."""
-        merge = self.args.merge_adapter_for_generation and self.engine is None
+        merge = self.args.experimental.merge_adapter_for_generation and self.engine is None
         buffers = self.merged_weights if self.compiled else None
         modes = {module: module.training for module in policy.modules()}
         policy.eval()

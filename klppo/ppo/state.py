@@ -37,8 +37,8 @@ class RunState:
         monitor's patience, `max_nonfinite_updates`) and its `KLPlan` (the guard, the drift monitor)."""
         drift = KLDriftMonitor(plan.target, patience=plan.drift_patience) if plan.target else None
         return cls(build_kl_controller(args), build_kl_guard(plan.guard, plan.target), drift,
-                   PPOHealthMonitor(patience=args.health_patience),
-                   UpdateSafety(NonfiniteGuard(args.max_nonfinite_updates), accelerator, log), plan)  # fmt: skip
+                   PPOHealthMonitor(patience=args.experimental.health_patience),
+                   UpdateSafety(NonfiniteGuard(args.experimental.max_nonfinite_updates), accelerator, log), plan)  # fmt: skip
 
     def reference_reset(self) -> None:
         """The reference has become the policy: the KL starts again from 0 for the controller, the guard's low side

@@ -229,7 +229,7 @@ class KLPPOTrainer(Trainer):
                 "weights, build a new KLPPOTrainer from `trainer.model`; to extend the run, build one with a larger "
                 "`max_steps` and `resume_from_checkpoint=True`."
             )
-        if self.args.checkpoint_on_sigterm:
+        if self.args.experimental.checkpoint_on_sigterm:
             self.stop_request.install()
         try:
             with OutputDirLock(self.args.output_dir, enabled=self.is_world_process_zero() and self.args.should_save):
@@ -559,7 +559,7 @@ class KLPPOTrainer(Trainer):
             self._initial_reference = {name: t.detach().clone() for name, t in tensors.items()}
         policy = unwrap(self.accelerator, self.model_wrapped).policy
         reset_reference(policy, self.ref_model, self.ref_adapter_name, self.use_adapter_reference)
-        if self.args.ref_reset_optimizer and self.optimizer is not None:
+        if self.args.experimental.ref_reset_optimizer and self.optimizer is not None:
             clear_optimizer_state(self.optimizer)
         self.run.reference_reset()
         if self.is_world_process_zero():
@@ -589,7 +589,7 @@ class KLPPOTrainer(Trainer):
     def rollback_updates(self) -> bool:
         """Whether a non-finite step undoes its whole update (`UpdateSafety.decide_rollback`)."""
         engine = "deepspeed" if self.is_deepspeed_enabled else None
-        return self.run.safety.decide_rollback(self.args.nonfinite_rollback, unwrap(self.accelerator, self.model_wrapped),
+        return self.run.safety.decide_rollback(self.args.experimental.nonfinite_rollback, unwrap(self.accelerator, self.model_wrapped),
                                            engine)  # fmt: skip
 
     # ------------------------------------------------------------------ checkpoints

@@ -152,7 +152,7 @@ def compute_advantages(args, plan: KLPlan, rollout: Rollout, rewards: Rewards, p
         metrics["val/explained_variance"] = explained_variance(returns, rollout.values, mask, accelerator)
     advantages = advantages * scorable
     std = 1.0
-    if args.whiten_advantages and args.advantage_estimator != "grpo":
+    if args.experimental.whiten_advantages and args.advantage_estimator != "grpo":
         advantages, std = global_masked_whiten(advantages, mask * scorable, accelerator=accelerator, return_std=True)
         std = std.item()
     scale = max(std, KL_LOSS_MIN_ADVANTAGE_STD) if plan.loss_scale_by_advantage_std else 1.0
