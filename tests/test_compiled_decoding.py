@@ -199,6 +199,8 @@ def test_the_static_cache_is_as_long_as_the_longest_prompt(tiny_path, prompts, t
     caches = trainer.sampler.static_caches
     assert caches.prompt_width == max(widths) and caches.max_len == max(widths) + 5
     assert longest_prompt([prompts], tokenizer, 3) == 3  # clipped, as collation clips
+    tokenized = Dataset.from_dict({"input_ids": [[5, 6, 7], [5] * 30]})  # pre-tokenized rows: their lengths
+    assert longest_prompt([tokenized, None], tokenizer, 24) == 24 and longest_prompt([tokenized], tokenizer, 99) == 30
     trainer.train()
     assert len(GRAPHS) == 1
     (size,) = caches.caches

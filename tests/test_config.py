@@ -53,8 +53,10 @@ def test_the_public_fields_are_at_most_36_and_the_rest_is_experimental(tmp_path)
     assert not hasattr(args, "kl_guard") and not hasattr(args, "health_patience")  # read through `experimental` only
     # serialised as a mapping, resolved (wandb's config, a saved config), and built again from it
     saved = json.loads(args.to_json_string())["experimental"]
-    assert saved == dataclasses.asdict(x) and saved["kl_statistic"] == "full"
+    assert saved == {**dataclasses.asdict(x), "kl_statistic": None}  # what klppo chose is written unset
     assert KLPPOConfig(output_dir=str(tmp_path), report_to="none", kl_target=2.0, experimental=saved).experimental == x
+    untargeted = KLPPOConfig(output_dir=str(tmp_path), report_to="none", experimental=saved)
+    assert untargeted.experimental.kl_statistic == "k1"  # chosen again for the new config
     # a rebuilt config (dataclasses.replace) chooses again what klppo chose; what the user set stays
     rebuilt = dataclasses.replace(args, kl_target=None, kl_controller="fixed")
     assert (rebuilt.experimental.kl_statistic, rebuilt.experimental.kl_guard) == ("k1", False)

@@ -1269,9 +1269,9 @@ def test_reward_critic_needs_the_policy_vocabulary_and_causal_attention(tiny_pat
 
 def test_the_kv_cache_generation_decodes_into(tiny_path, prompts, tmp_path, caplog):
     """`cache_implementation`: "auto" decodes into the dynamic cache on a CPU (transformers compiles on accelerators
-    only); "static" makes one cache per batch size of max_prompt_length + response_length positions and compiles with
-    `generation_compile_config` over klppo's defaults; the scoring forward then gives the sampling log-probs (nothing
-    is read inside the compiled step), and they equal an independent scoring pass's. A smaller batch decodes padded to
+    only); "static" makes one cache per batch size of (longest prompt, at most max_prompt_length) + response_length
+    positions and compiles with `generation_compile_config` over klppo's defaults; the scoring forward then gives the
+    sampling log-probs (nothing is read inside the compiled step), and they equal an independent scoring pass's. A smaller batch decodes padded to
     the rollout's size. Without a max_prompt_length, "static" is refused and "auto" keeps the dynamic cache."""
     from peft import LoraConfig
 

@@ -212,7 +212,8 @@ class ExperimentalSettings:
         return out
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The settings as a mapping, those klppo chose unset (as they were given)."""
+        return {**asdict(self), **{name: None for name in self.chosen_by_klppo}}
 
 
 EXPERIMENTAL_KEYS = tuple(f.name for f in fields(ExperimentalSettings))
@@ -650,7 +651,9 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
                 )
 
     def to_dict(self) -> dict:
-        """`TrainingArguments.to_dict`, with the experimental settings as a mapping (JSON, wandb's config)."""
+        """`TrainingArguments.to_dict`, with the experimental settings as a mapping (JSON, wandb's config); a setting
+        klppo chose is written unset, so that a config built from the mapping chooses it again (`automatic` holds
+        the choice)."""
         out = super().to_dict()
         if isinstance(out.get("experimental"), ExperimentalSettings):
             out["experimental"] = out["experimental"].to_dict()
@@ -662,9 +665,9 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
             raise choice_error("cache_implementation", self.cache_implementation, CACHE_IMPLEMENTATIONS)
         if self.cache_implementation == "static" and self.max_prompt_length is None:
             raise ValueError(
-                "`cache_implementation='static'` makes a cache of max_prompt_length + response_length positions, so "
-                "it needs a `max_prompt_length` (e.g. 256). Set one, or set cache_implementation to 'auto' or "
-                "'dynamic'."
+                "`cache_implementation='static'` makes a cache of at most max_prompt_length + response_length "
+                "positions (the longest prompt plus the response), so it needs a `max_prompt_length` (e.g. 256). Set "
+                "one, or set cache_implementation to 'auto' or 'dynamic'."
             )
         self.compile_config()
 

@@ -55,12 +55,15 @@ def longest_prompt(datasets, tokenizer, max_prompt_length: int, chunk: int = 102
     for dataset in datasets:
         if dataset is None:
             continue
+        if "prompt" not in dataset.column_names:  # pre-tokenized: the lengths are there
+            longest = max(longest, max(map(len, dataset["input_ids"]), default=0))
+            continue
         for start in range(0, len(dataset), chunk):
             rows = list(dataset.select(range(start, min(start + chunk, len(dataset)))))
             longest = max(longest, *(len(x) for x in prompt_token_ids(rows, tokenizer, max_prompt_length)[1]))
             if longest >= max_prompt_length:
                 return max_prompt_length
-    return longest or max_prompt_length
+    return min(longest, max_prompt_length) or max_prompt_length
 
 
 def endless_prompt_batches(dataset, batch_size: int, collate, accelerator, seed: int, skip: int = 0):

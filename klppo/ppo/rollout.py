@@ -82,9 +82,10 @@ class RolloutSampler:
         if any(dataset is not None for dataset in prompt_sets):
             width = longest_prompt(prompt_sets, tokenizer, args.max_prompt_length)
         caches = StaticCaches(policy.config, width, args.response_length, args.max_prompt_length)
-        logger.info("Generation decodes into a static KV cache of %d positions (the longest prompt, %d tokens, plus "
-                    "the response), its decoding step compiled (%s).", caches.max_len, width,
-                    args.compile_config())  # fmt: skip
+        if self.accelerator.is_main_process:
+            logger.info("Generation decodes into a static KV cache of %d positions (the longest prompt, %d tokens, "
+                        "plus the response), its decoding step compiled (%s).", caches.max_len, width,
+                        args.compile_config())  # fmt: skip
         return caches
 
     @contextmanager
