@@ -8,6 +8,10 @@ controller_ablations`).
 - `tracking_no_startup`: the tracking controller armed from the first update: no start-up hold and no cap on
   beta's rise during the approach (the start-up rule with its exception).
 - `tracking_no_antiwindup`: the integral is not kept inside the coefficient bounds (only beta itself is).
+- `equilibrium_integral` (`approach_integral`): the approach also integrates log(KL / target) until the KL arrives.
+- `equilibrium_pi` (`integral_gain`): the equilibrium estimate as the set point times exp(I), I a slow integral of
+  log(KL / target) at every update. Both measured worse than the shipped controller
+  (`results/controller_grid/issue_grid/README.md`, "An integral on the KL error").
 
 The equilibrium controller's approach is ablated through its constant (`--kwargs '{"approach_power": 0}'`), the
 tracking controller's lookahead through its constant (`--kwargs '{"lookahead": 0}'`). The tracking controller's EMA of
@@ -122,3 +126,58 @@ class TrackingKeepingItsStateAtResets(TrackingKLController):
 
     def reference_reset(self) -> None:
         pass
+
+
+@register_kl_controller("equilibrium_integral")
+class EquilibriumWithApproachIntegral(EquilibriumKLController):
+    """The equilibrium controller whose approach also integrates: until the KL first reaches the target, log beta
+    goes down further by ``approach_integral`` times the sum, over the updates so far, of ``log(kl / target)`` (each
+    term at least -2), so that a policy that stays below the target for long is held back less and less. The sum is
+    dropped when the KL arrives (beta is then the equilibrium coefficient, as in the shipped controller) and at a
+    reference reset."""
+
+    def __init__(self, *args, approach_integral: float = 0.1, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.approach_integral = float(approach_integral)
+        self.approach_sum = 0.0
+
+    def next_coef(self, kl: float, n_steps: int) -> float:
+        import math
+
+        coef = super().next_coef(kl, n_steps)
+        if self.arrived:
+            self.approach_sum = 0.0
+            return coef
+        term = max(math.log(max(kl, 1e-12) / self.target), -2.0)
+        self.approach_sum = max(self.approach_sum + self.approach_integral * term, math.log(self.coef_min / self.coef_max))
+        return self.from_log(math.log(coef) + self.approach_sum)
+
+    def reference_reset(self) -> None:
+        super().reference_reset()
+        self.approach_sum = 0.0
+
+
+@register_kl_controller("equilibrium_pi")
+class EquilibriumWithIntegral(EquilibriumKLController):
+    """The equilibrium coefficient as the set point, times ``exp(I)``, where ``I`` integrates the measured error:
+    each update adds ``integral_gain`` times ``log(kl / target)`` (clipped to [-2, 2]) to ``I``, kept within the
+    coefficient bounds' span. While the policy lags, ``I`` holds beta below the equilibrium; once the KL holds the
+    target ``I`` stops moving, and a policy at the optimum of beta has beta = beta*."""
+
+    def __init__(self, *args, integral_gain: float = 0.05, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.integral_gain = float(integral_gain)
+        self.integral = 0.0
+
+    def next_coef(self, kl: float, n_steps: int) -> float:
+        import math
+
+        coef = super().next_coef(kl, n_steps)
+        term = min(max(math.log(max(kl, 1e-12) / self.target), -2.0), 2.0)
+        span = math.log(self.coef_max / self.coef_min)
+        self.integral = min(max(self.integral + self.integral_gain * term, -span), span)
+        return self.from_log(math.log(coef) + self.integral)
+
+    def reference_reset(self) -> None:
+        super().reference_reset()
+        self.integral = 0.0

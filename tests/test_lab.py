@@ -184,3 +184,24 @@ def test_the_lab_uses_no_private_name_of_klppo():
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("klppo"):
                 offenders += [f"{path.name}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
     assert not offenders, offenders
+
+
+def test_the_integral_variants_of_the_equilibrium_controller():
+    """`equilibrium_integral` lowers beta by `approach_integral` x the running sum of log(KL / target) until the KL
+    arrives, then gives the equilibrium coefficient alone; `equilibrium_pi` multiplies it by exp(I), I the sum of
+    `integral_gain` x log(KL / target), each term clipped at 2. (No batch is observed, so the equilibrium coefficient
+    stays at its start, 0.5.)"""
+    import math
+
+    from klppo.kl import get_kl_controller
+
+    import_plugin("controller_ablations")
+    approach = get_kl_controller("equilibrium_integral")(0.5, target=1.0, approach_integral=0.1)
+    factor = 0.5**0.75  # the shipped approach at KL = target / 2
+    assert approach.update(0.5, 1) == pytest.approx(0.5 * factor * math.exp(0.1 * math.log(0.5)))
+    assert approach.update(0.5, 1) == pytest.approx(0.5 * factor * math.exp(0.2 * math.log(0.5)))
+    assert approach.update(1.0, 1) == pytest.approx(0.5) and approach.approach_sum == 0.0  # arrived: dropped
+    pi = get_kl_controller("equilibrium_pi")(0.5, target=1.0, integral_gain=0.05, approach_power=0.0)
+    assert pi.update(2.0, 1) == pytest.approx(0.5 * math.exp(0.05 * math.log(2.0)))
+    assert pi.update(math.e**5, 1) == pytest.approx(0.5 * math.exp(0.05 * math.log(2.0) + 0.05 * 2.0))
+    assert pi.update(0.5, 1) == pytest.approx(0.5 * math.exp(0.05 * (math.log(2.0) + 2.0 + math.log(0.5))))
