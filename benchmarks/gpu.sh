@@ -3,11 +3,11 @@
 # prepare it): installs the wheels of .whl/ into two target folders, one per side, then runs, klppo with its defaults
 # (on a GPU: a static KV cache with the decoding step compiled) against TRL 1.12's PPO, most wanted first:
 #   random-360m (SmolLM2-360M's shape), workloads a and b, bfloat16,
-#   random-1.7b (SmolLM2-1.7B's shape), workload b, bfloat16,
 #   benchmarks/decode.py: plain compiled `generate` against klppo's rollout generation, same batch, each under
 #     torch.profiler once (where the difference goes), with TORCH_LOGS=recompiles (why anything recompiled),
-#   random-360m, workloads a and b, float32,
 #   random-360m, workload a, bfloat16, a whole run of 20 updates on each side, compilation included,
+#   random-1.7b (SmolLM2-1.7B's shape), workload b, bfloat16,
+#   random-360m, workloads a and b, float32,
 # each at 64 prompts x 128 new tokens, 1 warm-up + 2 measured updates (the run: 20), 1 run per side, sides
 # alternating; every klppo run reports the graphs compiled and the CUDA graphs recorded in each update. Then it
 # times the token draws of one decoding step (benchmarks/sampling.py) and a micro-batch padded, trimmed and packed
@@ -78,10 +78,10 @@ PEER_WHEELS=(trl==1.12.0)
 # short by the budget keeps the workloads it finished)
 STEPS=(
   "random-$SHAPE-bf16|--model-shape $SHAPE --dtype bfloat16 --workloads a,b --no-kl-memory"
-  "random-$BIG-bf16-b|--model-shape $BIG --dtype bfloat16 --workloads b --no-kl-memory"
   "decode|decode"
-  "random-$SHAPE-fp32|--model-shape $SHAPE --dtype float32 --workloads a,b $KL"
   "random-$SHAPE-bf16-a-run$RUN|--model-shape $SHAPE --dtype bfloat16 --workloads a --no-kl-memory --warmup 0 --updates $RUN"
+  "random-$BIG-bf16-b|--model-shape $BIG --dtype bfloat16 --workloads b --no-kl-memory"
+  "random-$SHAPE-fp32|--model-shape $SHAPE --dtype float32 --workloads a,b $KL"
 )
 
 # KLPPO_BENCH_STEPS=name,name,...: only those steps, in that order (names as above: random-360m-bf16, decode, ...)
