@@ -63,6 +63,8 @@ def test_the_public_fields_are_at_most_36_and_the_rest_is_experimental(tmp_path)
     assert rebuilt.experimental.health_patience == 5 and rebuilt.automatic == {"kl_statistic": "k1"}
     with pytest.raises(ValueError, match="no setting 'kl_gaurd'.*kl_statistic, kl_guard"):
         KLPPOConfig(output_dir=str(tmp_path), report_to="none", experimental={"kl_gaurd": False})
+    with pytest.raises(ValueError, match="must be a mapping of settings.*its settings are: kl_statistic, kl_guard"):
+        KLPPOConfig(output_dir=str(tmp_path), report_to="none", experimental="[1]")
     with pytest.raises(ValueError, match="`health_patience` must be >= 1"):
         KLPPOConfig(output_dir=str(tmp_path), report_to="none", experimental='{"health_patience": 0}')
 

@@ -190,7 +190,8 @@ class ExperimentalSettings:
             except json.JSONDecodeError as err:
                 raise ValueError(f"`experimental` must be a mapping (JSON on a command line), got {given!r}: {err}.") from None
         if given is not None and not isinstance(given, dict):
-            raise ValueError(f"`experimental` must be a mapping of settings to values, got {given!r}.")
+            raise ValueError(f"`experimental` must be a mapping of settings to values, got {given!r}; its settings are: "
+                             f"{', '.join(EXPERIMENTAL_KEYS)} (e.g. `experimental: {{kl_guard: false}}`).")
         unknown = sorted(set(given or {}) - set(EXPERIMENTAL_KEYS))
         if unknown:
             raise ValueError(
