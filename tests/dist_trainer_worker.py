@@ -164,6 +164,36 @@ def run_train(out_dir: str) -> None:
     trainer.shutdown()
 
 
+def run_warmup(out_dir: str, critic: str) -> None:
+    """Two critic warm-up updates then one PPO update, each of 2 mini-batches, under DDP: the policy's weights take
+    no part in the warm-up's losses. Writes, per rank, whether the policy held still through the warm-up and moved
+    after it, whether the critic moved, and a checksum of every weight."""
+    from transformers import TrainerCallback
+
+    trainer = make_trainer(out_dir, critic=critic, critic_warmup_steps=2, num_mini_batches=2, per_device_train_batch_size=1)
+    policy = trainer.model.policy
+    start = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    critic_start = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not n.startswith("policy.")}
+    seen = {}
+
+    class AfterWarmup(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                seen["policy_held"] = all(torch.equal(p, start[n]) for n, p in policy.named_parameters())
+                seen["critic_moved"] = any(not torch.equal(p, critic_start[n]) for n, p in trainer.model.named_parameters()
+                                           if n in critic_start)  # fmt: skip
+
+    trainer.add_callback(AfterWarmup())
+    trainer.train()
+    rank = trainer.accelerator.process_index
+    seen["policy_moved_after"] = any(not torch.equal(p, start[n]) for n, p in policy.named_parameters())
+    seen["checksum"] = float(sum(p.detach().double().abs().sum() for p in trainer.model.parameters()))
+    seen["world"], seen["find_unused"] = trainer.accelerator.num_processes, trainer.args.ddp_find_unused_parameters
+    with open(os.path.join(out_dir, f"warmup_rank{rank}.json"), "w") as f:
+        json.dump(seen, f)
+    trainer.shutdown()
+
+
 def count_optimizer_steps() -> dict[int, int]:
     """Steps per parameter tensor, counted from every optimizer's `step` (DeepSpeed's ZeRO-1/2 optimizer steps its
     inner optimizer once per parameter group): the number of optimizer steps is the largest count."""
@@ -282,9 +312,11 @@ if __name__ == "__main__":
         run_update(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     elif mode == "train":
         run_train(sys.argv[2])
+    elif mode == "warmup":
+        run_warmup(sys.argv[2], sys.argv[3])
     elif mode == "engine":
         run_engine_update(sys.argv[2], sys.argv[3], *(int(a) for a in sys.argv[4:6]))
     elif mode == "cli":
         sys.exit(run_cli(sys.argv[2:]))
     else:
-        raise SystemExit(f"unknown mode {mode!r}: use 'update', 'train', 'engine' or 'cli'")
+        raise SystemExit(f"unknown mode {mode!r}: use 'update', 'train', 'warmup', 'engine' or 'cli'")

@@ -167,6 +167,10 @@ def test_warmup_and_resets_refuse_what_they_cannot_do(tmp_path):
     base = dict(output_dir=str(tmp_path), report_to="none", use_cpu=True)
     with pytest.raises(ValueError, match="critic_warmup_steps=2.*no critic"):
         klppo_config(**base, critic_warmup_steps=2, advantage_estimator="rloo")
+    with pytest.raises(ValueError, match="critic_warmup_steps=2.*ddp_find_unused_parameters unset"):
+        klppo_config(**base, critic_warmup_steps=2, ddp_find_unused_parameters=False)
+    assert klppo_config(**base, critic_warmup_steps=2).ddp_find_unused_parameters is True
+    assert klppo_config(**base).ddp_find_unused_parameters is False
     with pytest.raises(ValueError, match="ref_reset_steps.*>= 0"):
         klppo_config(**base, ref_reset_steps=-1)
     import os

@@ -141,3 +141,18 @@ def test_two_process_training_keeps_coefficients_identical(tmp_path):
     assert len(set(runs[0]["coefs"])) > 1  # the coefficient moved
     assert runs[0]["kl"] == runs[1]["kl"]
     assert len(set(runs[0]["coefs"])) > 1  # the adaptive controller moved
+
+
+@pytest.mark.ranks
+@pytest.mark.slow
+@pytest.mark.parametrize("critic", ["shared", "separate"])
+def test_critic_warmup_under_ddp(tmp_path, critic):
+    """Under DDP the warm-up's losses leave the policy's weights out; with the find-unused setting klppo chooses,
+    both ranks step through two warm-up updates (the policy still, the critic moving) and a PPO update (the policy
+    moving), and end with the same weights."""
+    torchrun(["warmup", str(tmp_path), critic], tmp_path)
+    runs = [json.loads((tmp_path / f"warmup_rank{r}.json").read_text()) for r in range(2)]
+    for run_ in runs:
+        assert run_["world"] == 2 and run_["find_unused"] is True
+        assert run_["policy_held"] and run_["critic_moved"] and run_["policy_moved_after"]
+    assert runs[0]["checksum"] == runs[1]["checksum"]

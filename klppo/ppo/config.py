@@ -279,7 +279,8 @@ KLPPO_CONFIG_DOC = r"""
             value head then reads the trunk's output detached, so the policy does not change at all), and the KL
             controller does not move (the learning-rate schedule does). A fresh value head gives advantages that
             are mostly its own error (verl's `critic_warmup`, OpenRLHF's `freezing_steps`). Needs a critic
-            (advantage_estimator="gae"); not under DeepSpeed, whose optimizer steps every weight it holds.
+            (advantage_estimator="gae"); not under DeepSpeed, whose optimizer steps every weight it holds. Under DDP
+            it needs `ddp_find_unused_parameters`, which klppo turns on when it is left unset.
         ref_reset_steps (`int`, *optional*, defaults to `0`):
             Every this many updates, the reference becomes the current policy (ProRL, arXiv 2505.24864): a frozen
             copy takes the policy's weights; with LoRA and the adapter-disabled reference, the adapter is merged into
@@ -492,8 +493,9 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
 
             on_gpu = torch.cuda.is_available() and not self.use_cpu
             self.rollout_forward_batch_size = chosen["rollout_forward_batch_size"] = 64 if on_gpu else 16
-        if self.ddp_find_unused_parameters is None:  # every trainable parameter takes part in each PPO loss
-            self.ddp_find_unused_parameters = chosen["ddp_find_unused_parameters"] = False
+        if self.ddp_find_unused_parameters is None:  # every trainable weight takes part in each PPO loss, but the
+            # policy's take no part in a critic warm-up's: DDP then has to look for the weights a loss left out
+            self.ddp_find_unused_parameters = chosen["ddp_find_unused_parameters"] = self.critic_warmup_steps > 0
         self.automatic = chosen
         if chosen:
             logger.info("Settings chosen by klppo: %s", ", ".join(f"{k}={v!r}" for k, v in chosen.items()))
@@ -576,6 +578,13 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
         for name, low in (("critic_warmup_steps", 0), ("ref_reset_steps", 0)):
             if getattr(self, name) < low:
                 raise ValueError(f"`{name}` must be >= {low} (0: off), got {getattr(self, name)}.")
+        if self.critic_warmup_steps and self.ddp_find_unused_parameters is False:
+            raise ValueError(
+                f"`critic_warmup_steps={self.critic_warmup_steps}` trains the critic alone first, so the policy's "
+                "weights take no part in those updates' losses, and DDP with ddp_find_unused_parameters=False would "
+                "wait for their gradients. Leave ddp_find_unused_parameters unset (klppo then turns it on for a "
+                "warm-up), set it to true, or set critic_warmup_steps to 0."
+            )
         if self.critic_warmup_steps and self.critic_free:
             raise ValueError(
                 f"`critic_warmup_steps={self.critic_warmup_steps}` trains the critic alone first, but "

@@ -207,7 +207,9 @@ def micro_batch_loss(model, mb: Rollout, advantages: Advantages, idx: torch.Tens
     log_ratio = mb.log_ratio + old_log_ratio
     sample = guard_sample(log_ratio.detach(), old_log_ratio.detach(), mb.log_ratio, mask, plan.unit)
     parts["kl/during_update"] = (sample.kl_now, sample.count)  # the KL statistic at the current policy
-    if "loss" in plan.places and not warming:  # the estimator at the current policy, per the aggregation
+    if warming:  # the critic alone: neither the policy loss nor the KL reaches the policy's weights
+        loss = None
+    elif "loss" in plan.places:  # the estimator at the current policy, per the aggregation
         ref_logits = None
         if plan.estimator_needs_logits:
             with torch.no_grad():
@@ -220,9 +222,6 @@ def micro_batch_loss(model, mb: Rollout, advantages: Advantages, idx: torch.Tens
         kl_term = kl_loss(kl, mask, advantages.kl_loss_coef, plan.loss_agg_mode, **counts, norm_len=args.response_length)
         loss = loss + kl_term
         parts["loss/kl"] = (kl_term.detach(), share)
-    if warming:  # the critic alone. The policy's weights stay in the graph with a zero gradient (data
-        # parallelism reduces every weight), through its logits, which no policy loss can make non-finite here
-        loss = torch.nan_to_num(logits, nan=0.0, posinf=0.0, neginf=0.0).sum() * 0.0
     if value_loss is not None:
-        loss = loss + args.vf_coef * value_loss
+        loss = args.vf_coef * value_loss if loss is None else loss + args.vf_coef * value_loss
     return loss, parts, sample
