@@ -71,7 +71,7 @@ def test_a_reset_makes_the_reference_the_policy_and_leaves_the_policy(tiny_path,
     rollout = trainer.rollout(trainer.prompt_batch(PROMPTS["prompt"][:4]))
     mask = rollout.response_mask.bool()
     torch.testing.assert_close(rollout.ref_logp[mask], rollout.logp[mask], rtol=0, atol=5e-5)
-    assert trainer.reference_resets == 1 and trainer._initial_reference is not None
+    assert trainer.reference_resets == 1 and trainer.run.initial_reference is not None
     if lora:  # a new adapter: B starts at zero again
         assert all(float(p.abs().max()) == 0 for n, p in trainer.model.policy.named_parameters() if "lora_B" in n)
 
@@ -93,8 +93,8 @@ def test_a_run_with_resets_logs_the_kl_to_the_initial_model_and_resumes_exactly(
     for (name, a), b in zip(whole.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(a, b), name
     assert resumed.reference_resets == whole.reference_resets == 2
-    for name, tensor in whole._initial_reference.items():
-        assert torch.equal(tensor, resumed._initial_reference[name]), name
+    for name, tensor in whole.run.initial_reference.items():
+        assert torch.equal(tensor, resumed.run.initial_reference[name]), name
     assert resumed.kl_controller.state_dict() == whole.kl_controller.state_dict()
     from transformers import AutoModelForCausalLM
 
@@ -206,5 +206,9 @@ def test_the_drift_monitor_follows_the_target_in_force_after_a_resume_and_a_rese
     assert (patient.drift.patience, patient.drift.streak) == (9, 0)
     assert (changed.drift.target, changed.drift.streak) == (2.0, 0)
     changed.drift.target = 9.0  # the reset builds the monitor from the run's settings, not from the one it replaces
-    changed.reference_reset()
+    reference = {"w": torch.ones(2)}
+    changed.reference_reset(reference)
     assert changed.drift.target == 2.0 and changed.reference_resets == 1
+    reference["w"] += 1  # the reference moves on; the state keeps it as it was before the first reset
+    changed.reference_reset(reference)
+    assert changed.reference_resets == 2 and torch.equal(changed.initial_reference["w"], torch.ones(2))

@@ -778,8 +778,11 @@ def test_learning_rate_defaults_differ_for_lora_and_full_fine_tuning(tiny_path, 
 
     from klppo.ppo.config import DEFAULT_FULL_LEARNING_RATE, DEFAULT_LORA_LEARNING_RATE
 
-    full = make_trainer(tiny_path, prompts, make_args(tmp_path, learning_rate=None))
+    args = make_args(tmp_path, learning_rate=None)
+    full = make_trainer(tiny_path, prompts, args)
     assert full.args.learning_rate == DEFAULT_FULL_LEARNING_RATE == 3e-5
+    assert full.args.automatic["learning_rate"] == 3e-5
+    assert args.learning_rate is None and "learning_rate" not in args.automatic  # the caller's config is left as it was
     lora = make_trainer(
         tiny_path, prompts, make_args(tmp_path, learning_rate=None), peft_config=LoraConfig(r=4, target_modules="all-linear")
     )

@@ -8,6 +8,7 @@ from those texts (`klppo.config_docs`).
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -467,7 +468,7 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
 
     def _resolve_automatic(self) -> None:
         """Every setting left unset for klppo to choose, chosen here (the model-dependent `learning_rate` in
-        `resolve_learning_rate`), recorded in `self.automatic` and logged once."""
+        `for_model`), recorded in `self.automatic` and logged once."""
         chosen = {}
         if self.kl_controller is None:
             self.kl_controller = chosen["kl_controller"] = self.default_controller()
@@ -500,14 +501,18 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
         if chosen:
             logger.info("Settings chosen by klppo: %s", ", ".join(f"{k}={v!r}" for k, v in chosen.items()))
 
-    def resolve_learning_rate(self, lora: bool) -> None:
-        """`learning_rate=None`: 5e-4 when the policy trains through a LoRA adapter, 3e-5 for full fine-tuning (both
-        measured on the default job, `docs/results.md`); recorded in `self.automatic` and logged."""
-        if self.learning_rate is None:
-            self.learning_rate = DEFAULT_LORA_LEARNING_RATE if lora else DEFAULT_FULL_LEARNING_RATE
-            self.automatic["learning_rate"] = self.learning_rate
-            logger.info("Settings chosen by klppo: learning_rate=%g (%s)", self.learning_rate,
-                        "LoRA" if lora else "full fine-tuning")  # fmt: skip
+    def for_model(self, lora: bool) -> "KLPPOConfig":
+        """The trainer's own copy of this config, with the model-dependent setting resolved (the caller's config is
+        left as it was): `learning_rate=None` is 5e-4 when the policy trains through a LoRA adapter, 3e-5 for full
+        fine-tuning (both measured on the default job, `docs/results.md`), recorded in `automatic` and logged."""
+        resolved = copy.copy(self)
+        if self.learning_rate is not None:
+            return resolved
+        resolved.learning_rate = DEFAULT_LORA_LEARNING_RATE if lora else DEFAULT_FULL_LEARNING_RATE
+        resolved.automatic = {**self.automatic, "learning_rate": resolved.learning_rate}
+        logger.info("Settings chosen by klppo: learning_rate=%g (%s)", resolved.learning_rate,
+                    "LoRA" if lora else "full fine-tuning")  # fmt: skip
+        return resolved
 
     def _validate_experimental(self) -> None:
         """Check the experimental settings, naming the valid values and the fix."""

@@ -5,12 +5,15 @@ checkpoint (`kl_controller.json`) and restored as one.
 - the KL guard (whether its low side is armed);
 - the drift monitor and the PPO health monitor (their streaks);
 - the non-finite path (`UpdateSafety`: skipped updates, the update no rollout has checked yet);
-- the reference resets made so far.
+- the reference resets made so far, and the reference's tensors before the first (`kl/initial`; saved beside the
+  reference's own, `klppo.ppo.checkpoint.save_reference`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 from ..kl import KLDriftMonitor, build_kl_controller
 from .guard import KLGuard, build_kl_guard
@@ -30,6 +33,7 @@ class RunState:
     safety: UpdateSafety
     plan: KLPlan  # the run's settings, not saved: the target and patience of a drift monitor built again
     reference_resets: int = 0
+    initial_reference: dict[str, torch.Tensor] | None = None  # the reference's tensors before the first reset
 
     @classmethod
     def build(cls, args, plan: KLPlan, accelerator, log: bool) -> "RunState":
@@ -40,9 +44,12 @@ class RunState:
                    PPOHealthMonitor(patience=args.experimental.health_patience),
                    UpdateSafety(NonfiniteGuard(args.experimental.max_nonfinite_updates), accelerator, log), plan)  # fmt: skip
 
-    def reference_reset(self) -> None:
-        """The reference has become the policy: the KL starts again from 0 for the controller, the guard's low side
-        and the drift monitor."""
+    def reference_reset(self, reference: dict[str, torch.Tensor]) -> None:
+        """The reference (its trainable tensors, `reference`) becomes the policy: they are kept for `kl/initial` if
+        this is the first reset, and the KL starts again from 0 for the controller, the guard's low side and the drift
+        monitor."""
+        if self.initial_reference is None:
+            self.initial_reference = {name: t.detach().clone() for name, t in reference.items()}
         self.reference_resets += 1
         self.controller.reference_reset()
         self.guard.low_armed = False

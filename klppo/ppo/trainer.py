@@ -21,9 +21,10 @@ mini-batches (`optimise`) and step 6's gate (the controller keeps still while th
 trainer, which owns the optimizer and the run's state. Every KL decision they follow (the estimator and where
 it acts, the statistic and its unit, the loss term's weight and baseline, the guard, the target) is decided once
 when the trainer is built (`self.kl_plan`, `plan.py`). What an update leaves for the next ones (the controller, the
-guard, the monitors, the update no rollout has checked yet, the reference resets) is one object, `self.run`
-(`RunState`, `state.py`), saved in every checkpoint. Every statistic is reduced across ranks as `(sum, count)`
-(`klppo.kl.GlobalSums`), so each rank logs, and the controller sees, the same global value.
+guard, the monitors, the update no rollout has checked yet, the reference resets and the reference before the
+first) is one object, `self.run` (`RunState`, `state.py`), saved in every checkpoint. Every statistic is reduced
+across ranks as `(sum, count)` (`klppo.kl.GlobalSums`), so each rank logs, and the controller sees, the same global
+value.
 """
 from __future__ import annotations
 
@@ -126,7 +127,7 @@ class KLPPOTrainer(Trainer):
         given_path = model if isinstance(model, str) else None
         model, _, processing_class = load_policy_and_tokenizer(model, processing_class)
         self.reward_funcs, self.reward_weights, self.reward_func_names = load_rewards(reward_funcs, args, processing_class)
-        args.resolve_learning_rate(lora=peft_config is not None or hasattr(model, "peft_config"))
+        args = args.for_model(lora=peft_config is not None or hasattr(model, "peft_config"))
         actor_critic, self.ref_model, self.use_adapter_reference, self.ref_adapter_name = build_models(
             model, given_path, args, ref_model, value_model, peft_config, self.reward_funcs,
             ref_adapter_name=getattr(args, "ref_adapter_name", None),
@@ -146,7 +147,6 @@ class KLPPOTrainer(Trainer):
         self.stop_request = StopRequest.for_trainer(self)  # SIGTERM while training (`checkpoint_on_sigterm`)
         self.stopped_by_signal: int | None = None  # the update a SIGTERM stopped the run after
         self._last_saved_step: int | None = None
-        self._initial_reference: dict[str, torch.Tensor] | None = None  # the reference's tensors before the first
         if args.ref_reset_steps:
             check_reference_resets(self.is_fsdp_enabled, self.model.policy, self.ref_model,
                                    self.use_adapter_reference, self.ref_adapter_name)  # fmt: skip
@@ -359,7 +359,7 @@ class KLPPOTrainer(Trainer):
         undone = self._settle_last_update(rollout)
         if undone:  # the last update left non-finite outputs and was undone: sample again from the policy before it
             rollout = self.rollout(batch, timings)
-        initial = self._kl_to_initial(rollout, timings) if self._initial_reference is not None else {}
+        initial = self._kl_to_initial(rollout, timings) if self.run.initial_reference is not None else {}
         with timed(timings, "time/reward", acc):
             rewards = self.compute_rewards(rollout)  # step 4
         with timed(timings, "time/kl", acc):
@@ -554,14 +554,11 @@ class KLPPOTrainer(Trainer):
         self._settle_last_update()  # a diverged policy must not become the reference
         if self.run.safety.unsettled is not None:
             self.run.safety.unsettled.snapshot = None  # no undoing past a reset
-        tensors = self._reference_tensors()
-        if self._initial_reference is None:
-            self._initial_reference = {name: t.detach().clone() for name, t in tensors.items()}
+        self.run.reference_reset(self._reference_tensors())
         policy = unwrap(self.accelerator, self.model_wrapped).policy
         reset_reference(policy, self.ref_model, self.ref_adapter_name, self.use_adapter_reference)
         if self.args.experimental.ref_reset_optimizer and self.optimizer is not None:
             clear_optimizer_state(self.optimizer)
-        self.run.reference_reset()
         if self.is_world_process_zero():
             logger.info("Reference reset %d at update %d: the reference is now the policy.", self.reference_resets,
                         self.state.global_step)  # fmt: skip
@@ -570,7 +567,7 @@ class KLPPOTrainer(Trainer):
         """`kl/initial`: the KL to the reference before the first reset (`klppo.ppo.reference.kl_to_initial`)."""
         with timed(timings, "time/score_initial", self.accelerator):
             return kl_to_initial(rollout, lambda part: self.scorer.reference_logits(self.model_wrapped, part),
-                                 self._reference_tensors(), self._initial_reference, self.kl_plan,
+                                 self._reference_tensors(), self.run.initial_reference, self.kl_plan,
                                  self.args.rollout_forward_batch_size, self.accelerator)  # fmt: skip
 
     # ------------------------------------------------------------------ non-finite values
@@ -629,8 +626,8 @@ class KLPPOTrainer(Trainer):
                 del self._get_output_dir
             if self.args.should_save:
                 ckpt.write_controller_state(folder, self._klppo_state())
-                if self._initial_reference is not None:  # after a reset: the reference and the initial one
-                    ckpt.save_reference(folder, self._reference_tensors(), self._initial_reference)
+                if self.run.initial_reference is not None:  # after a reset: the reference and the initial one
+                    ckpt.save_reference(folder, self._reference_tensors(), self.run.initial_reference)
         self._last_saved_step = self.state.global_step
 
     def _klppo_state(self) -> dict:
@@ -667,7 +664,7 @@ class KLPPOTrainer(Trainer):
             with torch.no_grad():
                 for name, tensor in tensors.items():
                     tensor.copy_(current[name])
-            self._initial_reference = {name: initial[name].to(tensors[name].device) for name in tensors}
+            self.run.initial_reference = {name: initial[name].to(tensors[name].device) for name in tensors}
         logger.info("Resumed from %s at update %d with KL coefficient %.6g", checkpoint, self.state.global_step,
                     self.kl_controller.value)  # fmt: skip
 
