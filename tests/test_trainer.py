@@ -111,7 +111,7 @@ def kl_loss_term(trainer, rollout, baseline: torch.Tensor | None = None) -> tupl
     advantages = Advantages(torch.zeros_like(rollout.values), rollout.values, kl_loss_coef=1.0, kl_loss_baseline=baseline)
     counts = dict(num_tokens=rollout.response_mask.sum(), num_seqs=n)
     trainer.model.zero_grad()
-    loss, parts, _ = trainer.micro_batch_loss(rollout, advantages, torch.arange(n), counts)
+    loss, parts, _ = trainer.loss_function()(rollout, advantages, torch.arange(n), counts)
     loss.backward()
     grads = {name: p.grad for name, p in trainer.model.policy.named_parameters() if p.requires_grad}
     return float(parts["loss/kl"][0]), grads
@@ -138,7 +138,7 @@ def test_a_micro_batch_without_its_padding_columns_gives_the_same_loss_and_gradi
     results = []
     for mb in (short, trimmed):
         trainer.model.zero_grad()
-        loss, parts, _ = trainer.micro_batch_loss(mb, advantages, idx, counts)
+        loss, parts, _ = trainer.loss_function()(mb, advantages, idx, counts)
         loss.backward()
         grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
         results.append((float(loss.detach()), {k: float(v[0]) for k, v in parts.items()}, grads))
@@ -759,13 +759,16 @@ def test_pid_anti_windup_constants_reach_the_controller(tmp_path):
 
 def test_nonfinite_loss_skips_the_optimizer_step(tiny_path, prompts, tmp_path, monkeypatch):
     trainer = make_trainer(tiny_path, prompts, make_args(tmp_path, max_steps=2, max_nonfinite_updates=5))
-    original = trainer.micro_batch_loss
+    original = trainer.loss_function
 
-    def nan_loss(*args, **kwargs):
-        loss, parts, sample = original(*args, **kwargs)
-        return loss * float("nan"), parts, sample
+    def nan_loss_function():
+        def nan_loss(*args, **kwargs):
+            loss, parts, sample = original()(*args, **kwargs)
+            return loss * float("nan"), parts, sample
 
-    monkeypatch.setattr(trainer, "micro_batch_loss", nan_loss)
+        return nan_loss
+
+    monkeypatch.setattr(trainer, "loss_function", nan_loss_function)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     assert trainer.nonfinite_skips == 2
@@ -1312,14 +1315,14 @@ def test_updates_with_a_skipped_step_count_as_a_streak_without_rollback(tiny_pat
     args = make_args(tmp_path, max_steps=4, num_mini_batches=2, gradient_accumulation_steps=1, max_nonfinite_updates=2)
     trainer = make_trainer(tiny_path, prompts, args)
     assert not trainer.rollback_updates
-    original, calls = trainer.micro_batch_loss, []
+    original, calls = trainer.loss_function, []
 
     def second_step_nan(*a, **k):
-        loss, parts, sample = original(*a, **k)
+        loss, parts, sample = original()(*a, **k)
         calls.append(1)
         return (loss * float("nan") if len(calls) % 2 == 0 else loss), parts, sample
 
-    monkeypatch.setattr(trainer, "micro_batch_loss", second_step_nan)
+    monkeypatch.setattr(trainer, "loss_function", lambda: second_step_nan)
     with pytest.raises(TrainingDiverged, match="2 PPO updates in a row"):
         trainer.train()
     assert trainer.state.global_step == 1 and trainer.nonfinite_skips == 2

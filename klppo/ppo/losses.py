@@ -1,4 +1,4 @@
-"""Clipped PPO losses (per token; aggregation is `klppo.kl.aggregate_loss`)."""
+"""Clipped PPO losses, per token (aggregation is `klppo.kl.aggregate_loss`), and their logging statistics."""
 
 from __future__ import annotations
 
@@ -37,36 +37,24 @@ def clipped_value_loss(
     return 0.5 * torch.max(loss1, loss2), loss2 > loss1
 
 
-def ppo_losses(logits, logp, values, old_logp, old_values, advantages, returns, mask, num_tokens, share: float, *,
-               cliprange: float, cliprange_value: float):  # fmt: skip
-    """The clipped policy and value losses of one micro-batch as token means over the mini-batch's global
-    `num_tokens`, and their logging parts `{name: (sum, count)}`.
-
-    `logits [B, R, V]` (scaled) only feed the entropy statistic; `share` is this micro-batch's part of one
-    optimizer step's logged loss (1 / (micro-batches per mini-batch * ranks)); `cliprange` and `cliprange_value` as
-    in `KLPPOConfig`. Returns `(policy_loss, value_loss, parts)`, `value_loss` None when `values` is (no critic).
-    """
+def ppo_statistics(logits, log_ratio, pg_clipped, vf_clipped, mask, share: float, **losses) -> dict:
+    """The logging parts `{name: (sum, count)}` of one micro-batch's PPO losses: each loss in `losses` (`policy`,
+    `value`: already a mean over the mini-batch) with this micro-batch's `share` of one optimizer step
+    (1 / (micro-batches per mini-batch * ranks)), and token sums of the approximate KL to the sampling policy, the
+    clipped fractions (`vf_clipped` None: no critic), the entropy (of `logits [B, R, V]`, scaled) and the ratio's
+    first two moments (`val/ratio_var`)."""
     from trl.trainer.utils import entropy_from_logits
 
-    from ..kl.penalty import aggregate_loss
-
-    pg_tok, pg_clipped, log_ratio = clipped_policy_loss(logp, old_logp, advantages, cliprange)
-    pg_loss = aggregate_loss(pg_tok, mask, "token-mean", num_tokens=num_tokens)
-    fmask = mask.to(logp.dtype)
-    n_tok = fmask.sum()
-    parts = {
-        "loss/policy": (pg_loss.detach(), share),
-        "policy/approxkl": ((0.5 * log_ratio.detach() ** 2 * fmask).sum(), n_tok),
+    fmask = mask.to(log_ratio.dtype)
+    n_tok, log_ratio = fmask.sum(), log_ratio.detach()
+    parts = {f"loss/{name}": (loss.detach(), share) for name, loss in losses.items() if loss is not None}
+    parts.update({
+        "policy/approxkl": ((0.5 * log_ratio**2 * fmask).sum(), n_tok),
         "policy/clipfrac": ((pg_clipped.to(fmask.dtype) * fmask).sum(), n_tok),
         "policy/entropy": ((entropy_from_logits(logits.detach()) * fmask).sum(), n_tok),
-        # the probability ratio pi / pi_old: its token mean, and its second moment for `val/ratio_var`
-        "val/ratio": ((log_ratio.detach().exp() * fmask).sum(), n_tok),
-        "val/ratio_sq": (((2 * log_ratio.detach()).exp() * fmask).sum(), n_tok),
-    }
-    if values is None:  # critic-free advantages: no value loss
-        return pg_loss, None, parts
-    vf_tok, vf_clipped = clipped_value_loss(values, old_values, returns, cliprange_value)
-    vf_loss = aggregate_loss(vf_tok, mask, "token-mean", num_tokens=num_tokens)
-    parts["loss/value"] = (vf_loss.detach(), share)
-    parts["val/clipfrac"] = ((vf_clipped.to(fmask.dtype) * fmask).sum(), n_tok)
-    return pg_loss, vf_loss, parts
+        "val/ratio": ((log_ratio.exp() * fmask).sum(), n_tok),
+        "val/ratio_sq": (((2 * log_ratio).exp() * fmask).sum(), n_tok),
+    })  # fmt: skip
+    if vf_clipped is not None:
+        parts["val/clipfrac"] = ((vf_clipped.to(fmask.dtype) * fmask).sum(), n_tok)
+    return parts

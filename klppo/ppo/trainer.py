@@ -34,6 +34,7 @@ import os
 import time
 from collections import defaultdict
 from contextlib import ExitStack, nullcontext
+from functools import partial
 
 import torch
 from torch.profiler import record_function
@@ -386,7 +387,7 @@ class KLPPOTrainer(Trainer):
             metrics.update(self.run.safety.after_optimise(self.state.global_step + 1, result, snapshot,
                                                       unwrap(acc, self.model_wrapped), self.optimizer,
                                                       self.lr_scheduler))  # fmt: skip
-            self.run.safety.checked_rows = rollout.sequences()
+            self.run.safety.checked_rows = rollout.sequences()  # what a check before a save feeds this update's policy
         timings["time/update"] = now(acc) - start
         metrics.update(timings, **{"train/nonfinite_skips": float(self.nonfinite_skips), "lr": lr})
         for message in self.run.health.update(metrics):
@@ -462,7 +463,7 @@ class KLPPOTrainer(Trainer):
     # ------------------------------------------------------------------ step 8: optimisation
     def optimise(self, rollout: Rollout, advantages: Advantages, kl_reading: float | None = None) -> OptimiseResult:
         """Step 8: `num_ppo_epochs` passes over shuffled mini-batches. A mini-batch accumulates gradients over
-        micro-batches (`micro_batch_loss`); before the last one's backward pass (under DeepSpeed, the accumulation
+        micro-batches (`klppo.ppo.update.micro_batch_loss`); before the last one's backward pass (under DeepSpeed, the accumulation
         boundary that reduces the gradients), the step's checks (`StepChecks`: a non-finite loss, the KL guard
         `klppo.ppo.guard.KLGuard`) decide, the same on every rank, whether its gradients are kept; then one optimizer
         step (`_end_step`). A non-finite step ends the update when updates are rolled back (`rollback_updates`); the
@@ -474,6 +475,7 @@ class KLPPOTrainer(Trainer):
         if n_local % mb_size:
             raise ValueError(f"Rollout batch {n_local} is not a multiple of the mini-batch size {mb_size}.")
         stats, skipped, applied, verdict, stop = GlobalSums(), False, 0, None, False
+        micro_batch_loss = self.loss_function()
         for _epoch in range(args.num_ppo_epochs):
             for mb_idx in torch.randperm(n_local, device=rollout.responses.device).split(mb_size):
                 # the mini-batch's global counts: every loss is a global mean, whatever the split
@@ -486,7 +488,7 @@ class KLPPOTrainer(Trainer):
                     with nullcontext() if boundary or acc.num_processes == 1 or self.is_deepspeed_enabled else acc.no_sync(model):
                         with record_function("klppo/forward"):
                             mb = rollout.select(idx).without_padding_columns()
-                            loss, parts, sample = self.micro_batch_loss(mb, advantages, idx, dict(num_tokens=tokens, num_seqs=seqs))
+                            loss, parts, sample = micro_batch_loss(mb, advantages, idx, dict(num_tokens=tokens, num_seqs=seqs))
                         checks.add(loss, sample)
                         if boundary:  # one collective and host sync per step
                             verdict = checks.verdict(acc, self.kl_guard, kl_reading, applied)
@@ -532,14 +534,14 @@ class KLPPOTrainer(Trainer):
         self.optimizer.zero_grad(set_to_none=True)
         return verdict
 
-    def micro_batch_loss(self, mb: Rollout, advantages: Advantages, idx: torch.Tensor, counts: dict):
-        """Loss of one micro-batch `mb` (rows `idx` of the rollout), normalised by the mini-batch's GLOBAL counts, its
-        logging parts and its reading for the KL guard (`klppo.ppo.update.micro_batch_loss`)."""
+    def loss_function(self):
+        """This update's `micro_batch_loss(mb, advantages, idx, counts)` (`klppo.ppo.update.micro_batch_loss`, with
+        the run's model, settings and KL plan bound): the loss of one micro-batch `mb` (rows `idx` of the rollout),
+        normalised by the mini-batch's GLOBAL counts, its logging parts and its reading for the KL guard."""
         share = 1.0 / (self.args.gradient_accumulation_steps * self.accelerator.num_processes)
-        return update.micro_batch_loss(
-            self.model_wrapped, mb, advantages, idx, counts, self.args, self.kl_plan, self.sampler.suppressed_ids,
-            lambda part: self.scorer.reference_logits(self.model_wrapped, part), self.critic_warming_up, share,
-        )  # fmt: skip
+        return partial(update.micro_batch_loss, self.model_wrapped, args=self.args, plan=self.kl_plan,
+                       suppressed_ids=self.sampler.suppressed_ids, warming=self.critic_warming_up, share=share,
+                       reference_logits=lambda part: self.scorer.reference_logits(self.model_wrapped, part))  # fmt: skip
 
     # ------------------------------------------------------------------ reference resets
     def _reference_tensors(self) -> dict[str, torch.Tensor]:

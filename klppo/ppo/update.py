@@ -17,13 +17,13 @@ import math
 
 import torch
 
-from ..kl import GlobalSums, check_same_on_all_ranks, kl_loss, kl_reward, kl_statistic, reduce_sum_count
+from ..kl import GlobalSums, aggregate_loss, check_same_on_all_ranks, kl_loss, kl_reward, kl_statistic, reduce_sum_count
 from ..kl.reduce import explained_variance, global_masked_whiten, unit_count
 from ..rewards import combine_rewards
 from .advantages import advantage_slope, gae_advantages, sequence_advantages
 from .config import KL_LOSS_MIN_ADVANTAGE_STD
 from .logprobs import position_ids_from_mask, response_logits, response_logprobs
-from .losses import ppo_losses
+from .losses import clipped_policy_loss, clipped_value_loss, ppo_statistics
 from .plan import LOGGED_ESTIMATORS, KLPlan
 from .safety import guard_sample
 from .sampling import contains_token, ends_with_stop
@@ -197,14 +197,17 @@ def micro_batch_loss(model, mb: Rollout, advantages: Advantages, idx: torch.Tens
     logits = response_logits(logits, resp.shape[1], args.temperature, suppressed_ids)
     values = values[:, mb.context_length - 1 : -1].float() if values is not None else None
     logp = response_logprobs(logits, resp)
-    loss, value_loss, parts = ppo_losses(
-        logits, logp, values, mb.logp, mb.values, advantages.advantages[idx], advantages.returns[idx], mask,
-        counts["num_tokens"], share, cliprange=args.cliprange, cliprange_value=args.cliprange_value,
-    )  # fmt: skip
+    # PPO's clipped losses, token means over the mini-batch's global token count
+    pg_tok, pg_clipped, _ = clipped_policy_loss(logp, mb.logp, advantages.advantages[idx], args.cliprange)
+    loss, value_loss, vf_clipped = aggregate_loss(pg_tok, mask, "token-mean", num_tokens=counts["num_tokens"]), None, None
+    if values is not None:  # no critic: critic-free advantages
+        vf_tok, vf_clipped = clipped_value_loss(values, mb.values, advantages.returns[idx], args.cliprange_value)
+        value_loss = aggregate_loss(vf_tok, mask, "token-mean", num_tokens=counts["num_tokens"])
     # the log-ratios at the current policy: to the sampling policy, and to the reference from the rollout's
     # (0 after the stop token, where the sampled token was replaced by padding)
     old_log_ratio = torch.where(mask.bool(), logp - mb.logp, 0.0)
     log_ratio = mb.log_ratio + old_log_ratio
+    parts = ppo_statistics(logits, old_log_ratio, pg_clipped, vf_clipped, mask, share, policy=loss, value=value_loss)
     sample = guard_sample(log_ratio.detach(), old_log_ratio.detach(), mb.log_ratio, mask, plan.unit)
     parts["kl/during_update"] = (sample.kl_now, sample.count)  # the KL statistic at the current policy
     if warming:  # the critic alone: neither the policy loss nor the KL reaches the policy's weights
