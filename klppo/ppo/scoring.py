@@ -47,21 +47,51 @@ class RolloutScorer:
 
     @torch.no_grad()
     def score(self, model, sequences: Sequences, generated: Generation | None = None, timings: dict | None = None) -> Rollout:
-        """The `Rollout` of `sequences`: forward passes of `model` (the actor-critic, wrapped or not) for what
-        `generated` (what generation read while decoding) does not give: the policy's log-probs and logits as the
-        plan needs them, the critic's values; always the reference's log-probs; then the log-ratio and the plan's
-        per-token estimates, all read from one log-ratio."""
+        """The `Rollout` of `sequences`, `chunk` sequences per forward pass of `model` (the actor-critic, wrapped or
+        not), for what `generated` (what generation read while decoding) does not give: the policy's log-probs and
+        logits as the plan needs them, the critic's values; always the reference's log-probs; then the log-ratio and
+        the plan's per-token estimates, all read from one log-ratio."""
         timings = timings if timings is not None else defaultdict(float)
         generated = generated if generated is not None else Generation(sequences.responses)
-        need_policy = generated.logp is None or self.plan.policy_logits_at_scoring
+        acc, plan, unwrapped = self.accelerator, self.plan, unwrap(self.accelerator, model)
+        need_policy = generated.logp is None or plan.policy_logits_at_scoring
         need_values = generated.values is None and not self.critic_free
         parts = []
         for start in range(0, sequences.batch_size, self.chunk):
             rows = slice(start, start + self.chunk)
-            parts.append(self._score_chunk(
-                model, sequences.select(rows).without_padding_columns(), need_policy, need_values, timings,
-                logp=None if generated.logp is None else generated.logp[rows],
-                logits=None if generated.logits is None else generated.logits[rows],
+            seq = sequences.select(rows).without_padding_columns()
+            qr, attn, resp, pos = seq.query_responses, seq.attention_mask, seq.responses, position_ids_from_mask(seq.attention_mask)
+            logp = None if generated.logp is None else generated.logp[rows]
+            logits = None if generated.logits is None else generated.logits[rows]
+            values = None
+            if need_policy:
+                with timed(timings, "time/score_policy", acc):  # a shared critic's values come from this same pass
+                    policy_logits, values = model(
+                        qr, attention_mask=attn, position_ids=pos, compute_values=need_values and unwrapped.shared,
+                        response_length=resp.shape[1],  # the LM head runs on the response's predicting positions only
+                    )  # fmt: skip
+                    policy_logits = response_logits(policy_logits, resp.shape[1], self.temperature, self.suppressed_ids)
+                    logits = policy_logits if logits is None else logits  # the generation's, when it kept them
+                    logp = response_logprobs(policy_logits, resp) if logp is None else logp
+            if need_values and values is None:
+                with timed(timings, "time/score_value", acc), root_unsharded(model):
+                    values = unwrapped.critic(qr, attention_mask=attn, position_ids=pos)
+            with timed(timings, "time/score_ref", acc):
+                ref_logits = self.reference_logits(model, seq)
+                ref_logp = response_logprobs(ref_logits, resp)
+            with timed(timings, "time/kl", acc):  # the log-ratio once; every estimate reads it
+                keep = seq.response_mask.bool()
+                zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+                log_ratio = torch.where(keep, logp - ref_logp, zero)
+                kl, clamped = plan.estimate(plan.estimator, log_ratio, logits=logits, ref_logits=ref_logits, return_clamped=True)
+                statistic = kl if plan.statistic == plan.estimator else plan.estimate(
+                    plan.statistic, log_ratio, logits=logits, ref_logits=ref_logits)  # fmt: skip
+                logged = torch.stack([estimate_kl(name, log_ratio=log_ratio, log_ratio_clamp=plan.log_ratio_clamp)
+                                      for name in LOGGED_ESTIMATORS], dim=-1)  # fmt: skip
+            parts.append(dict(
+                values=None if values is None else values[:, seq.context_length - 1 : -1].float(), logp=logp,
+                ref_logp=ref_logp, log_ratio=log_ratio, kl=torch.where(keep, kl, zero), kl_clamped=clamped & keep,
+                statistic_kl=torch.where(keep, statistic, zero), logged_kl=logged,
             ))  # fmt: skip
         scored = {k: torch.cat([p[k] for p in parts], dim=0) for k in parts[0] if parts[0][k] is not None}
         if generated.values is not None:
@@ -69,47 +99,6 @@ class RolloutScorer:
         if "values" not in scored:  # critic-free advantages: no values (zeros keep the rollout's shape)
             scored["values"] = torch.zeros_like(scored["ref_logp"])
         return Rollout(**vars(sequences.sequences()), **scored)
-
-    def _score_chunk(self, model, seq: Sequences, need_policy: bool, need_values: bool, timings: dict,
-                     logp: torch.Tensor | None, logits: torch.Tensor | None) -> dict:  # fmt: skip
-        acc, plan = self.accelerator, self.plan
-        unwrapped = unwrap(acc, model)
-        qr, attn, resp = seq.query_responses, seq.attention_mask, seq.responses
-        pos = position_ids_from_mask(attn)
-        values = None
-        if need_policy:
-            with timed(timings, "time/score_policy", acc):  # a shared critic's values come from this same pass
-                policy_logits, values = model(
-                    qr, attention_mask=attn, position_ids=pos, compute_values=need_values and unwrapped.shared,
-                    response_length=resp.shape[1],  # the LM head runs on the response's predicting positions only
-                )  # fmt: skip
-                policy_logits = response_logits(policy_logits, resp.shape[1], self.temperature, self.suppressed_ids)
-                logits = policy_logits if logits is None else logits  # the generation's, when it kept them
-                logp = response_logprobs(policy_logits, resp) if logp is None else logp
-        if need_values and values is None:
-            with timed(timings, "time/score_value", acc), root_unsharded(model):
-                values = unwrapped.critic(qr, attention_mask=attn, position_ids=pos)
-        out = {"values": None if values is None else values[:, seq.context_length - 1 : -1].float()}
-        with timed(timings, "time/score_ref", acc):
-            ref_logits = self.reference_logits(model, seq)
-            ref_logp = response_logprobs(ref_logits, resp)
-        with timed(timings, "time/kl", acc):  # the log-ratio once; every estimate reads it
-            keep = seq.response_mask.bool()
-            zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
-            log_ratio = torch.where(keep, logp - ref_logp, zero)
-
-            def estimate(name, **kw):
-                return plan.estimate(name, log_ratio, logits=logits, ref_logits=ref_logits, **kw)
-
-            kl, clamped = estimate(plan.estimator, return_clamped=True)
-            statistic = kl if plan.statistic == plan.estimator else estimate(plan.statistic)
-            logged = torch.stack([estimate_kl(name, log_ratio=log_ratio, log_ratio_clamp=plan.log_ratio_clamp)
-                                  for name in LOGGED_ESTIMATORS], dim=-1)  # fmt: skip
-            out.update(
-                logp=logp, ref_logp=ref_logp, log_ratio=log_ratio, kl=torch.where(keep, kl, zero),
-                kl_clamped=clamped & keep, statistic_kl=torch.where(keep, statistic, zero), logged_kl=logged,
-            )  # fmt: skip
-        return out
 
     def reference_logits(self, model, seq: Sequences) -> torch.Tensor:
         """Temperature-scaled reference logits for the response positions `[B, R, V]`; `model` is the actor-critic
