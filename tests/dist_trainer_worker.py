@@ -170,7 +170,8 @@ def run_warmup(out_dir: str, critic: str) -> None:
     after it, whether the critic moved, and a checksum of every weight."""
     from transformers import TrainerCallback
 
-    trainer = make_trainer(out_dir, critic=critic, critic_warmup_steps=2, num_mini_batches=2, per_device_train_batch_size=1)
+    trainer = make_trainer(out_dir, critic=critic, critic_warmup_steps=2, num_mini_batches=2, per_device_train_batch_size=1,
+                           optim="adamw_torch", learning_rate=1e-2, weight_decay=0.1)  # decay moves any weight it steps
     policy = trainer.model.policy
     start = {n: p.detach().clone() for n, p in policy.named_parameters()}
     critic_start = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not n.startswith("policy.")}
@@ -180,6 +181,8 @@ def run_warmup(out_dir: str, critic: str) -> None:
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step == 2:
                 seen["policy_held"] = all(torch.equal(p, start[n]) for n, p in policy.named_parameters())
+                held = {id(p) for p in trainer.optimizer.optimizer.state}
+                seen["policy_without_optimizer_state"] = not any(id(p) in held for p in policy.parameters())
                 seen["critic_moved"] = any(not torch.equal(p, critic_start[n]) for n, p in trainer.model.named_parameters()
                                            if n in critic_start)  # fmt: skip
 

@@ -148,11 +148,12 @@ def test_two_process_training_keeps_coefficients_identical(tmp_path):
 @pytest.mark.parametrize("critic", ["shared", "separate"])
 def test_critic_warmup_under_ddp(tmp_path, critic):
     """Under DDP the warm-up's losses leave the policy's weights out; with the find-unused setting klppo chooses,
-    both ranks step through two warm-up updates (the policy still, the critic moving) and a PPO update (the policy
-    moving), and end with the same weights."""
+    both ranks step through two warm-up updates (AdamW with weight decay: the policy still, with no optimizer state,
+    the critic moving) and a PPO update (the policy moving), and end with the same weights."""
     torchrun(["warmup", str(tmp_path), critic], tmp_path)
     runs = [json.loads((tmp_path / f"warmup_rank{r}.json").read_text()) for r in range(2)]
     for run_ in runs:
         assert run_["world"] == 2 and run_["find_unused"] is True
-        assert run_["policy_held"] and run_["critic_moved"] and run_["policy_moved_after"]
+        assert run_["policy_held"] and run_["policy_without_optimizer_state"]
+        assert run_["critic_moved"] and run_["policy_moved_after"]
     assert runs[0]["checksum"] == runs[1]["checksum"]

@@ -518,9 +518,6 @@ class KLPPOTrainer(Trainer):
         "guard_low")."""
         acc, model = self.accelerator, self.model_wrapped
         if verdict is None:
-            if self.critic_warming_up:  # no step, no weight decay, no optimizer state for the policy's weights
-                for p in unwrap(acc, model).policy.parameters():
-                    p.grad = None
             grad_norm = optimizer_step(acc, model, self.optimizer, self.lr_scheduler, self.args.max_grad_norm,
                                        self.is_deepspeed_enabled)  # fmt: skip
             if grad_norm is not None and math.isfinite(grad_norm):
