@@ -165,34 +165,41 @@ def run_train(out_dir: str) -> None:
 
 
 def run_warmup(out_dir: str, critic: str) -> None:
-    """Two critic warm-up updates then one PPO update, each of 2 mini-batches, under DDP: the policy's weights take
-    no part in the warm-up's losses. Writes, per rank, whether the policy held still through the warm-up and moved
-    after it, whether the critic moved, and a checksum of every weight."""
+    """Two critic warm-up updates then one PPO update, each of 2 mini-batches, under DDP or FSDP2: the policy's
+    weights take no part in the warm-up's losses. Writes, per rank, whether the policy held still through the warm-up
+    (AdamW with weight decay, which moves any weight it steps) with no optimizer state, and moved after it, whether
+    the critic moved, and a checksum of every weight."""
     from transformers import TrainerCallback
 
     trainer = make_trainer(out_dir, critic=critic, critic_warmup_steps=2, num_mini_batches=2, per_device_train_batch_size=1,
-                           optim="adamw_torch", learning_rate=1e-2, weight_decay=0.1)  # decay moves any weight it steps
+                           optim="adamw_torch", learning_rate=1e-2, weight_decay=0.1)  # fmt: skip
     policy = trainer.model.policy
-    start = {n: p.detach().clone() for n, p in policy.named_parameters()}
-    critic_start = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not n.startswith("policy.")}
+
+    def full(named):  # an FSDP2 weight is a DTensor: `full_tensor` gathers it (every rank calls it)
+        return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in named}
+
+    def critic_named():
+        return [(n, p) for n, p in trainer.model.named_parameters() if not n.startswith("policy.")]
+
+    start, critic_start = full(policy.named_parameters()), full(critic_named())
     seen = {}
 
     class AfterWarmup(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step == 2:
-                seen["policy_held"] = all(torch.equal(p, start[n]) for n, p in policy.named_parameters())
+                now, critic_now = full(policy.named_parameters()), full(critic_named())
+                seen["policy_held"] = all(torch.equal(now[n], start[n]) for n in start)
+                seen["critic_moved"] = any(not torch.equal(critic_now[n], critic_start[n]) for n in critic_start)
                 held = {id(p) for p in trainer.optimizer.optimizer.state}
                 seen["policy_without_optimizer_state"] = not any(id(p) in held for p in policy.parameters())
-                seen["critic_moved"] = any(not torch.equal(p, critic_start[n]) for n, p in trainer.model.named_parameters()
-                                           if n in critic_start)  # fmt: skip
 
     trainer.add_callback(AfterWarmup())
     trainer.train()
-    rank = trainer.accelerator.process_index
-    seen["policy_moved_after"] = any(not torch.equal(p, start[n]) for n, p in policy.named_parameters())
-    seen["checksum"] = float(sum(p.detach().double().abs().sum() for p in trainer.model.parameters()))
+    end = full(trainer.model.named_parameters())
+    seen["policy_moved_after"] = any(not torch.equal(end[f"policy.{n}"], start[n]) for n in start)
+    seen["checksum"] = float(sum(t.double().abs().sum() for t in end.values()))
     seen["world"], seen["find_unused"] = trainer.accelerator.num_processes, trainer.args.ddp_find_unused_parameters
-    with open(os.path.join(out_dir, f"warmup_rank{rank}.json"), "w") as f:
+    with open(os.path.join(out_dir, f"warmup_rank{trainer.accelerator.process_index}.json"), "w") as f:
         json.dump(seen, f)
     trainer.shutdown()
 

@@ -234,3 +234,18 @@ def _run(out_path: str) -> None:
 
 if __name__ == "__main__":
     _run(sys.argv[1])
+
+
+@pytest.mark.ranks
+@pytest.mark.slow
+def test_fsdp2_critic_warmup_leaves_the_policy_out(tmp_path):
+    """Critic warm-up under FSDP2 with the shared critic (its head reads the trunk detached): two warm-up updates
+    under AdamW with weight decay leave the policy's gathered weights equal bit for bit, with no optimizer state,
+    while the critic moves; the PPO update after them moves the policy; both ranks end with the same weights."""
+    fsdp_launch(["warmup", str(tmp_path), "shared"], tmp_path)
+    runs = [json.loads((tmp_path / f"warmup_rank{r}.json").read_text()) for r in range(2)]
+    for run_ in runs:
+        assert run_["world"] == 2
+        assert run_["policy_held"] and run_["policy_without_optimizer_state"]
+        assert run_["critic_moved"] and run_["policy_moved_after"]
+    assert runs[0]["checksum"] == runs[1]["checksum"]
