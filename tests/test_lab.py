@@ -205,3 +205,28 @@ def test_the_integral_variants_of_the_equilibrium_controller():
     assert pi.update(2.0, 1) == pytest.approx(0.5 * math.exp(0.05 * math.log(2.0)))
     assert pi.update(math.e**5, 1) == pytest.approx(0.5 * math.exp(0.05 * math.log(2.0) + 0.05 * 2.0))
     assert pi.update(0.5, 1) == pytest.approx(0.5 * math.exp(0.05 * (math.log(2.0) + 2.0 + math.log(0.5))))
+
+
+def test_the_window_variant_steps_toward_the_mean_of_its_recent_estimates():
+    """`equilibrium_window` steps log beta, by the effective-sample-size gain, toward the mean of the last `window`
+    estimates of log beta* weighted by their effective sample sizes. A stub optimum gives the estimates 1, 4, 4 with
+    a full gain: beta goes 0.5 -> 1 -> 2 (the mean of log 1 and log 4) -> 4."""
+    import math
+
+    from klppo.kl import get_kl_controller
+    from klppo.kl.optimum import KLOptimum
+
+    estimates = iter([0.0, math.log(4.0), math.log(4.0)])
+
+    class Stub(KLOptimum):
+        def solve(self, r, d, target, lo, hi):
+            return next(estimates)
+
+        def ess(self, b, r, d):
+            return 1.0
+
+    import_plugin("controller_ablations")
+    window = get_kl_controller("equilibrium_window")(0.5, target=1.0, approach_power=0.0, optimum=Stub(), window=2)
+    for expected in (1.0, 2.0, 4.0):
+        window.observe_sequences([0.0, 1.0], [0.1, 0.2], [1, 1])
+        assert window.update(1.0, 1) == pytest.approx(expected)
