@@ -12,6 +12,9 @@ controller_ablations`).
 - `equilibrium_pi` (`integral_gain`): the equilibrium estimate as the set point times exp(I), I a slow integral of
   log(KL / target) at every update. Both measured worse than the shipped controller
   (`results/controller_grid/issue_grid/README.md`, "An integral on the KL error").
+- `equilibrium_window` (`window`): a step toward the mean of the last `window` estimates (weighted by their
+  effective sample sizes) instead of the latest one; no better in the fast 32-sequence cells (the same README, "The
+  fast 32-sequence cells").
 
 The equilibrium controller's approach is ablated through its constant (`--kwargs '{"approach_power": 0}'`), the
 tracking controller's lookahead through its constant (`--kwargs '{"lookahead": 0}'`). The tracking controller's EMA of
