@@ -15,6 +15,10 @@ controller_ablations`).
 - `equilibrium_window` (`window`): a step toward the mean of the last `window` estimates (weighted by their
   effective sample sizes) instead of the latest one; no better in the fast 32-sequence cells (the same README, "The
   fast 32-sequence cells").
+- `equilibrium_median` (`window`): the same toward the median of the last `window` (3) estimates; no better either.
+- `equilibrium_kalman` (`drift`, `groups`): log beta* followed by a Kalman filter whose measurement variance is each
+  batch's grouped jackknife variance over its effective-sample-size share; holds the KL in the fast 32-sequence
+  cells as a fixed beta* does (the same README).
 
 The equilibrium controller's approach is ablated through its constant (`--kwargs '{"approach_power": 0}'`), the
 tracking controller's lookahead through its constant (`--kwargs '{"lookahead": 0}'`). The tracking controller's EMA of
@@ -206,11 +210,86 @@ class EquilibriumOverAWindow(EquilibriumKLController):
         if self.estimate is None:
             return new
         self.recent = [*self.recent, (self.estimate, self.ess)][-self.window :]
-        weight = sum(w for _, w in self.recent)
-        mean = sum(b * w for b, w in self.recent) / weight if weight > 0 else self.estimate
         now = max(math.log(before), self.log_bounds()[0])
-        return self.from_log(now + self.ess * (mean - now))
+        return self.from_log(now + self.ess * (self.pooled() - now))
+
+    def pooled(self) -> float:
+        """The estimates' mean, weighted by their effective sample sizes."""
+        weight = sum(w for _, w in self.recent)
+        return sum(b * w for b, w in self.recent) / weight if weight > 0 else self.recent[-1][0]
 
     def reference_reset(self) -> None:
         super().reference_reset()
         self.recent = []
+
+
+@register_kl_controller("equilibrium_median")
+class EquilibriumOverAMedian(EquilibriumOverAWindow):
+    """As `equilibrium_window`, toward the median of the last ``window`` (default 3) estimates: a single batch's
+    estimate far above the rest (32 sequences at the optimum give a long right tail) moves beta no more than the
+    middle one."""
+
+    def __init__(self, kl_coef: float, target: float, coef_min: float = 1e-4, coef_max: float = 10.0,
+                 approach_power: float = 0.75, optimum=None, window: int = 3):  # fmt: skip
+        super().__init__(kl_coef, target, coef_min, coef_max, approach_power, optimum, window)
+
+    def pooled(self) -> float:
+        import statistics
+
+        return statistics.median(b for b, _ in self.recent)
+
+
+@register_kl_controller("equilibrium_kalman")
+class EquilibriumKalman(EquilibriumKLController):
+    """log beta* followed by a one-dimensional Kalman filter instead of the effective-sample-size step: each batch's
+    estimate ``b`` is a measurement whose variance is its grouped jackknife variance (``groups`` groups of the
+    batch's sequences) divided by the effective-sample-size share ``g`` (an estimate far from the policy counts for
+    less, as the shipped gain has it); the state's variance grows by ``drift ** 2`` per update (how far beta* may move
+    in one). Many small noisy batches are averaged; one large clean batch moves beta at once."""
+
+    def __init__(self, kl_coef: float, target: float, coef_min: float = 1e-4, coef_max: float = 10.0,
+                 approach_power: float = 0.75, optimum=None, drift: float = 0.05, groups: int = 8):  # fmt: skip
+        super().__init__(kl_coef, target, coef_min, coef_max, approach_power, optimum)
+        self.drift, self.groups = float(drift), int(groups)
+        self.variance = 1.0  # of log beta*, before any batch
+
+    def equilibrium_coef(self):
+        import math
+
+        import torch
+
+        batch = self._batch
+        before = self.coef
+        new = super().equilibrium_coef()
+        if self.estimate is None or batch is None:
+            return new
+        scores, log_ratios, lengths, unit = batch
+        r = torch.as_tensor(scores, dtype=torch.float64)
+        d = torch.as_tensor(log_ratios, dtype=torch.float64)
+        target = self.target * (float(torch.as_tensor(lengths, dtype=torch.float64).mean()) if unit == "token" else 1.0)
+        lo, hi = self.log_bounds()
+        if min(self.estimate - lo, hi - self.estimate) < 1e-6:  # the target lies beyond the batch's reach: no measurement
+            self.variance += self.drift**2
+            return before
+        groups = torch.arange(r.numel()) % min(self.groups, r.numel())
+        count = int(groups.max()) + 1
+        left_out = []
+        for k in range(count):
+            keep = groups != k
+            if r[keep].max() > r[keep].min():
+                left_out.append(self.optimum.solve(r[keep], d[keep], target, lo, hi))
+        if len(left_out) < 2:
+            return new
+        mean = sum(left_out) / len(left_out)
+        measurement_var = (len(left_out) - 1) / len(left_out) * sum((b - mean) ** 2 for b in left_out)
+        measurement_var = max(measurement_var, 1e-6) / max(self.ess, 1e-3)
+        prior = self.variance + self.drift**2
+        gain = prior / (prior + measurement_var)
+        self.variance = (1 - gain) * prior
+        now = max(math.log(before), lo)
+        self.ess = gain  # logged as the step taken
+        return self.from_log(now + gain * (self.estimate - now))
+
+    def reference_reset(self) -> None:
+        super().reference_reset()
+        self.variance = 1.0

@@ -230,3 +230,40 @@ def test_the_window_variant_steps_toward_the_mean_of_its_recent_estimates():
     for expected in (1.0, 2.0, 4.0):
         window.observe_sequences([0.0, 1.0], [0.1, 0.2], [1, 1])
         assert window.update(1.0, 1) == pytest.approx(expected)
+
+
+def test_the_kalman_variant_weighs_an_estimate_by_its_jackknife_variance():
+    """`equilibrium_kalman` by hand: a stub optimum whose estimate of log beta* is the mean log-ratio of the
+    sequences it is given, 8 sequences in 4 groups; the measurement variance is the grouped jackknife's, the gain
+    prior / (prior + variance) with prior = 1 + drift^2, and the state's variance shrinks by (1 - gain). A batch whose
+    estimate sits on a coefficient bound is no measurement: beta stays and the variance grows by drift^2."""
+    import math
+
+    import torch
+
+    from klppo.kl import get_kl_controller
+    from klppo.kl.optimum import KLOptimum
+
+    class Stub(KLOptimum):
+        def solve(self, r, d, target, lo, hi):
+            return min(max(float(torch.as_tensor(d).mean()), lo), hi)
+
+        def ess(self, b, r, d):
+            return 1.0
+
+    import_plugin("controller_ablations")
+    c = get_kl_controller("equilibrium_kalman")(0.5, target=1.0, approach_power=0.0, optimum=Stub(), drift=0.1, groups=4)
+    scores, d = [0.0, 1.0] * 4, torch.tensor([0.1, 0.3, 0.2, 0.9, 0.5, 0.4, 0.0, 0.6], dtype=torch.float64)
+    c.observe_sequences(scores, d.tolist(), [1] * 8)
+    groups = torch.arange(8) % 4
+    left_out = [float(d[groups != k].mean()) for k in range(4)]
+    mean = sum(left_out) / 4
+    variance = 3 / 4 * sum((b - mean) ** 2 for b in left_out)
+    prior = 1.0 + 0.1**2
+    gain = prior / (prior + variance)
+    expected = math.exp(math.log(0.5) + gain * (float(d.mean()) - math.log(0.5)))
+    assert c.update(1.0, 1) == pytest.approx(expected)
+    assert c.variance == pytest.approx((1 - gain) * prior)
+    before, variance_before = c.value, c.variance
+    c.observe_sequences(scores, [20.0] * 8, [1] * 8)  # an estimate on the upper bound, log 10
+    assert c.update(1.0, 1) == pytest.approx(before) and c.variance == pytest.approx(variance_before + 0.01)
