@@ -37,6 +37,8 @@ STEPS_PER_UPDATE = (1, 4)
 BATCHES = (32, 64, 128)
 BETA_STAR = 0.5
 BOUNDS = {"tracking_error": 0.3, "peak": 3.0, "beta_ratio": 1.3}
+# a stricter bar: second-half tracking error, peak KL over the target, and the last update's beta within x/1.5 of beta*
+STRICT = {"tracking_error": 0.2, "peak": 2.0, "final_beta": 1.5}
 
 
 def updates_for(lr: float) -> int:
@@ -108,6 +110,13 @@ def passes(s: dict) -> bool:
             and 1 / BOUNDS["beta_ratio"] <= s["beta_ratio"] <= BOUNDS["beta_ratio"])
 
 
+def meets_strict(run: dict) -> bool:
+    """Whether a run is within `STRICT`."""
+    s, final = summarise(run), run["beta"][-1] / run["beta_star"]
+    return (s["tracking_error"] <= STRICT["tracking_error"] and s["peak"] <= STRICT["peak"]
+            and 1 / STRICT["final_beta"] <= final <= STRICT["final_beta"])
+
+
 def table(runs: list[dict]) -> str:
     """Markdown: one row per cell, mean +- standard error over seeds; a cell passes when every seed does."""
     groups: dict[tuple, list[dict]] = {}
@@ -140,19 +149,21 @@ def table(runs: list[dict]) -> str:
 
 def overview(named: dict[str, list[dict]]) -> str:
     """Markdown: one row per variant (an ablation), over all its runs: cells within bounds on every seed, mean
-    tracking error and share in band over the runs, the worst peak and the range of the geometric-mean beta."""
+    tracking error and share in band over the runs, the worst peak, the range of the geometric-mean beta, and cells
+    within the strict bar (`STRICT`) on every seed."""
     lines = ["| variant | cells within bounds | mean tracking error | mean in band | worst peak KL / target "
-             "| geo-mean beta / beta* |", "|" + " --- |" * 6]
+             "| geo-mean beta / beta* | cells within the strict bar |", "|" + " --- |" * 7]
     for name, runs in named.items():
         groups: dict[tuple, list[dict]] = {}
         for run in runs:
-            groups.setdefault((run["start"], run["lr"], run["steps"], run["batch"]), []).append(summarise(run))
-        rows = [r for g in groups.values() for r in g]
-        ok = sum(all(passes(r) for r in g) for g in groups.values())
+            groups.setdefault((run["start"], run["lr"], run["steps"], run["batch"]), []).append(run)
+        rows = [summarise(r) for g in groups.values() for r in g]
+        ok = sum(all(passes(summarise(r)) for r in g) for g in groups.values())
+        strict = sum(all(meets_strict(r) for r in g) for g in groups.values())
         ratios = [r["beta_ratio"] for r in rows]
         lines.append(f"| {name} | {ok} of {len(groups)} | {sum(r['tracking_error'] for r in rows) / len(rows):.3f} | "
                      f"{sum(r['in_band'] for r in rows) / len(rows):.2f} | {max(r['peak'] for r in rows):.2f} | "
-                     f"{min(ratios):.2f}-{max(ratios):.2f} |")
+                     f"{min(ratios):.2f}-{max(ratios):.2f} | {strict} of {len(groups)} |")
     return "\n".join(lines) + "\n"
 
 

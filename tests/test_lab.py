@@ -95,6 +95,8 @@ def test_the_grid_table_and_the_paired_difference():
     bad = [grid_run([1.0, 2.0, 2.0, 3.0], [0.5] * 4, seed=k) for k in (1, 2)]
     table = controller_grid.table(good)
     assert "| beta*/5 | 0.001 | 1 | 32 | 2 | 0.05 ± 0.00 |" in table and "1 of 1 cells" in table
+    overview = controller_grid.overview({"good": good, "bad": bad})  # the strict bar: tracking error <= 0.2
+    assert overview.splitlines()[2].endswith("| 1 of 1 |") and overview.splitlines()[3].endswith("| 0 of 1 |")
     paired = controller_grid.paired({"good": good, "bad": bad})
     assert "| bad | 2 | +0.200 ± 0.000 | -0.500 ± 0.000 |" in paired
 
