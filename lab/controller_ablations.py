@@ -18,7 +18,8 @@ controller_ablations`).
 - `equilibrium_median` (`window`): the same toward the median of the last `window` (3) estimates; no better either.
 - `equilibrium_kalman` (`drift`, `groups`): log beta* followed by a Kalman filter whose measurement variance is each
   batch's grouped jackknife variance over its effective-sample-size share; holds the KL in the fast 32-sequence
-  cells as a fixed beta* does (the same README).
+  cells as a fixed beta* does (the same README), but on the default task, where the estimate moves with the policy,
+  it holds the KL worse than the shipped controller (`results/default_task_kalman/`).
 
 The equilibrium controller's approach is ablated through its constant (`--kwargs '{"approach_power": 0}'`), the
 tracking controller's lookahead through its constant (`--kwargs '{"lookahead": 0}'`). The tracking controller's EMA of
