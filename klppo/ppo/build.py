@@ -301,8 +301,8 @@ def check_critic_reads_policy_tokens(reward_fn) -> None:
 def enable_activation_checkpointing(actor_critic, args):
     """Turn on activation checkpointing when the arguments ask for it (transformers >= 5.20 names it activation
     checkpointing; earlier versions have only the gradient_* fields), and take the flags off `args`, the trainer's own
-    copy (`KLPPOConfig.for_model`), so that Trainer does not do it again. Returns the kwargs it was turned on with (None: off), which generation needs to turn it
-    back on after decoding."""
+    copy (`KLPPOConfig.for_model`), so that Trainer does not do it again. Returns the kwargs it was turned on with
+    (None: off), which generation needs to turn it back on after decoding."""
     if not (getattr(args, "activation_checkpointing", False) or args.gradient_checkpointing):
         return None
     kwargs = getattr(args, "activation_checkpointing_kwargs", None) or args.gradient_checkpointing_kwargs

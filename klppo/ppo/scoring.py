@@ -60,7 +60,8 @@ class RolloutScorer:
         for start in range(0, sequences.batch_size, self.chunk):
             rows = slice(start, start + self.chunk)
             seq = sequences.select(rows).without_padding_columns()
-            qr, attn, resp, pos = seq.query_responses, seq.attention_mask, seq.responses, position_ids_from_mask(seq.attention_mask)
+            qr, attn, resp = seq.query_responses, seq.attention_mask, seq.responses
+            pos = position_ids_from_mask(attn)
             logp = None if generated.logp is None else generated.logp[rows]
             logits = None if generated.logits is None else generated.logits[rows]
             values = None

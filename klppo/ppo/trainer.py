@@ -463,10 +463,10 @@ class KLPPOTrainer(Trainer):
     # ------------------------------------------------------------------ step 8: optimisation
     def optimise(self, rollout: Rollout, advantages: Advantages, kl_reading: float | None = None) -> OptimiseResult:
         """Step 8: `num_ppo_epochs` passes over shuffled mini-batches. A mini-batch accumulates gradients over
-        micro-batches (`klppo.ppo.update.micro_batch_loss`); before the last one's backward pass (under DeepSpeed, the accumulation
-        boundary that reduces the gradients), the step's checks (`StepChecks`: a non-finite loss, the KL guard
-        `klppo.ppo.guard.KLGuard`) decide, the same on every rank, whether its gradients are kept; then one optimizer
-        step (`_end_step`). A non-finite step ends the update when updates are rolled back (`rollback_updates`); the
+        micro-batches (`klppo.ppo.update.micro_batch_loss`); before the last one's backward pass (under DeepSpeed,
+        the accumulation boundary that reduces the gradients), the step's checks (`StepChecks`: a non-finite loss,
+        the KL guard `klppo.ppo.guard.KLGuard`) decide, the same on every rank, whether its gradients are kept; then
+        one optimizer step (`_end_step`). A non-finite step ends the update when updates are rolled back (`rollback_updates`); the
         guard ends it once the KL to the reference leaves its bounds. `kl_reading` (the rollout's controller
         statistic, `KLPenalty.reading`) is where the guard's estimate starts."""
         args, acc, model = self.args, self.accelerator, self.model_wrapped
