@@ -198,14 +198,14 @@ def micro_batch_loss(model, mb: Rollout, advantages: Advantages, idx: torch.Tens
     values = values[:, mb.context_length - 1 : -1].float() if values is not None else None
     logp = response_logprobs(logits, resp)
     # PPO's clipped losses, token means over the mini-batch's global token count
-    pg_tok, pg_clipped, _ = clipped_policy_loss(logp, mb.logp, advantages.advantages[idx], args.cliprange)
+    pg_tok, pg_clipped, to_old = clipped_policy_loss(logp, mb.logp, advantages.advantages[idx], args.cliprange)
     loss, value_loss, vf_clipped = aggregate_loss(pg_tok, mask, "token-mean", num_tokens=counts["num_tokens"]), None, None
     if values is not None:  # no critic: critic-free advantages
         vf_tok, vf_clipped = clipped_value_loss(values, mb.values, advantages.returns[idx], args.cliprange_value)
         value_loss = aggregate_loss(vf_tok, mask, "token-mean", num_tokens=counts["num_tokens"])
     # the log-ratios at the current policy: to the sampling policy, and to the reference from the rollout's
     # (0 after the stop token, where the sampled token was replaced by padding)
-    old_log_ratio = torch.where(mask.bool(), logp - mb.logp, 0.0)
+    old_log_ratio = torch.where(mask.bool(), to_old, 0.0)
     log_ratio = mb.log_ratio + old_log_ratio
     parts = ppo_statistics(logits, old_log_ratio, pg_clipped, vf_clipped, mask, share, policy=loss, value=value_loss)
     sample = guard_sample(log_ratio.detach(), old_log_ratio.detach(), mb.log_ratio, mask, plan.unit)
