@@ -284,13 +284,42 @@ class EquilibriumKalman(EquilibriumKLController):
         mean = sum(left_out) / len(left_out)
         measurement_var = (len(left_out) - 1) / len(left_out) * sum((b - mean) ** 2 for b in left_out)
         measurement_var = max(measurement_var, 1e-6) / max(self.ess, 1e-3)
-        prior = self.variance + self.drift**2
+        now = max(math.log(before), lo)
+        prior = self.variance + self.process_variance(self.estimate - now, measurement_var)
         gain = prior / (prior + measurement_var)
         self.variance = (1 - gain) * prior
-        now = max(math.log(before), lo)
         self.ess = gain  # logged as the step taken
         return self.from_log(now + gain * (self.estimate - now))
+
+    def process_variance(self, innovation: float, measurement_var: float) -> float:
+        """How far log beta* may have moved since the last update: ``drift ** 2``."""
+        return self.drift**2
 
     def reference_reset(self) -> None:
         super().reference_reset()
         self.variance = 1.0
+
+
+@register_kl_controller("equilibrium_kalman_adaptive")
+class EquilibriumKalmanAdaptive(EquilibriumKalman):
+    """`equilibrium_kalman` whose process variance is matched to its innovations (covariance matching, Mehra 1972):
+    the median over the last ``window`` updates of the innovation's square less what the filter expects of it (its
+    own variance plus the measurement's), floored at ``drift ** 2``. Noise around a still beta* leaves the median
+    below the floor; an estimate that moves with the policy keeps the innovations on one side, their squares above
+    what the filter expects, and the filter's variance open."""
+
+    def __init__(self, kl_coef: float, target: float, coef_min: float = 1e-4, coef_max: float = 10.0,
+                 approach_power: float = 0.75, optimum=None, drift: float = 0.05, groups: int = 8, window: int = 8):  # fmt: skip
+        super().__init__(kl_coef, target, coef_min, coef_max, approach_power, optimum, drift, groups)
+        self.window = int(window)
+        self.excess: list[float] = []
+
+    def process_variance(self, innovation: float, measurement_var: float) -> float:
+        import statistics
+
+        self.excess = [*self.excess, innovation**2 - self.variance - measurement_var][-self.window :]
+        return max(self.drift**2, statistics.median(self.excess))
+
+    def reference_reset(self) -> None:
+        super().reference_reset()
+        self.excess = []

@@ -271,6 +271,51 @@ def test_the_kalman_variant_weighs_an_estimate_by_its_jackknife_variance():
     assert c.update(1.0, 1) == pytest.approx(before) and c.variance == pytest.approx(variance_before + 0.01)
 
 
+def test_the_adaptive_kalman_variant_opens_its_variance_to_innovations_on_one_side():
+    """`equilibrium_kalman_adaptive` by hand, with the stub optimum above: 8 sequences in 4 groups spread the same
+    way around an estimate that keeps falling. The process variance is the median over the window of the
+    innovation's square less the filter's variance and the measurement's (the grouped jackknife's), floored at
+    drift^2. Innovations that stay on one side keep it above the floor, so the filter follows the estimate, where the
+    plain filter's variance closes and beta lags behind."""
+    import math
+    import statistics
+
+    import torch
+
+    from klppo.kl import get_kl_controller
+    from klppo.kl.optimum import KLOptimum
+
+    class Stub(KLOptimum):
+        def solve(self, r, d, target, lo, hi):
+            return min(max(float(torch.as_tensor(d).mean()), lo), hi)
+
+        def ess(self, b, r, d):
+            return 1.0
+
+    import_plugin("controller_ablations")
+    kwargs = dict(target=1.0, approach_power=0.0, optimum=Stub(), drift=0.05, groups=4)
+    adaptive = get_kl_controller("equilibrium_kalman_adaptive")(1.0, window=3, **kwargs)
+    plain = get_kl_controller("equilibrium_kalman")(1.0, **kwargs)
+    spread = torch.tensor([0.4, -0.2, 0.1, -0.5, 0.3, 0.2, -0.1, -0.2], dtype=torch.float64)
+    groups = torch.arange(8) % 4
+    left_out = [float(spread[groups != k].mean()) for k in range(4)]
+    measurement = 3 / 4 * sum((b - sum(left_out) / 4) ** 2 for b in left_out)
+    excess, variance, log_beta = [], 1.0, 0.0
+    for step in range(12):
+        estimate = -0.2 * step  # log beta* keeps falling
+        for c in (adaptive, plain):
+            c.observe_sequences([0.0, 1.0] * 4, (estimate + spread).tolist(), [1] * 8)
+            c.update(1.0, 1)
+        innovation = estimate - log_beta
+        excess = [*excess, innovation**2 - variance - measurement][-3:]
+        prior = variance + max(0.05**2, statistics.median(excess))
+        gain = prior / (prior + measurement)
+        variance, log_beta = (1 - gain) * prior, log_beta + gain * innovation
+        assert adaptive.variance == pytest.approx(variance) and math.log(adaptive.value) == pytest.approx(log_beta)
+    lag, plain_lag = estimate - math.log(adaptive.value), estimate - math.log(plain.value)
+    assert -0.5 < lag < 0 and plain_lag < 2 * lag  # both behind the falling estimate, the plain filter twice as far
+
+
 def test_one_batch_estimate_of_beta_star_is_consistent():
     """`lab.estimate_noise`: batches drawn from the optimum at beta* give estimates of log beta* that close in on
     it as the batch grows (4,000 sequences: within 0.05 on every one of 5 batches), and spread more at 32."""
