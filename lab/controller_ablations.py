@@ -283,13 +283,19 @@ class EquilibriumKalman(EquilibriumKLController):
             return new
         mean = sum(left_out) / len(left_out)
         measurement_var = (len(left_out) - 1) / len(left_out) * sum((b - mean) ** 2 for b in left_out)
-        measurement_var = max(measurement_var, 1e-6) / max(self.ess, 1e-3)
         now = max(math.log(before), lo)
-        prior = self.variance + self.process_variance(self.estimate - now, measurement_var)
-        gain = prior / (prior + measurement_var)
-        self.variance = (1 - gain) * prior
+        gain = self.filter_gain(self.estimate - now, max(measurement_var, 1e-6), self.ess)
         self.ess = gain  # logged as the step taken
         return self.from_log(now + gain * (self.estimate - now))
+
+    def filter_gain(self, innovation: float, jackknife_var: float, share: float) -> float:
+        """The Kalman gain, the measurement's variance its jackknife variance over the effective-sample-size share;
+        updates the state's variance."""
+        measurement_var = jackknife_var / max(share, 1e-3)
+        prior = self.variance + self.process_variance(innovation, measurement_var)
+        gain = prior / (prior + measurement_var)
+        self.variance = (1 - gain) * prior
+        return gain
 
     def process_variance(self, innovation: float, measurement_var: float) -> float:
         """How far log beta* may have moved since the last update: ``drift ** 2``."""
@@ -323,3 +329,22 @@ class EquilibriumKalmanAdaptive(EquilibriumKalman):
     def reference_reset(self) -> None:
         super().reference_reset()
         self.excess = []
+
+
+@register_kl_controller("equilibrium_kalman_gated")
+class EquilibriumKalmanGated(EquilibriumKalmanAdaptive):
+    """The shipped step where the batch is far from beta*, the Kalman filter's average near it: the gain is the
+    smaller of the effective-sample-size share (the shipped controller's gain) and the Kalman gain whose measurement
+    variance is the jackknife's alone. Far from the optimum the share is small and the shipped controller's approach
+    is kept; near it the share is close to 1 and the filter averages the batches' noise. The state's variance follows
+    the gain taken (Joseph's form). The process variance is `equilibrium_kalman_adaptive`'s; ``window=0`` fixes it
+    at ``drift ** 2``."""
+
+    def filter_gain(self, innovation: float, jackknife_var: float, share: float) -> float:
+        prior = self.variance + self.process_variance(innovation, jackknife_var)
+        gain = min(share, prior / (prior + jackknife_var))
+        self.variance = (1 - gain) ** 2 * prior + gain**2 * jackknife_var
+        return gain
+
+    def process_variance(self, innovation: float, measurement_var: float) -> float:
+        return super().process_variance(innovation, measurement_var) if self.window > 0 else self.drift**2

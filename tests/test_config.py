@@ -111,3 +111,17 @@ def test_each_documented_default_is_the_codes():
             code = field.default if field.default is not dataclasses.MISSING else field.default_factory()
             said = ast.literal_eval(documented[name])
             assert said == code and isinstance(said, bool) == isinstance(code, bool), (name, said, code)
+
+
+@pytest.mark.parametrize("mode, estimator, kwargs, groups", [
+    ("loss", "k2", None, 8), ("both", "k1", None, 8), ("loss", "k3", {"coef_min": 1e-3}, 8),
+    ("loss", "k2", {"jackknife_groups": 0}, 0), ("reward", "k1", None, None)])  # fmt: skip
+def test_the_equilibrium_controller_filters_its_estimate_by_default_with_a_kl_in_the_loss(mode, estimator, kwargs,
+                                                                                            groups):  # fmt: skip
+    """With a KL in the loss the equilibrium controller gets `jackknife_groups: 8` unless the user's mapping sets
+    it (0 keeps the filter off); with the KL in the reward its constants are the user's alone."""
+    args = KLControlConfig(kl_mode=mode, kl_estimator=estimator, kl_target=1.0, kl_controller_kwargs=kwargs)
+    assert args.kl_controller == "equilibrium"
+    assert (args.kl_controller_kwargs or {}).get("jackknife_groups") == groups
+    assert {k: v for k, v in (args.kl_controller_kwargs or {}).items() if k != "jackknife_groups"} == {
+        k: v for k, v in (kwargs or {}).items() if k != "jackknife_groups"}

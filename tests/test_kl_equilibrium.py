@@ -86,6 +86,55 @@ def test_one_step_moves_log_beta_by_the_effective_sample_size_share_of_the_way()
     assert new == pytest.approx(c.coef * (0.05 / 0.3) ** 0.75)  # the approach: the KL has not reached the target
 
 
+def _by_hand_filtered_step(r, d, log_beta, variance, groups=4, drift=0.1, target=0.3):
+    """One step of the filtered controller computed from the exact solve: the estimate b, its ESS share, the
+    grouped jackknife variance V (sequence i in group i mod K, each group left out in turn), the gain min(share,
+    P / (P + V)) with P = variance + drift^2, and the variance after it, (1 - g)^2 P + g^2 V."""
+    lo, hi = math.log(1e-4), math.log(10.0)
+    b = equilibrium_log_coef(r, d, target, lo, hi)
+    w = torch.softmax(math.exp(-b) * r - d, dim=0)
+    share = float(1 / (w * w).sum()) / len(r)
+    k = torch.arange(len(r)) % groups
+    left_out = [equilibrium_log_coef(r[k != j], d[k != j], target, lo, hi) for j in range(groups)]
+    mean = sum(left_out) / groups
+    spread = (groups - 1) / groups * sum((x - mean) ** 2 for x in left_out)
+    prior = variance + drift**2
+    gain = min(share, prior / (prior + spread))
+    return log_beta + gain * (b - log_beta), (1 - gain) ** 2 * prior + gain**2 * spread, gain, share
+
+
+def test_the_filtered_step_takes_the_smaller_of_the_share_and_the_kalman_gain():
+    """``jackknife_groups``: far from the batch's beta* (few sequences back the estimate) the step is the ESS share,
+    as without the filter; near it, where the share is close to 1, the Kalman gain of the filter's variance against
+    the estimate's jackknife variance, so a run of noisy batches is averaged. Six updates checked by hand, both
+    kinds of step among them."""
+    c = EquilibriumKLController(5.0, target=0.3, approach_power=0.0, jackknife_groups=4, drift=0.1)
+    log_beta, variance, kinds = math.log(5.0), 1.0, set()
+    for seed in range(6):
+        r, d, lengths = _batch(seed)
+        c.observe_sequences(r, d, lengths)
+        c.update(0.3, 64)
+        log_beta, variance, gain, share = _by_hand_filtered_step(r, d, log_beta, variance)
+        kinds.add("share" if gain == share else "kalman")
+        assert math.log(c.coef) == pytest.approx(log_beta) and c.variance == pytest.approx(variance)
+        assert c.gain == pytest.approx(gain) and c.ess == pytest.approx(share)
+    assert kinds == {"share", "kalman"}
+    c.reference_reset()
+    assert c.variance == 1.0 and math.log(c.coef) == pytest.approx(log_beta)
+
+
+def test_the_filter_takes_no_measurement_from_an_estimate_on_a_bound():
+    """An estimate on a coefficient bound tells only that beta* lies beyond it, and its left-out estimates agree on
+    the bound: beta stays and the filter's variance grows by drift^2. Without the filter the step is the share."""
+    r, d, lengths = _batch()
+    c = EquilibriumKLController(0.5, target=1e-3, coef_max=1.0, approach_power=0.0, jackknife_groups=4, drift=0.1)
+    c.observe_sequences(r, d, lengths)
+    assert c.update(0.3, 64) == 0.5 and c.variance == pytest.approx(1.01) and c.gain == 0.0
+    plain = EquilibriumKLController(0.5, target=1e-3, coef_max=1.0, approach_power=0.0)
+    plain.observe_sequences(r, d, lengths)
+    assert plain.update(0.3, 64) > 0.5 and plain.gain == plain.ess
+
+
 def test_the_approach_scales_beta_until_the_first_reading_at_the_target_then_leaves_it():
     """Below the target the coefficient in force is the equilibrium one times (kl / target) ** approach_power; from
     the first reading at or above the target on it is the equilibrium one, whatever later readings are."""
@@ -134,10 +183,11 @@ def test_beta_stays_without_sequences_or_with_a_batch_that_tells_nothing():
     assert c.update(0.01, 64) < 5.0  # and a batch that tells something moves it
 
 
-def test_state_round_trip_continues_identically():
+@pytest.mark.parametrize("kwargs", [{}, {"jackknife_groups": 8}])
+def test_state_round_trip_continues_identically(kwargs):
     import json
 
-    a, b = EquilibriumKLController(0.1, target=0.3), EquilibriumKLController(0.1, target=0.3)
+    a, b = EquilibriumKLController(0.1, target=0.3, **kwargs), EquilibriumKLController(0.1, target=0.3, **kwargs)
     for seed in range(3):
         a.observe_sequences(*_batch(seed))
         a.update(0.1, 64)
@@ -151,7 +201,10 @@ def test_state_round_trip_continues_identically():
 
 @pytest.mark.parametrize("kwargs, param", [({"target": 0.0}, "target"),
                                            ({"coef_min": 2.0, "coef_max": 1.0}, "coef_min"),
-                                           ({"approach_power": -1.0}, "approach_power")])
+                                           ({"approach_power": -1.0}, "approach_power"),
+                                           ({"jackknife_groups": 1}, "jackknife_groups"),
+                                           ({"jackknife_groups": 2.5}, "jackknife_groups"),
+                                           ({"drift": 0.0}, "drift")])
 def test_constructor_rejects_bad_values(kwargs, param):
     with pytest.raises(ValueError, match=param):
         EquilibriumKLController(0.1, **{"target": 0.3, **kwargs})

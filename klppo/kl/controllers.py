@@ -679,9 +679,11 @@ class TrackingKLController(LogSpaceController):
 class EquilibriumKLController(LogSpaceController):
     """Moves log beta toward the batch's estimate of beta*, the coefficient whose KL-regularised optimum has the
     target KL, by the share of the batch that backs the estimate (its effective sample size); until the KL first
-    reaches the target, beta is that times ``(kl / target) ** approach_power``. klppo's default with a ``kl_target``
-    wherever the configured KL's optimum is known (``k1`` in the reward; ``k2``, any ``X+``, ``corrected_k3``,
-    ``full`` or ``k3`` in the loss; the table in `docs/kl.md`).
+    reaches the target, beta is that times ``(kl / target) ** approach_power``. With ``jackknife_groups`` (8 by
+    default with a KL in the loss) the step is at most the gain of a Kalman filter on log beta*, which averages the
+    noisy estimates of small batches near beta*. klppo's default with a ``kl_target`` wherever the configured KL's
+    optimum is known (``k1`` in the reward; ``k2``, any ``X+``, ``corrected_k3``, ``full`` or ``k3`` in the loss; the
+    table in `docs/kl.md`).
 
     Per update, from the batch's scores ``r`` and log-ratios ``d = log pi(y) - log ref(y)`` (one per sequence,
     gathered over all ranks; see :class:`klppo.kl.optimum.KLOptimum`)::
@@ -689,6 +691,21 @@ class EquilibriumKLController(LogSpaceController):
         b = log beta such that KL_hat(pi_beta || ref) = target         (bisection within the bounds)
         g = ESS / n of the importance weights pi_beta / pi at b        (in (0, 1])
         log beta <- log beta + g * (b - log beta)
+
+    The filter (``jackknife_groups = K > 0``): the batch's estimate is a measurement of log beta* whose variance
+    ``V`` is its grouped jackknife variance (sequence ``i`` in group ``i mod K``, each group left out in turn and the
+    rest solved again), and the filter's variance ``P`` grows by ``drift ** 2`` per update::
+
+        P <- P + drift ** 2
+        g <- min(g, P / (P + V))
+        P <- (1 - g) ** 2 * P + g ** 2 * V
+
+    Far from beta* few sequences back the estimate, ``g`` (the share) is the smaller and the step is the one above;
+    near it the share is close to 1 and a batch of 32 sequences estimates log beta* within a spread of about 0.5
+    (with a long right tail), so the unfiltered step follows each batch's noise and the KL settles away from the
+    target. The filter then averages the batches. An estimate on a coefficient bound is no measurement: beta stays
+    and ``P`` grows by ``drift ** 2``. ``P`` starts at 1 and again at a reference reset. The measurements are in
+    `docs/results.md` ("The equilibrium controller").
 
     ``pi_beta`` is the optimum the configured KL trains toward at beta, given as ``optimum`` by the config
     (``KLControlConfig.kl_optimum``): the reverse-KL tilt ``ref * exp(r / (s * beta)) / Z`` (``s`` = 1, or 2 for
@@ -723,11 +740,20 @@ class EquilibriumKLController(LogSpaceController):
     reads_sequences = True
 
     def __init__(self, kl_coef: float, target: float, coef_min: float = 1e-4, coef_max: float = 10.0,
-                 approach_power: float = 0.75, optimum: Optional[KLOptimum] = None):
+                 approach_power: float = 0.75, optimum: Optional[KLOptimum] = None, jackknife_groups: int = 0,
+                 drift: float = 0.05):  # fmt: skip
         kl_coef = _check_positive(kl_coef, "kl_coef", "an adaptive controller needs an initial coefficient > 0 (e.g. 0.05)")
         self.target = _check_positive(target, "target", "set kl_target to the KL you want, e.g. 4 (nats/sequence)")
         self.coef_min, self.coef_max = _check_bounds(coef_min, coef_max)
         self.approach_power = _check_nonnegative(approach_power, "approach_power", "e.g. 0.75 (0 turns the approach off)")
+        groups = _as_float(jackknife_groups)
+        if not (groups == int(groups) and (groups == 0 or groups >= 2)):
+            raise ValueError(f"jackknife_groups must be 0 (no filter) or a whole number >= 2, got {jackknife_groups}; "
+                             "e.g. 8")
+        self.jackknife_groups = int(groups)
+        self.drift = _check_positive(drift, "drift", "e.g. 0.05 (how far log beta* may move in one update)")
+        self.variance = 1.0  # of the filtered log beta*, before any batch
+        self.gain: Optional[float] = None
         if optimum is not None and not isinstance(optimum, KLOptimum):
             raise TypeError(f"optimum must be a klppo.kl.optimum.KLOptimum, got {optimum!r}")
         self.optimum = KLOptimum() if optimum is None else optimum
@@ -739,9 +765,10 @@ class EquilibriumKLController(LogSpaceController):
         self._batch = None
 
     def reference_reset(self) -> None:
-        """The KL to the new reference starts again from 0, as at the start of a run: the approach re-arms (the
-        equilibrium coefficient itself carries over)."""
+        """The KL to the new reference starts again from 0, as at the start of a run: the approach re-arms and the
+        filter's variance starts again (the equilibrium coefficient itself carries over)."""
         self.arrived = self.approach_power == 0
+        self.variance = 1.0
 
     def observe_sequences(self, scores, log_ratios, lengths, unit: str = "sequence") -> None:
         """The batch the next :meth:`update` reads: each sequence's score, ``log pi(y) - log ref(y)`` and length
@@ -760,7 +787,7 @@ class EquilibriumKLController(LogSpaceController):
         """The equilibrium coefficient after this update's batch (unchanged by a batch that tells nothing)."""
         import torch
 
-        self.estimate = self.ess = None  # this batch's, for logging; nothing carries over between updates
+        self.estimate = self.ess = self.gain = None  # this batch's, for logging
         if self._batch is None:  # no sequences observed: nothing to estimate from
             return self.coef
         scores, log_ratios, lengths, unit = self._batch
@@ -778,7 +805,37 @@ class EquilibriumKLController(LogSpaceController):
         self.estimate = self.optimum.solve(r, d, target, lo, hi)
         self.ess = self.optimum.ess(self.estimate + math.log(self.optimum.scale), r, d)
         now = max(safe_log(self.coef), lo)
-        return self.from_log(now + self.ess * (self.estimate - now))
+        self.gain = self.ess
+        if self.jackknife_groups:
+            if min(self.estimate - lo, hi - self.estimate) < 1e-6:  # the target lies beyond the batch's reach
+                self.variance += self.drift**2
+                self.gain = 0.0
+                return self.coef
+            spread = self.jackknife_variance(r, d, target, lo, hi)
+            if spread is not None:
+                prior = self.variance + self.drift**2
+                self.gain = min(self.ess, prior / (prior + spread))
+                self.variance = (1 - self.gain) ** 2 * prior + self.gain**2 * spread
+        return self.from_log(now + self.gain * (self.estimate - now))
+
+    def jackknife_variance(self, r, d, target: float, lo: float, hi: float) -> Optional[float]:
+        """The grouped jackknife variance of the batch's estimate of log beta*: sequence ``i`` in group ``i mod
+        K`` (``K = jackknife_groups``), each group left out in turn and the rest solved again; ``(m - 1) / m``
+        times the sum of the ``m`` left-out estimates' squared deviations from their mean (at least 1e-6). None
+        when fewer than two groups leave a batch whose scores differ."""
+        import torch
+
+        groups = torch.arange(r.numel()) % min(self.jackknife_groups, r.numel())
+        left_out = []
+        for k in range(int(groups.max()) + 1):
+            keep = groups != k
+            if r[keep].max() > r[keep].min():
+                left_out.append(self.optimum.solve(r[keep], d[keep], target, lo, hi))
+        if len(left_out) < 2:
+            return None
+        m = len(left_out)
+        mean = sum(left_out) / m
+        return max((m - 1) / m * sum((b - mean) ** 2 for b in left_out), 1e-6)
 
     def metrics(self) -> dict:
         """What the trainer logs after each update: the equilibrium coefficient before the approach factor
@@ -786,20 +843,22 @@ class EquilibriumKLController(LogSpaceController):
         beta* (`kl/coef_estimate`) and the share of the batch backing it (`kl/ess`)."""
         out = {"kl/coef_equilibrium": self.coef}
         if self.estimate is not None:
-            out.update({"kl/coef_estimate": math.exp(self.estimate), "kl/ess": self.ess})
+            out.update({"kl/coef_estimate": math.exp(self.estimate), "kl/ess": self.ess, "kl/gain": self.gain})
         return out
 
     def _hparams(self) -> dict:
         return dict(target=self.target, coef_min=self.coef_min, coef_max=self.coef_max,
-                    approach_power=self.approach_power, optimum=self.optimum.describe())
+                    approach_power=self.approach_power, optimum=self.optimum.describe(),
+                    jackknife_groups=self.jackknife_groups, drift=self.drift)
 
     def _dynamic_state(self) -> dict:
-        return {"coef": self.coef, "arrived": self.arrived}
+        return {"coef": self.coef, "arrived": self.arrived, "variance": self.variance}
 
     def _load_dynamic_state(self, state: dict) -> None:
         # a state written before the approach existed holds beta alone, the equilibrium coefficient
         self.coef = float(state.get("coef", self._value))
         self.arrived = bool(state.get("arrived", True))
+        self.variance = float(state.get("variance", 1.0))
 
 
 def controller_table_markdown() -> str:
