@@ -20,6 +20,14 @@ controller_ablations`).
   batch's grouped jackknife variance over its effective-sample-size share; holds the KL in the fast 32-sequence
   cells as a fixed beta* does (the same README), but on the default task, where the estimate moves with the policy,
   it holds the KL worse than the shipped controller (`results/default_task_kalman/`).
+- `equilibrium_kalman_adaptive` (`drift`, `groups`, `window`): the same with its process variance matched to its
+  innovations; it does not follow the default task either: there the estimates far from beta are backed by few
+  sequences, and dividing their variance by the effective-sample-size share leaves the gain near 0
+  (`results/default_task_filtered/`).
+- `equilibrium_kalman_gated` (`drift`, `groups`, `window`): the step is the smaller of the shipped gain (the
+  share) and the Kalman gain on the jackknife variance alone; with `window=0` (a fixed drift) it is what klppo ships
+  as the equilibrium controller's `jackknife_groups` (8 by default with a KL in the loss). With `window=8` it is the
+  ablation of the matched process variance, which did not earn its place (the same README).
 
 The equilibrium controller's approach is ablated through its constant (`--kwargs '{"approach_power": 0}'`), the
 tracking controller's lookahead through its constant (`--kwargs '{"lookahead": 0}'`). The tracking controller's EMA of

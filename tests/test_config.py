@@ -117,11 +117,16 @@ def test_each_documented_default_is_the_codes():
     ("loss", "k2", None, 8), ("both", "k1", None, 8), ("loss", "k3", {"coef_min": 1e-3}, 8),
     ("loss", "k2", {"jackknife_groups": 0}, 0), ("reward", "k1", None, None)])  # fmt: skip
 def test_the_equilibrium_controller_filters_its_estimate_by_default_with_a_kl_in_the_loss(mode, estimator, kwargs,
-                                                                                            groups):  # fmt: skip
-    """With a KL in the loss the equilibrium controller gets `jackknife_groups: 8` unless the user's mapping sets
-    it (0 keeps the filter off); with the KL in the reward its constants are the user's alone."""
-    args = KLControlConfig(kl_mode=mode, kl_estimator=estimator, kl_target=1.0, kl_controller_kwargs=kwargs)
+                                                                                            groups, tmp_path):  # fmt: skip
+    """With a KL in the loss klppo's trainer gives the equilibrium controller `jackknife_groups: 8` unless the
+    user's mapping sets it (0 keeps the filter off), and records it among its automatic choices; with the KL in the
+    reward, and for TRL's trainers (`KLControlConfig` alone), the constants are the user's."""
+    args = KLPPOConfig(output_dir=str(tmp_path), kl_mode=mode, kl_estimator=estimator, kl_target=1.0,
+                       kl_controller_kwargs=kwargs)  # fmt: skip
     assert args.kl_controller == "equilibrium"
     assert (args.kl_controller_kwargs or {}).get("jackknife_groups") == groups
+    assert ("kl_controller_kwargs" in args.automatic) == (groups == 8 and "jackknife_groups" not in (kwargs or {}))
+    plain = KLControlConfig(kl_mode=mode, kl_estimator=estimator, kl_target=1.0, kl_controller_kwargs=kwargs)
+    assert plain.kl_controller_kwargs == kwargs
     assert {k: v for k, v in (args.kl_controller_kwargs or {}).items() if k != "jackknife_groups"} == {
         k: v for k, v in (kwargs or {}).items() if k != "jackknife_groups"}

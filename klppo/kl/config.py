@@ -15,10 +15,6 @@ from .estimators import kl_estimators
 from .penalty import KL_MODES, LOSS_AGG_MODES
 from .reduce import KL_STATISTIC_UNITS
 
-# the equilibrium controller's `jackknife_groups` with a KL in the loss, where its batches' estimates of beta* are
-# noisiest (the controller grid and the default task: docs/results.md, "The equilibrium controller")
-LOSS_JACKKNIFE_GROUPS = 8
-
 __all__ = ["KLControlConfig", "choice_error", "field_docs", "doc_metadata"]
 
 
@@ -92,8 +88,8 @@ KL_CONTROL_DOC = r"""
             constants and their defaults in its constructor (the controller table in `docs/kl.md`), and a key it
             does not declare is refused. E.g. `{"horizon": 10000}` for `adaptive`, `{"kp": 0.1, "ki": 0.3}` for
             `pid`, `{"coef_min": 1e-3}` for any controller with bounds. From a command line, a JSON string. `None`:
-            the controller's defaults, except that `equilibrium` with a KL in the loss (`kl_mode` `loss` or `both`)
-            gets `{"jackknife_groups": 8}` unless the mapping sets it (`0` turns that filter off).
+            the controller's defaults. klppo's trainer gives `equilibrium` with a KL in the loss (`kl_mode` `loss`
+            or `both`) `{"jackknife_groups": 8}` unless the mapping sets it (`0` turns that filter off).
         kl_value_clamp (`float` or `None`, *optional*, defaults to `None`):
             Opt-in clamp of every estimator's output to `[-v, v]` (OpenRLHF uses 10). Clamped tokens have zero
             gradient; their fraction is logged as `kl/clamped_frac`.
@@ -199,11 +195,6 @@ class KLControlConfig:
                     f"`kl_controller_kwargs` must be a mapping (JSON on a command line), got "
                     f"{self.kl_controller_kwargs!r}: {err}."
                 ) from None
-        kwargs = self.kl_controller_kwargs
-        if (self.kl_controller == "equilibrium" and "loss" in KL_MODES[self.kl_mode]
-                and (kwargs is None or isinstance(kwargs, dict) and "jackknife_groups" not in kwargs)):  # fmt: skip
-            # a KL in the loss: the equilibrium estimate filtered across batches (results/controller_grid/issue_grid)
-            self.kl_controller_kwargs = {**(self.kl_controller_kwargs or {}), "jackknife_groups": LOSS_JACKKNIFE_GROUPS}
         try:  # the controller's constants (gains, bounds, windows) are checked by building it once
             build_kl_controller(self)
         except (ValueError, TypeError) as err:

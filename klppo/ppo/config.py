@@ -20,6 +20,7 @@ from transformers import TrainingArguments
 from ..kl import divergence_followed
 from ..kl.config import KLControlConfig, choice_error, doc_metadata, field_docs
 from ..kl.estimators import kl_estimators
+from ..kl.penalty import KL_MODES
 from ..utils import none_from_text
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,9 @@ CACHE_IMPLEMENTATIONS = ("auto", "static", "dynamic")
 # other shape), replayed as a CUDA graph (`results/bench/gpu/`)
 DEFAULT_GENERATION_COMPILE = {"mode": "reduce-overhead", "dynamic": False}
 CRITIC_FREE_DEFAULT_GENERATIONS = 4
+# the equilibrium controller's `jackknife_groups` with a KL in the loss, where its batches' estimates of beta* are
+# noisiest (docs/results.md, "A KL in the loss")
+LOSS_JACKKNIFE_GROUPS = 8
 
 
 EXPERIMENTAL_DOC = r"""
@@ -433,6 +437,7 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
         self.experimental = ExperimentalSettings.parse(self.experimental)
         self._resolve_automatic()
         self.validate_kl_control()
+        self._resolve_controller_kwargs()
         self._validate_experimental()
         self._validate_ppo_fields()
         self._deepspeed_settings()
@@ -465,6 +470,14 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
         if fixed_length and self.kl_loss_agg_mode in ("seq-mean-token-mean", "seq-mean-token-sum-norm"):
             return 1.0, ""
         return super()._loss_weight()
+
+    def _resolve_controller_kwargs(self) -> None:
+        """With a KL in the loss the equilibrium controller filters its estimate of beta* across batches
+        (`jackknife_groups`, `docs/kl.md`) unless `kl_controller_kwargs` sets it; recorded in `self.automatic`."""
+        kwargs = self.kl_controller_kwargs or {}
+        if self.kl_controller == "equilibrium" and "loss" in KL_MODES[self.kl_mode] and "jackknife_groups" not in kwargs:
+            self.kl_controller_kwargs = {**kwargs, "jackknife_groups": LOSS_JACKKNIFE_GROUPS}
+            self.automatic["kl_controller_kwargs"] = self.kl_controller_kwargs
 
     def _resolve_automatic(self) -> None:
         """Every setting left unset for klppo to choose, chosen here (the model-dependent `learning_rate` in
