@@ -840,7 +840,8 @@ class EquilibriumKLController(LogSpaceController):
     def metrics(self) -> dict:
         """What the trainer logs after each update: the equilibrium coefficient before the approach factor
         (`kl/coef_equilibrium`, the same as `kl/coef` once the KL has reached the target), the batch's estimate of
-        beta* (`kl/coef_estimate`) and the share of the batch backing it (`kl/ess`)."""
+        beta* (`kl/coef_estimate`), the share of the batch backing it (`kl/ess`) and the step taken toward it
+        (`kl/gain`: the share, or less with ``jackknife_groups``)."""
         out = {"kl/coef_equilibrium": self.coef}
         if self.estimate is not None:
             out.update({"kl/coef_estimate": math.exp(self.estimate), "kl/ess": self.ess, "kl/gain": self.gain})
