@@ -114,13 +114,15 @@ def test_each_documented_default_is_the_codes():
 
 
 @pytest.mark.parametrize("mode, estimator, kwargs, groups", [
-    ("loss", "k2", None, 8), ("both", "k1", None, 8), ("loss", "k3", {"coef_min": 1e-3}, 8),
-    ("loss", "k2", {"jackknife_groups": 0}, 0), ("reward", "k1", None, None)])  # fmt: skip
+    ("loss", "k2", None, 8), ("loss", "k3+", {"coef_min": 1e-3}, 8), ("loss", "k2", {"jackknife_groups": 0}, 0),
+    ("loss", "k3", None, None), ("loss", "k3", {"jackknife_groups": 8}, 8), ("both", "k1", None, None),
+    ("reward", "k1", None, None)])  # fmt: skip
 def test_the_equilibrium_controller_filters_its_estimate_by_default_with_a_kl_in_the_loss(mode, estimator, kwargs,
                                                                                             groups, tmp_path):  # fmt: skip
-    """With a KL in the loss klppo's trainer gives the equilibrium controller `jackknife_groups: 8` unless the
-    user's mapping sets it (0 keeps the filter off), and records it among its automatic choices; with the KL in the
-    reward, and for TRL's trainers (`KLControlConfig` alone), the constants are the user's."""
+    """With a KL in the loss that trains toward the tilt (`k2`, `k3+`) klppo's trainer gives the equilibrium
+    controller `jackknife_groups: 8` unless the user's mapping sets it (0 keeps the filter off), and records it among
+    its automatic choices; with `k3` in the loss (its forward-KL optimum), a KL in the reward or in both, and for
+    TRL's trainers (`KLControlConfig` alone), the constants are the user's."""
     args = KLPPOConfig(output_dir=str(tmp_path), kl_mode=mode, kl_estimator=estimator, kl_target=1.0,
                        kl_controller_kwargs=kwargs)  # fmt: skip
     assert args.kl_controller == "equilibrium"

@@ -680,8 +680,8 @@ class EquilibriumKLController(LogSpaceController):
     """Moves log beta toward the batch's estimate of beta*, the coefficient whose KL-regularised optimum has the
     target KL, by the share of the batch that backs the estimate (its effective sample size); until the KL first
     reaches the target, beta is that times ``(kl / target) ** approach_power``. With ``jackknife_groups`` (8 by
-    default with a KL in the loss) the step is at most the gain of a Kalman filter on log beta*, which averages the
-    noisy estimates of small batches near beta*. klppo's default with a ``kl_target`` wherever the configured KL's
+    default in klppo's trainer with a KL in the loss whose optimum is the tilt) the step is at most the gain of a
+    Kalman filter on log beta*, which averages the noisy estimates of small batches near beta*. klppo's default with a ``kl_target`` wherever the configured KL's
     optimum is known (``k1`` in the reward; ``k2``, any ``X+``, ``corrected_k3``, ``full`` or ``k3`` in the loss; the
     table in `docs/kl.md`).
 

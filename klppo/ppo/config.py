@@ -20,7 +20,7 @@ from transformers import TrainingArguments
 from ..kl import divergence_followed
 from ..kl.config import KLControlConfig, choice_error, doc_metadata, field_docs
 from ..kl.estimators import kl_estimators
-from ..kl.penalty import KL_MODES
+from ..kl.optimum import REVERSE
 from ..utils import none_from_text
 
 logger = logging.getLogger(__name__)
@@ -472,10 +472,13 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
         return super()._loss_weight()
 
     def _resolve_controller_kwargs(self) -> None:
-        """With a KL in the loss the equilibrium controller filters its estimate of beta* across batches
-        (`jackknife_groups`, `docs/kl.md`) unless `kl_controller_kwargs` sets it; recorded in `self.automatic`."""
+        """With a KL in the loss that trains toward the tilt `ref * exp(r / beta) / Z` (`k2`, an `X+` estimator,
+        `corrected_k3`, `full`), the equilibrium controller filters its estimate of beta* across batches
+        (`jackknife_groups`, `docs/kl.md`) unless `kl_controller_kwargs` sets it; recorded in `self.automatic`. Not
+        with `k3` in the loss (its forward-KL optimum), where the filter measured no gain."""
         kwargs = self.kl_controller_kwargs or {}
-        if self.kl_controller == "equilibrium" and "loss" in KL_MODES[self.kl_mode] and "jackknife_groups" not in kwargs:
+        optimum = self.kl_optimum() if self.kl_controller == "equilibrium" and self.kl_mode == "loss" else None
+        if optimum is not None and optimum.divergence == REVERSE and "jackknife_groups" not in kwargs:
             self.kl_controller_kwargs = {**kwargs, "jackknife_groups": LOSS_JACKKNIFE_GROUPS}
             self.automatic["kl_controller_kwargs"] = self.kl_controller_kwargs
 
