@@ -123,16 +123,21 @@ def test_the_filtered_step_takes_the_smaller_of_the_share_and_the_kalman_gain():
     assert c.variance == 1.0 and math.log(c.coef) == pytest.approx(log_beta)
 
 
-def test_the_filter_takes_no_measurement_from_an_estimate_on_a_bound():
-    """An estimate on a coefficient bound tells only that beta* lies beyond it, and its left-out estimates agree on
-    the bound: beta stays and the filter's variance grows by drift^2. Without the filter the step is the share."""
+def test_an_estimate_on_a_bound_takes_the_unfiltered_step():
+    """An estimate on a coefficient bound has left-out estimates that agree on the bound (jackknife variance at its
+    floor), so the Kalman gain is about 1 and the step is the share, as without the filter: a target beyond the
+    batch's reach moves beta toward the bound as far as the unfiltered controller does, on either side."""
     r, d, lengths = _batch()
-    c = EquilibriumKLController(0.5, target=1e-3, coef_max=1.0, approach_power=0.0, jackknife_groups=4, drift=0.1)
-    c.observe_sequences(r, d, lengths)
-    assert c.update(0.3, 64) == 0.5 and c.variance == pytest.approx(1.01) and c.gain == 0.0
-    plain = EquilibriumKLController(0.5, target=1e-3, coef_max=1.0, approach_power=0.0)
-    plain.observe_sequences(r, d, lengths)
-    assert plain.update(0.3, 64) > 0.5 and plain.gain == plain.ess
+    for target, coef_max in ((1e-3, 1.0), (50.0, 10.0)):  # beta* above the upper bound; below the lower one
+        filtered = EquilibriumKLController(0.5, target=target, coef_max=coef_max, approach_power=0.0,
+                                           jackknife_groups=4, drift=0.1)  # fmt: skip
+        plain = EquilibriumKLController(0.5, target=target, coef_max=coef_max, approach_power=0.0)
+        for c in (filtered, plain):
+            c.observe_sequences(r, d, lengths)
+            c.update(target, 64)
+        assert filtered.estimate in (pytest.approx(math.log(coef_max)), pytest.approx(math.log(1e-4)))
+        assert filtered.gain == pytest.approx(filtered.ess, rel=1e-4) and filtered.coef == pytest.approx(plain.coef, rel=1e-4)
+        assert plain.gain == plain.ess and plain.coef != 0.5
 
 
 def test_the_approach_scales_beta_until_the_first_reading_at_the_target_then_leaves_it():

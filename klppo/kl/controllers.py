@@ -703,8 +703,9 @@ class EquilibriumKLController(LogSpaceController):
     Far from beta* few sequences back the estimate, ``g`` (the share) is the smaller and the step is the one above;
     near it the share is close to 1 and a batch of 32 sequences estimates log beta* within a spread of about 0.5
     (with a long right tail), so the unfiltered step follows each batch's noise and the KL settles away from the
-    target. The filter then averages the batches. An estimate on a coefficient bound is no measurement: beta stays
-    and ``P`` grows by ``drift ** 2``. ``P`` starts at 1 and again at a reference reset. The measurements are in
+    target. The filter then averages the batches. An estimate on a coefficient bound has left-out estimates that
+    agree on the bound (``V`` near 0), so its step is the share, as without the filter. ``P`` starts at 1 and again
+    at a reference reset. The measurements are in
     `docs/results.md` ("The equilibrium controller").
 
     ``pi_beta`` is the optimum the configured KL trains toward at beta, given as ``optimum`` by the config
@@ -807,10 +808,6 @@ class EquilibriumKLController(LogSpaceController):
         now = max(safe_log(self.coef), lo)
         self.gain = self.ess
         if self.jackknife_groups:
-            if min(self.estimate - lo, hi - self.estimate) < 1e-6:  # the target lies beyond the batch's reach
-                self.variance += self.drift**2
-                self.gain = 0.0
-                return self.coef
             spread = self.jackknife_variance(r, d, target, lo, hi)
             if spread is not None:
                 prior = self.variance + self.drift**2
