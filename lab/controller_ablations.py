@@ -26,7 +26,8 @@ controller_ablations`).
   (`results/default_task_filtered/`).
 - `equilibrium_kalman_gated` (`drift`, `groups`, `window`): the step is the smaller of the shipped gain (the
   share) and the Kalman gain on the jackknife variance alone; with `window=0` (a fixed drift) it is what klppo ships
-  as the equilibrium controller's `jackknife_groups` (8 by default with `k2` in the loss). With `window=8` it is the
+  as the equilibrium controller's `jackknife_groups` (8 by default with `k2` in the loss), except on a coefficient
+  bound, where this variant takes no step and klppo takes the share's. With `window=8` it is the
   ablation of the matched process variance, which did not earn its place (the same README).
 
 The equilibrium controller's approach is ablated through its constant (`--kwargs '{"approach_power": 0}'`), the
