@@ -124,9 +124,9 @@ def test_the_filtered_step_takes_the_smaller_of_the_share_and_the_kalman_gain():
 
 
 def test_an_estimate_on_a_bound_takes_the_unfiltered_step():
-    """An estimate on a coefficient bound has left-out estimates that agree on the bound (jackknife variance at its
-    floor), so the Kalman gain is about 1 and the step is the share, as without the filter: a target beyond the
-    batch's reach moves beta toward the bound as far as the unfiltered controller does, on either side."""
+    """An estimate on a coefficient bound says only that beta* lies beyond it: the step is the share, as without the
+    filter (a target beyond the batch's reach moves beta toward the bound as far as the unfiltered controller does,
+    on either side), and the filter takes no measurement from it: its variance grows by drift^2."""
     r, d, lengths = _batch()
     for target, coef_max in ((1e-3, 1.0), (50.0, 10.0)):  # beta* above the upper bound; below the lower one
         filtered = EquilibriumKLController(0.5, target=target, coef_max=coef_max, approach_power=0.0,
@@ -138,6 +138,7 @@ def test_an_estimate_on_a_bound_takes_the_unfiltered_step():
         assert filtered.estimate in (pytest.approx(math.log(coef_max)), pytest.approx(math.log(1e-4)))
         assert filtered.gain == pytest.approx(filtered.ess, rel=1e-4) and filtered.coef == pytest.approx(plain.coef, rel=1e-4)
         assert plain.gain == plain.ess and plain.coef != 0.5
+        assert filtered.variance == pytest.approx(1.0 + 0.1**2)  # no measurement: the variance only grows
 
 
 def test_the_approach_scales_beta_until_the_first_reading_at_the_target_then_leaves_it():
@@ -209,6 +210,7 @@ def test_state_round_trip_continues_identically(kwargs):
                                            ({"approach_power": -1.0}, "approach_power"),
                                            ({"jackknife_groups": 1}, "jackknife_groups"),
                                            ({"jackknife_groups": 2.5}, "jackknife_groups"),
+                                           ({"jackknife_groups": math.inf}, "jackknife_groups"),
                                            ({"drift": 0.0}, "drift")])
 def test_constructor_rejects_bad_values(kwargs, param):
     with pytest.raises(ValueError, match=param):

@@ -88,9 +88,9 @@ KL_CONTROL_DOC = r"""
             constants and their defaults in its constructor (the controller table in `docs/kl.md`), and a key it
             does not declare is refused. E.g. `{"horizon": 10000}` for `adaptive`, `{"kp": 0.1, "ki": 0.3}` for
             `pid`, `{"coef_min": 1e-3}` for any controller with bounds. From a command line, a JSON string. `None`:
-            the controller's defaults. klppo's trainer gives `equilibrium` with a KL in the loss that trains toward
-            the tilt (`k2`, an `X+` estimator, `corrected_k3`, `full`) `{"jackknife_groups": 8}` unless the mapping
-            sets it (`0` turns that filter off).
+            the controller's defaults. klppo's trainer gives `equilibrium` with `kl_mode: loss` and a KL that trains
+            toward the tilt (`k2`, an `X+` estimator, `corrected_k3`, `full`) `{"jackknife_groups": 8}` unless the
+            mapping sets it (`0` turns that filter off).
         kl_value_clamp (`float` or `None`, *optional*, defaults to `None`):
             Opt-in clamp of every estimator's output to `[-v, v]` (OpenRLHF uses 10). Clamped tokens have zero
             gradient; their fraction is logged as `kl/clamped_frac`.

@@ -703,9 +703,10 @@ class EquilibriumKLController(LogSpaceController):
     Far from beta* few sequences back the estimate, ``g`` (the share) is the smaller and the step is the one above;
     near it the share is close to 1 and a batch of 32 sequences estimates log beta* within a spread of about 0.5
     (with a long right tail), so the unfiltered step follows each batch's noise and the KL settles away from the
-    target. The filter then averages the batches. An estimate on a coefficient bound has left-out estimates that
-    agree on the bound (``V`` near 0), so its step is the share, as without the filter. ``P`` starts at 1 and again
-    at a reference reset. The measurements are in
+    target. The filter then averages the batches. An estimate on a coefficient bound says only that beta* lies beyond
+    it: its step is the share, as without the filter, and it is no measurement (``P`` grows by ``drift ** 2``). ``P``
+    starts at 1 and again at a reference reset. The left-out solves keep the whole batch's target (a per-token target
+    times the whole batch's mean length). The measurements are in
     `docs/results.md` ("The equilibrium controller").
 
     ``pi_beta`` is the optimum the configured KL trains toward at beta, given as ``optimum`` by the config
@@ -748,7 +749,7 @@ class EquilibriumKLController(LogSpaceController):
         self.coef_min, self.coef_max = _check_bounds(coef_min, coef_max)
         self.approach_power = _check_nonnegative(approach_power, "approach_power", "e.g. 0.75 (0 turns the approach off)")
         groups = _as_float(jackknife_groups)
-        if not (groups == int(groups) and (groups == 0 or groups >= 2)):
+        if not (math.isfinite(groups) and groups == int(groups) and (groups == 0 or groups >= 2)):
             raise ValueError(f"jackknife_groups must be 0 (no filter) or a whole number >= 2, got {jackknife_groups}; "
                              "e.g. 8")
         self.jackknife_groups = int(groups)
@@ -808,6 +809,9 @@ class EquilibriumKLController(LogSpaceController):
         now = max(safe_log(self.coef), lo)
         self.gain = self.ess
         if self.jackknife_groups:
+            if min(self.estimate - lo, hi - self.estimate) < 1e-6:  # only "beyond the bound": not a measurement
+                self.variance += self.drift**2
+                return self.from_log(now + self.gain * (self.estimate - now))
             spread = self.jackknife_variance(r, d, target, lo, hi)
             if spread is not None:
                 prior = self.variance + self.drift**2

@@ -481,6 +481,8 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
         if optimum is not None and optimum.divergence == REVERSE and "jackknife_groups" not in kwargs:
             self.kl_controller_kwargs = {**kwargs, "jackknife_groups": LOSS_JACKKNIFE_GROUPS}
             self.automatic["kl_controller_kwargs"] = self.kl_controller_kwargs
+            logger.info("Set by klppo: kl_controller_kwargs=%s (the equilibrium controller's filter with a KL in the "
+                        "loss; `jackknife_groups: 0` turns it off).", self.kl_controller_kwargs)
 
     def _resolve_automatic(self) -> None:
         """Every setting left unset for klppo to choose, chosen here (the model-dependent `learning_rate` in
