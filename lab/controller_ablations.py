@@ -281,19 +281,11 @@ class EquilibriumKalman(EquilibriumKLController):
         if min(self.estimate - lo, hi - self.estimate) < 1e-6:  # the target lies beyond the batch's reach: no measurement
             self.variance += self.drift**2
             return before
-        groups = torch.arange(r.numel()) % min(self.groups, r.numel())
-        count = int(groups.max()) + 1
-        left_out = []
-        for k in range(count):
-            keep = groups != k
-            if r[keep].max() > r[keep].min():
-                left_out.append(self.optimum.solve(r[keep], d[keep], target, lo, hi))
-        if len(left_out) < 2:
+        measurement_var = self.jackknife_variance(r, d, target, lo, hi, self.groups)
+        if measurement_var is None:
             return new
-        mean = sum(left_out) / len(left_out)
-        measurement_var = (len(left_out) - 1) / len(left_out) * sum((b - mean) ** 2 for b in left_out)
         now = max(math.log(before), lo)
-        gain = self.filter_gain(self.estimate - now, max(measurement_var, 1e-6), self.ess)
+        gain = self.filter_gain(self.estimate - now, measurement_var, self.ess)
         self.ess = gain  # logged as the step taken
         return self.from_log(now + gain * (self.estimate - now))
 

@@ -234,6 +234,23 @@ def test_the_window_variant_steps_toward_the_mean_of_its_recent_estimates():
         assert window.update(1.0, 1) == pytest.approx(expected)
 
 
+def _mean_log_ratio_optimum():
+    """A stub optimum for the Kalman variants' hand computations: its estimate of log beta* is the mean log-ratio of
+    the sequences it is given (within the bounds), backed by the whole batch."""
+    import torch
+
+    from klppo.kl.optimum import KLOptimum
+
+    class MeanLogRatio(KLOptimum):
+        def solve(self, r, d, target, lo, hi):
+            return min(max(float(torch.as_tensor(d).mean()), lo), hi)
+
+        def ess(self, b, r, d):
+            return 1.0
+
+    return MeanLogRatio()
+
+
 def test_the_kalman_variant_weighs_an_estimate_by_its_jackknife_variance():
     """`equilibrium_kalman` by hand: a stub optimum whose estimate of log beta* is the mean log-ratio of the
     sequences it is given, 8 sequences in 4 groups; the measurement variance is the grouped jackknife's, the gain
@@ -244,17 +261,9 @@ def test_the_kalman_variant_weighs_an_estimate_by_its_jackknife_variance():
     import torch
 
     from klppo.kl import get_kl_controller
-    from klppo.kl.optimum import KLOptimum
-
-    class Stub(KLOptimum):
-        def solve(self, r, d, target, lo, hi):
-            return min(max(float(torch.as_tensor(d).mean()), lo), hi)
-
-        def ess(self, b, r, d):
-            return 1.0
 
     import_plugin("controller_ablations")
-    c = get_kl_controller("equilibrium_kalman")(0.5, target=1.0, approach_power=0.0, optimum=Stub(), drift=0.1, groups=4)
+    c = get_kl_controller("equilibrium_kalman")(0.5, target=1.0, approach_power=0.0, optimum=_mean_log_ratio_optimum(), drift=0.1, groups=4)
     scores, d = [0.0, 1.0] * 4, torch.tensor([0.1, 0.3, 0.2, 0.9, 0.5, 0.4, 0.0, 0.6], dtype=torch.float64)
     c.observe_sequences(scores, d.tolist(), [1] * 8)
     groups = torch.arange(8) % 4
@@ -283,17 +292,9 @@ def test_the_adaptive_kalman_variant_opens_its_variance_to_innovations_on_one_si
     import torch
 
     from klppo.kl import get_kl_controller
-    from klppo.kl.optimum import KLOptimum
-
-    class Stub(KLOptimum):
-        def solve(self, r, d, target, lo, hi):
-            return min(max(float(torch.as_tensor(d).mean()), lo), hi)
-
-        def ess(self, b, r, d):
-            return 1.0
 
     import_plugin("controller_ablations")
-    kwargs = dict(target=1.0, approach_power=0.0, optimum=Stub(), drift=0.05, groups=4)
+    kwargs = dict(target=1.0, approach_power=0.0, optimum=_mean_log_ratio_optimum(), drift=0.05, groups=4)
     adaptive = get_kl_controller("equilibrium_kalman_adaptive")(1.0, window=3, **kwargs)
     plain = get_kl_controller("equilibrium_kalman")(1.0, **kwargs)
     spread = torch.tensor([0.4, -0.2, 0.1, -0.5, 0.3, 0.2, -0.1, -0.2], dtype=torch.float64)

@@ -681,9 +681,9 @@ class EquilibriumKLController(LogSpaceController):
     target KL, by the share of the batch that backs the estimate (its effective sample size); until the KL first
     reaches the target, beta is that times ``(kl / target) ** approach_power``. With ``jackknife_groups`` (8 by
     default in klppo's trainer with a KL in the loss whose optimum is the tilt) the step is at most the gain of a
-    Kalman filter on log beta*, which averages the noisy estimates of small batches near beta*. klppo's default with a ``kl_target`` wherever the configured KL's
-    optimum is known (``k1`` in the reward; ``k2``, any ``X+``, ``corrected_k3``, ``full`` or ``k3`` in the loss; the
-    table in `docs/kl.md`).
+    Kalman filter on log beta*, which averages the noisy estimates of small batches near beta*. klppo's default with a
+    ``kl_target`` wherever the configured KL's optimum is known (``k1`` in the reward; ``k2``, any ``X+``,
+    ``corrected_k3``, ``full`` or ``k3`` in the loss; the table in `docs/kl.md`).
 
     Per update, from the batch's scores ``r`` and log-ratios ``d = log pi(y) - log ref(y)`` (one per sequence,
     gathered over all ranks; see :class:`klppo.kl.optimum.KLOptimum`)::
@@ -706,8 +706,7 @@ class EquilibriumKLController(LogSpaceController):
     target. The filter then averages the batches. An estimate on a coefficient bound says only that beta* lies beyond
     it: its step is the share, as without the filter, and it is no measurement (``P`` grows by ``drift ** 2``). ``P``
     starts at 1 and again at a reference reset. The left-out solves keep the whole batch's target (a per-token target
-    times the whole batch's mean length). The measurements are in
-    `docs/results.md` ("The equilibrium controller").
+    times the whole batch's mean length). The measurements are in `docs/results.md` ("A KL in the loss").
 
     ``pi_beta`` is the optimum the configured KL trains toward at beta, given as ``optimum`` by the config
     (``KLControlConfig.kl_optimum``): the reverse-KL tilt ``ref * exp(r / (s * beta)) / Z`` (``s`` = 1, or 2 for
@@ -808,25 +807,23 @@ class EquilibriumKLController(LogSpaceController):
         self.ess = self.optimum.ess(self.estimate + math.log(self.optimum.scale), r, d)
         now = max(safe_log(self.coef), lo)
         self.gain = self.ess
-        if self.jackknife_groups:
-            if min(self.estimate - lo, hi - self.estimate) < 1e-6:  # only "beyond the bound": not a measurement
-                self.variance += self.drift**2
-                return self.from_log(now + self.gain * (self.estimate - now))
-            spread = self.jackknife_variance(r, d, target, lo, hi)
-            if spread is not None:
-                prior = self.variance + self.drift**2
-                self.gain = min(self.ess, prior / (prior + spread))
-                self.variance = (1 - self.gain) ** 2 * prior + self.gain**2 * spread
+        on_bound = min(self.estimate - lo, hi - self.estimate) < 1e-6  # says only "beyond the bound"
+        if self.jackknife_groups and on_bound:  # the share's step; no measurement for the filter
+            self.variance += self.drift**2
+        elif self.jackknife_groups and (spread := self.jackknife_variance(r, d, target, lo, hi)) is not None:
+            prior = self.variance + self.drift**2
+            self.gain = min(self.ess, prior / (prior + spread))
+            self.variance = (1 - self.gain) ** 2 * prior + self.gain**2 * spread
         return self.from_log(now + self.gain * (self.estimate - now))
 
-    def jackknife_variance(self, r, d, target: float, lo: float, hi: float) -> Optional[float]:
+    def jackknife_variance(self, r, d, target: float, lo: float, hi: float, groups: Optional[int] = None):
         """The grouped jackknife variance of the batch's estimate of log beta*: sequence ``i`` in group ``i mod
-        K`` (``K = jackknife_groups``), each group left out in turn and the rest solved again; ``(m - 1) / m``
-        times the sum of the ``m`` left-out estimates' squared deviations from their mean (at least 1e-6). None
-        when fewer than two groups leave a batch whose scores differ."""
+        K`` (``K = groups``, by default ``jackknife_groups``), each group left out in turn and the rest solved again;
+        ``(m - 1) / m`` times the sum of the ``m`` left-out estimates' squared deviations from their mean (at least
+        1e-6). None when fewer than two groups leave a batch whose scores differ."""
         import torch
 
-        groups = torch.arange(r.numel()) % min(self.jackknife_groups, r.numel())
+        groups = torch.arange(r.numel()) % min(groups or self.jackknife_groups, r.numel())
         left_out = []
         for k in range(int(groups.max()) + 1):
             keep = groups != k
