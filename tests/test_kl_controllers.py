@@ -616,7 +616,7 @@ def test_a_controller_written_with_the_old_hook_names_still_steps_and_reads_the_
 
     assert Variant.next_coef is Variant.__dict__["_step"] and Variant.equilibrium_coef is Variant.__dict__["_equilibrium_step"]
     assert EquilibriumKLController._step is EquilibriumKLController.next_coef
-    variant, original = Variant(0.1, target=0.3), EquilibriumKLController(0.1, target=0.3)
+    variant, original = Variant(0.1, target=0.3, hold_power=0.0), EquilibriumKLController(0.1, target=0.3, hold_power=0.0)
     assert variant.update(0.6, 8) == 0.123 != original.update(0.6, 8) and variant.stepped
 
 

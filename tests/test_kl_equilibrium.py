@@ -143,26 +143,41 @@ def test_an_estimate_on_a_bound_takes_the_unfiltered_step():
 
 def test_the_approach_scales_beta_until_the_first_reading_at_the_target_then_leaves_it():
     """Below the target the coefficient in force is the equilibrium one times (kl / target) ** approach_power; from
-    the first reading at or above the target on it is the equilibrium one, whatever later readings are."""
-    c = EquilibriumKLController(0.1, target=0.3, approach_power=2.0)
+    the first reading at or above the target on it is the equilibrium one, whatever later readings are (without the
+    hold, `hold_power=0`)."""
+    c = EquilibriumKLController(0.1, target=0.3, approach_power=2.0, hold_power=0.0)
     got = [c.update(kl, 64) for kl in (0.0, -0.1, 0.15, 0.3, 0.15, 0.0)]
     assert got[:2] == [1e-4, 1e-4]  # no KL yet (k1 can read below 0): coef_min
     assert got[2] == pytest.approx(0.1 * 0.5**2)
     assert got[3:] == [0.1, 0.1, 0.1] and c.coef == 0.1 and c.arrived  # no sequences observed: coef stays
-    off = EquilibriumKLController(0.1, target=0.3, approach_power=0.0)
+    off = EquilibriumKLController(0.1, target=0.3, approach_power=0.0, hold_power=0.0)
     assert off.arrived and [off.update(kl, 64) for kl in (0.0, 0.15)] == [0.1, 0.1]
+
+
+def test_the_hold_scales_beta_by_the_reading_once_the_kl_has_arrived():
+    """From the first reading at the target on, the coefficient in force is the equilibrium one times (kl / target)
+    ** hold_power, the ratio within [1/e, e] (a reading at or below 0 counts as target / e); the equilibrium
+    coefficient itself is not moved by it, and a reading at the target gives it exactly."""
+    c = EquilibriumKLController(0.1, target=0.3, approach_power=2.0, hold_power=0.5)
+    assert c.update(0.15, 64) == pytest.approx(0.1 * 0.5**2) and not c.arrived  # the approach, not the hold
+    got = [c.update(kl, 64) for kl in (0.3, 0.6, 0.15, 3.0, 0.0, 0.3)]
+    assert c.arrived and c.coef == 0.1  # no sequences observed: the equilibrium coefficient stays
+    assert got[0] == 0.1 and got[-1] == 0.1
+    assert got[1:5] == pytest.approx([0.1 * 2**0.5, 0.1 * 0.5**0.5, 0.1 * math.e**0.5, 0.1 * math.e**-0.5])
+    bounded = EquilibriumKLController(9.0, target=0.3, approach_power=0.0, hold_power=2.0)
+    assert bounded.update(3.0, 64) == 10.0  # within the coefficient bounds
 
 
 def test_a_reference_reset_re_arms_the_approach_and_keeps_the_equilibrium_coefficient():
     """After a reset the KL to the new reference starts from 0, as at the start of a run: the approach applies again
     until a reading reaches the target, from the equilibrium coefficient the first segment ended with."""
-    c = EquilibriumKLController(0.1, target=0.3, approach_power=2.0)
+    c = EquilibriumKLController(0.1, target=0.3, approach_power=2.0, hold_power=0.0)
     assert c.update(0.3, 64) == 0.1 and c.arrived
     c.reference_reset()
     assert not c.arrived and c.coef == 0.1
     assert c.update(0.0, 64) == 1e-4 and c.update(0.15, 64) == pytest.approx(0.1 * 0.5**2)
     assert c.update(0.3, 64) == 0.1 and c.arrived
-    off = EquilibriumKLController(0.1, target=0.3, approach_power=0.0)
+    off = EquilibriumKLController(0.1, target=0.3, approach_power=0.0, hold_power=0.0)
     off.reference_reset()
     assert off.arrived and off.update(0.0, 64) == 0.1
 
@@ -178,7 +193,7 @@ def test_a_per_token_target_becomes_a_per_sequence_one_by_the_mean_length():
 
 def test_beta_stays_without_sequences_or_with_a_batch_that_tells_nothing():
     r, d, lengths = _batch()
-    c = EquilibriumKLController(5.0, target=0.3, approach_power=0.0)
+    c = EquilibriumKLController(5.0, target=0.3, approach_power=0.0, hold_power=0.0)
     assert c.update(0.01, 64) == 5.0  # no sequences observed
     for scores, ratios in ((r[:0], d[:0]), (torch.full_like(r, math.nan), d), (r, torch.full_like(d, math.inf)),
                            (torch.zeros_like(r), d)):  # empty, non-finite, every score equal (no tilt)
@@ -208,6 +223,7 @@ def test_state_round_trip_continues_identically(kwargs):
 @pytest.mark.parametrize("kwargs, param", [({"target": 0.0}, "target"),
                                            ({"coef_min": 2.0, "coef_max": 1.0}, "coef_min"),
                                            ({"approach_power": -1.0}, "approach_power"),
+                                           ({"hold_power": -0.5}, "hold_power"),
                                            ({"jackknife_groups": 1}, "jackknife_groups"),
                                            ({"jackknife_groups": 2.5}, "jackknife_groups"),
                                            ({"jackknife_groups": math.inf}, "jackknife_groups"),
@@ -291,7 +307,7 @@ def test_a_state_saved_before_the_approach_existed_resumes_at_its_beta_without_t
     c = EquilibriumKLController(0.1, target=0.3)
     c.load_state_dict(state)
     assert (c.value, c.coef, c.arrived) == (0.4, 0.4, True)
-    assert c.update(0.01, 64) == 0.4  # a low reading no longer scales it
+    assert c.update(0.01, 64) == pytest.approx(0.4 * math.exp(-0.5))  # the hold's factor, not the approach's
 
 
 # ---------------------------------------------------------------------------------------------

@@ -203,7 +203,8 @@ def test_the_integral_variants_of_the_equilibrium_controller():
     assert approach.update(0.5, 1) == pytest.approx(0.5 * factor * math.exp(0.1 * math.log(0.5)))
     assert approach.update(0.5, 1) == pytest.approx(0.5 * factor * math.exp(0.2 * math.log(0.5)))
     assert approach.update(1.0, 1) == pytest.approx(0.5) and approach.approach_sum == 0.0  # arrived: dropped
-    pi = get_kl_controller("equilibrium_pi")(0.5, target=1.0, integral_gain=0.05, approach_power=0.0)
+    pi = get_kl_controller("equilibrium_pi")(0.5, target=1.0, integral_gain=0.05, approach_power=0.0,
+                                             hold_power=0.0)  # fmt: skip
     assert pi.update(2.0, 1) == pytest.approx(0.5 * math.exp(0.05 * math.log(2.0)))
     assert pi.update(math.e**5, 1) == pytest.approx(0.5 * math.exp(0.05 * math.log(2.0) + 0.05 * 2.0))
     assert pi.update(0.5, 1) == pytest.approx(0.5 * math.exp(0.05 * (math.log(2.0) + 2.0 + math.log(0.5))))

@@ -736,17 +736,27 @@ class EquilibriumKLController(LogSpaceController):
     fast: the KL arrives no sooner, and overshoots while beta sits near ``coef_min``. The measurements, on the
     one-token bandit's speed grid and on the default task, are in `docs/results.md` ("The equilibrium
     controller").
+
+    The hold: once the KL has arrived, the coefficient in force is the equilibrium one times ``(kl / target) **
+    hold_power`` (0.5), the ratio within [1/e, e]. beta* is the coefficient whose *optimum* has the target KL; a policy
+    that lags behind that optimum (a slow learning rate, an update cut short by the guard) holds a KL below the target
+    at beta*, and one that runs ahead of it a KL above. The factor answers the KL measured now, without a sum, so
+    nothing winds up while the policy lags; it is 1 at the target, so a policy at the optimum of beta* keeps beta*.
+    ``hold_power=0`` turns it off. The equilibrium coefficient itself (``kl/coef_equilibrium``) does not see the
+    factor. Measured on the bandit's grid and the default task in `docs/results.md` ("The hold").
     """
 
     reads_sequences = True
 
     def __init__(self, kl_coef: float, target: float, coef_min: float = 1e-4, coef_max: float = 10.0,
                  approach_power: float = 0.75, optimum: Optional[KLOptimum] = None, jackknife_groups: int = 0,
-                 drift: float = 0.05):  # fmt: skip
+                 drift: float = 0.05, hold_power: float = 0.5):  # fmt: skip
         kl_coef = _check_positive(kl_coef, "kl_coef", "an adaptive controller needs an initial coefficient > 0 (e.g. 0.05)")
         self.target = _check_positive(target, "target", "set kl_target to the KL you want, e.g. 4 (nats/sequence)")
         self.coef_min, self.coef_max = _check_bounds(coef_min, coef_max)
         self.approach_power = _check_nonnegative(approach_power, "approach_power", "e.g. 0.75 (0 turns the approach off)")
+        self.hold_power = _check_nonnegative(hold_power, "hold_power", "e.g. 0.5 (0: beta is the equilibrium coefficient "
+                                             "once the KL has arrived)")  # fmt: skip
         groups = _as_float(jackknife_groups)
         if not (math.isfinite(groups) and groups == int(groups) and (groups == 0 or groups >= 2)):
             raise ValueError(f"jackknife_groups must be 0 (no filter) or a whole number >= 2, got {jackknife_groups}; "
@@ -780,9 +790,9 @@ class EquilibriumKLController(LogSpaceController):
         self.last_error = math.log(max(kl, self.target / math.e) / self.target)
         self.coef = self.equilibrium_coef()
         self.arrived = self.arrived or kl >= self.target
-        if self.arrived:
-            return self.coef
-        return self.from_log(safe_log(self.coef) + self.approach_power * safe_log(max(kl, 0.0) / self.target))
+        if not self.arrived:
+            return self.from_log(safe_log(self.coef) + self.approach_power * safe_log(max(kl, 0.0) / self.target))
+        return min(max(self.coef * math.exp(self.hold_power * min(self.last_error, 1.0)), self.coef_min), self.coef_max)
 
     def equilibrium_coef(self) -> float:
         """The equilibrium coefficient after this update's batch (unchanged by a batch that tells nothing)."""
@@ -836,8 +846,8 @@ class EquilibriumKLController(LogSpaceController):
         return max((m - 1) / m * sum((b - mean) ** 2 for b in left_out), 1e-6)
 
     def metrics(self) -> dict:
-        """What the trainer logs after each update: the equilibrium coefficient before the approach factor
-        (`kl/coef_equilibrium`, the same as `kl/coef` once the KL has reached the target), the batch's estimate of
+        """What the trainer logs after each update: the equilibrium coefficient before the approach's or the hold's
+        factor (`kl/coef_equilibrium`; `kl/coef` is the coefficient in force), the batch's estimate of
         beta* (`kl/coef_estimate`), the share of the batch backing it (`kl/ess`) and the step taken toward it
         (`kl/gain`: the share, or less with ``jackknife_groups``)."""
         out = {"kl/coef_equilibrium": self.coef}
@@ -847,7 +857,7 @@ class EquilibriumKLController(LogSpaceController):
 
     def _hparams(self) -> dict:
         return dict(target=self.target, coef_min=self.coef_min, coef_max=self.coef_max,
-                    approach_power=self.approach_power, optimum=self.optimum.describe(),
+                    approach_power=self.approach_power, hold_power=self.hold_power, optimum=self.optimum.describe(),
                     jackknife_groups=self.jackknife_groups, drift=self.drift)
 
     def _dynamic_state(self) -> dict:
