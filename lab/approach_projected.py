@@ -1,7 +1,8 @@
 """A variant of the equilibrium controller's approach, tried and not kept, registered as ``equilibrium_projected``
 for ablations: until the KL first reaches the target, beta is the equilibrium coefficient times
 ``(projected / target) ** approach_power`` with ``projected = kl + max(kl - previous, 0)`` (the reading plus its
-last rise), and the first reading applies no factor. The guard is on by default only for the built-in
+last rise), and the first reading applies no factor. After the KL arrives, beta is the equilibrium coefficient alone
+(the variant predates the shipped controller's hold). The guard is on by default only for the built-in
 controllers' names, so the commands set it (from the repository root):
 
     python -m lab.controller_grid --plugin approach_projected \\

@@ -4,7 +4,8 @@ controller_ablations`).
 
 - `equilibrium_full_step`: no effective-sample-size gain; log beta goes straight to the batch's estimate.
 - `equilibrium_ema`: a constant gain of 0.3 (an EMA of the estimate) instead of the effective sample size.
-  (These two ran before the approach existed; with it, add `--kwargs '{"approach_power": 0}'` to repeat them.)
+  (These two ran before the approach and the hold existed; add `--kwargs '{"approach_power": 0, "hold_power": 0}'`
+  to repeat them.)
 - `tracking_no_startup`: the tracking controller armed from the first update: no start-up hold and no cap on
   beta's rise during the approach (the start-up rule with its exception).
 - `tracking_no_antiwindup`: the integral is not kept inside the coefficient bounds (only beta itself is).
@@ -29,6 +30,10 @@ controller_ablations`).
   as the equilibrium controller's `jackknife_groups` (8 by default with `k2` in the loss), except on a coefficient
   bound, where this variant takes no step and klppo takes the share's. With `window=8` it is the
   ablation of the matched process variance, which did not earn its place (the same README).
+
+Every equilibrium variant here was measured before the shipped controller had its hold (beta times `(KL /
+target) ** hold_power` once the KL has arrived) and runs without it (`hold_power` 0), so that its command repeats
+what it measured; the hold itself is ablated through its constant (`--kwargs '{"hold_power": 0}'`).
 
 The equilibrium controller's approach is ablated through its constant (`--kwargs '{"approach_power": 0}'`), the
 tracking controller's lookahead through its constant (`--kwargs '{"lookahead": 0}'`). The tracking controller's EMA of
@@ -150,11 +155,11 @@ class EquilibriumWithApproachIntegral(EquilibriumKLController):
     """The equilibrium controller whose approach also integrates: until the KL first reaches the target, log beta
     goes down further by ``approach_integral`` times the sum, over the updates so far, of ``log(kl / target)`` (each
     term at least -2), so that a policy that stays below the target for long is held back less and less. The sum is
-    dropped when the KL arrives (beta is then the equilibrium coefficient, as in the shipped controller) and at a
-    reference reset."""
+    dropped when the KL arrives (beta is then the equilibrium coefficient, as in the shipped controller without its
+    hold) and at a reference reset."""
 
     def __init__(self, *args, approach_integral: float = 0.1, **kwargs):
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, **{"hold_power": 0.0, **kwargs})
         self.approach_integral = float(approach_integral)
         self.approach_sum = 0.0
 
@@ -182,7 +187,7 @@ class EquilibriumWithIntegral(EquilibriumKLController):
     target ``I`` stops moving, and a policy at the optimum of beta has beta = beta*."""
 
     def __init__(self, *args, integral_gain: float = 0.05, **kwargs):
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, **{"hold_power": 0.0, **kwargs})
         self.integral_gain = float(integral_gain)
         self.integral = 0.0
 
@@ -207,8 +212,8 @@ class EquilibriumOverAWindow(EquilibriumKLController):
     close to 1) beta follows a 32-sequence batch's sampling noise less. The window is emptied at a reference reset."""
 
     def __init__(self, kl_coef: float, target: float, coef_min: float = 1e-4, coef_max: float = 10.0,
-                 approach_power: float = 0.75, optimum=None, window: int = 4):  # fmt: skip
-        super().__init__(kl_coef, target, coef_min, coef_max, approach_power, optimum)
+                 approach_power: float = 0.75, optimum=None, window: int = 4, hold_power: float = 0.0):  # fmt: skip
+        super().__init__(kl_coef, target, coef_min, coef_max, approach_power, optimum, hold_power=hold_power)
         self.window = int(window)
         self.recent: list[tuple[float, float]] = []
 
@@ -240,8 +245,8 @@ class EquilibriumOverAMedian(EquilibriumOverAWindow):
     middle one."""
 
     def __init__(self, kl_coef: float, target: float, coef_min: float = 1e-4, coef_max: float = 10.0,
-                 approach_power: float = 0.75, optimum=None, window: int = 3):  # fmt: skip
-        super().__init__(kl_coef, target, coef_min, coef_max, approach_power, optimum, window)
+                 approach_power: float = 0.75, optimum=None, window: int = 3, hold_power: float = 0.0):  # fmt: skip
+        super().__init__(kl_coef, target, coef_min, coef_max, approach_power, optimum, window, hold_power)
 
     def pooled(self) -> float:
         import statistics
@@ -258,8 +263,9 @@ class EquilibriumKalman(EquilibriumKLController):
     in one). Many small noisy batches are averaged; one large clean batch moves beta at once."""
 
     def __init__(self, kl_coef: float, target: float, coef_min: float = 1e-4, coef_max: float = 10.0,
-                 approach_power: float = 0.75, optimum=None, drift: float = 0.05, groups: int = 8):  # fmt: skip
-        super().__init__(kl_coef, target, coef_min, coef_max, approach_power, optimum)
+                 approach_power: float = 0.75, optimum=None, drift: float = 0.05, groups: int = 8,
+                 hold_power: float = 0.0):  # fmt: skip
+        super().__init__(kl_coef, target, coef_min, coef_max, approach_power, optimum, hold_power=hold_power)
         self.drift, self.groups = float(drift), int(groups)
         self.variance = 1.0  # of log beta*, before any batch
 
@@ -316,8 +322,9 @@ class EquilibriumKalmanAdaptive(EquilibriumKalman):
     what the filter expects, and the filter's variance open."""
 
     def __init__(self, kl_coef: float, target: float, coef_min: float = 1e-4, coef_max: float = 10.0,
-                 approach_power: float = 0.75, optimum=None, drift: float = 0.05, groups: int = 8, window: int = 8):  # fmt: skip
-        super().__init__(kl_coef, target, coef_min, coef_max, approach_power, optimum, drift, groups)
+                 approach_power: float = 0.75, optimum=None, drift: float = 0.05, groups: int = 8, window: int = 8,
+                 hold_power: float = 0.0):  # fmt: skip
+        super().__init__(kl_coef, target, coef_min, coef_max, approach_power, optimum, drift, groups, hold_power)
         self.window = int(window)
         self.excess: list[float] = []
 

@@ -151,7 +151,7 @@ def test_the_approach_scales_beta_until_the_first_reading_at_the_target_then_lea
     assert got[2] == pytest.approx(0.1 * 0.5**2)
     assert got[3:] == [0.1, 0.1, 0.1] and c.coef == 0.1 and c.arrived  # no sequences observed: coef stays
     off = EquilibriumKLController(0.1, target=0.3, approach_power=0.0, hold_power=0.0)
-    assert off.arrived and [off.update(kl, 64) for kl in (0.0, 0.15)] == [0.1, 0.1]
+    assert [off.update(kl, 64) for kl in (0.0, 0.15)] == [0.1, 0.1] and not off.arrived
 
 
 def test_the_hold_scales_beta_by_the_reading_once_the_kl_has_arrived():
@@ -162,10 +162,13 @@ def test_the_hold_scales_beta_by_the_reading_once_the_kl_has_arrived():
     assert c.update(0.15, 64) == pytest.approx(0.1 * 0.5**2) and not c.arrived  # the approach, not the hold
     got = [c.update(kl, 64) for kl in (0.3, 0.6, 0.15, 3.0, 0.0, 0.3)]
     assert c.arrived and c.coef == 0.1  # no sequences observed: the equilibrium coefficient stays
-    assert got[0] == 0.1 and got[-1] == 0.1
-    assert got[1:5] == pytest.approx([0.1 * 2**0.5, 0.1 * 0.5**0.5, 0.1 * math.e**0.5, 0.1 * math.e**-0.5])
-    bounded = EquilibriumKLController(9.0, target=0.3, approach_power=0.0, hold_power=2.0)
-    assert bounded.update(3.0, 64) == 10.0  # within the coefficient bounds
+    assert got == pytest.approx([0.1, 0.1 * 2**0.5, 0.1 * 0.5**0.5, 0.1 * math.e**0.5, 0.1 * math.e**-0.5, 0.1])
+    high = EquilibriumKLController(9.0, target=0.3, approach_power=0.0, hold_power=2.0)
+    assert high.update(0.15, 64) == 9.0 and not high.arrived  # no approach and no hold before the KL arrives
+    assert high.update(3.0, 64) == 10.0 and high.update(0.3, 64) == pytest.approx(9.0)  # within the bounds
+    low = EquilibriumKLController(2e-4, target=0.3, approach_power=0.0, hold_power=2.0)
+    assert low.update(0.3, 64) == pytest.approx(2e-4) and low.update(0.0, 64) == 1e-4
+    assert EquilibriumKLController(0.1, target=0.3, hold_power=1e4).update(3.0, 64) == 10.0  # no overflow
 
 
 def test_a_reference_reset_re_arms_the_approach_and_keeps_the_equilibrium_coefficient():
@@ -179,7 +182,7 @@ def test_a_reference_reset_re_arms_the_approach_and_keeps_the_equilibrium_coeffi
     assert c.update(0.3, 64) == 0.1 and c.arrived
     off = EquilibriumKLController(0.1, target=0.3, approach_power=0.0, hold_power=0.0)
     off.reference_reset()
-    assert off.arrived and off.update(0.0, 64) == 0.1
+    assert off.update(0.0, 64) == 0.1 and not off.arrived
 
 
 def test_a_per_token_target_becomes_a_per_sequence_one_by_the_mean_length():
@@ -209,15 +212,17 @@ def test_state_round_trip_continues_identically(kwargs):
     import json
 
     a, b = EquilibriumKLController(0.1, target=0.3, **kwargs), EquilibriumKLController(0.1, target=0.3, **kwargs)
+    readings = [0.1, 0.35, 0.2, 0.5, 0.3, 0.25]  # arrives at the second: the approach, then the hold
     for seed in range(3):
         a.observe_sequences(*_batch(seed))
-        a.update(0.1, 64)
+        a.update(readings[seed], 64)
+    assert a.arrived
     b.load_state_dict(json.loads(json.dumps(a.state_dict(), allow_nan=False)))
     for seed in range(3, 6):
         for c in (a, b):
             c.observe_sequences(*_batch(seed))
-            c.update(0.1, 64)
-    assert a.state_dict() == b.state_dict()
+            c.update(readings[seed], 64)
+    assert a.state_dict() == b.state_dict() and a.value != a.coef
 
 
 @pytest.mark.parametrize("kwargs, param", [({"target": 0.0}, "target"),

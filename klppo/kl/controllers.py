@@ -729,8 +729,8 @@ class EquilibriumKLController(LogSpaceController):
     The approach: until the KL statistic first reaches the target, the coefficient in force is the one above
     times ``(kl / target) ** approach_power`` (``kl`` the update's statistic; a statistic at or below 0 gives
     ``coef_min``). A policy still far from the target is held back less, so the KL arrives sooner than at beta*
-    itself; the factor is 1 at the target, and from the first reading at or above it on the coefficient is the
-    equilibrium one alone, so the fixed point is untouched. ``approach_power=0`` turns it off. It helps where the
+    itself; the factor is 1 at the target, and from the first reading at or above it on the hold (below) takes its
+    place, so the fixed point is untouched. ``approach_power=0`` turns it off. It helps where the
     policy is slow, where beta* itself would bring the KL to the target only near the end of a run; a higher power
     brings the KL sooner and keeps beta's second-half mean further below beta*. It can cost where the policy is
     fast: the KL arrives no sooner, and overshoots while beta sits near ``coef_min``. The measurements, on the
@@ -769,8 +769,8 @@ class EquilibriumKLController(LogSpaceController):
             raise TypeError(f"optimum must be a klppo.kl.optimum.KLOptimum, got {optimum!r}")
         self.optimum = KLOptimum() if optimum is None else optimum
         super().__init__(min(max(kl_coef, self.coef_min), self.coef_max))
-        self.coef = self._value  # the equilibrium coefficient; `value` is it times the approach factor until arrival
-        self.arrived = self.approach_power == 0  # has a reading reached the target yet
+        self.coef = self._value  # the equilibrium coefficient; `value` is it times the approach's or the hold's factor
+        self.arrived = False  # has a reading reached the target yet
         self.estimate: Optional[float] = None  # the latest batch's, for logging only
         self.ess: Optional[float] = None
         self._batch = None
@@ -778,7 +778,7 @@ class EquilibriumKLController(LogSpaceController):
     def reference_reset(self) -> None:
         """The KL to the new reference starts again from 0, as at the start of a run: the approach re-arms and the
         filter's variance starts again (the equilibrium coefficient itself carries over)."""
-        self.arrived = self.approach_power == 0
+        self.arrived = False
         self.variance = 1.0
 
     def observe_sequences(self, scores, log_ratios, lengths, unit: str = "sequence") -> None:
@@ -791,8 +791,12 @@ class EquilibriumKLController(LogSpaceController):
         self.coef = self.equilibrium_coef()
         self.arrived = self.arrived or kl >= self.target
         if not self.arrived:
+            if not self.approach_power:
+                return self.coef
             return self.from_log(safe_log(self.coef) + self.approach_power * safe_log(max(kl, 0.0) / self.target))
-        return min(max(self.coef * math.exp(self.hold_power * min(self.last_error, 1.0)), self.coef_min), self.coef_max)
+        if not self.hold_power:
+            return self.coef
+        return self.from_log(safe_log(self.coef) + self.hold_power * min(self.last_error, 1.0))
 
     def equilibrium_coef(self) -> float:
         """The equilibrium coefficient after this update's batch (unchanged by a batch that tells nothing)."""
