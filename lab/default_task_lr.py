@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 from klppo.kl.tracking import mean_and_standard_error, tracking_stats
 
@@ -66,11 +67,12 @@ def summarise(folder: Path) -> dict:
             "reward_rise": verdict["reward_rise"]}
 
 
-def table(out: Path, seeds: list[int]) -> str:
+def table(out: Path, seeds: list[int], lrs: Optional[list[str]] = None) -> str:
+    """The finished runs of ``seeds`` (and of ``lrs``, all when None) in ``out``."""
     groups: dict[str, list[dict]] = {}
     for folder in sorted(p for p in out.iterdir() if (p / "summary.json").exists()):
         lr, seed = folder.name[2:].split("_seed")
-        if int(seed) not in seeds:
+        if int(seed) not in seeds or (lrs is not None and float(lr) not in map(float, lrs)):
             continue
         groups.setdefault(lr, []).append(summarise(folder))
     lines = ["| LoRA lr | seeds | tracking error | in band | peak KL / target | geo-mean beta | reward rise "
@@ -92,7 +94,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--table", action="store_true",
-                        help="print the table of the finished runs of --seeds in --out and exit")
+                        help="print the table of the finished runs of --lrs and --seeds in --out and exit")
     parser.add_argument("--plugin", help="a module to import first, the lab's by its short name (one that registers "
                                          "a controller or a guard)")
     args, extra = parser.parse_known_args()
@@ -102,7 +104,7 @@ def main() -> None:
         for lr in args.lrs:
             for seed in args.seeds:
                 run(lr, seed, args.out, extra, args.plugin)
-    print(table(args.out, args.seeds), end="")
+    print(table(args.out, args.seeds, args.lrs), end="")
 
 
 if __name__ == "__main__":

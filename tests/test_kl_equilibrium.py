@@ -312,7 +312,7 @@ def test_a_state_saved_before_the_approach_existed_resumes_at_its_beta_without_t
     c = EquilibriumKLController(0.1, target=0.3)
     c.load_state_dict(state)
     assert (c.value, c.coef, c.arrived) == (0.4, 0.4, True)
-    assert c.update(0.01, 64) == pytest.approx(0.4 * math.exp(-0.5))  # the hold's factor, not the approach's
+    assert c.update(0.01, 64) == pytest.approx(0.4 * math.exp(-1.0))  # the hold's factor, not the approach's
 
 
 # ---------------------------------------------------------------------------------------------

@@ -119,6 +119,10 @@ def test_the_default_task_table_by_hand(tmp_path):
     table = default_task_lr.table(tmp_path, [1, 2])
     assert "| 5e-4 | 2 | 0.0625 ± 0.062 | 0.75 ± 0.25 |" in table and table.rstrip().endswith("| 1/2 |")
     assert "| 5e-4 | 1 |" in default_task_lr.table(tmp_path, [1])
+    write_default_run(tmp_path / "lr2.5e-4_seed1", [4.0, 4.0], [0.1, 0.1])
+    assert "| 2.5e-4 | 1 |" in default_task_lr.table(tmp_path, [1]) and "| 5e-4 |" in default_task_lr.table(tmp_path, [1])
+    only = default_task_lr.table(tmp_path, [1], ["2.5e-4"])
+    assert "| 2.5e-4 | 1 |" in only and "| 5e-4 |" not in only
 
 
 def test_the_reset_runs_by_segment_and_paired(tmp_path):

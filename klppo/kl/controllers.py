@@ -738,7 +738,7 @@ class EquilibriumKLController(LogSpaceController):
     controller").
 
     The hold: once the KL has arrived, the coefficient in force is the equilibrium one times ``(kl / target) **
-    hold_power`` (0.5), the ratio within [1/e, e]. beta* is the coefficient whose *optimum* has the target KL; a policy
+    hold_power`` (1), the ratio within [1/e, e]. beta* is the coefficient whose *optimum* has the target KL; a policy
     that lags behind that optimum (a slow learning rate, an update cut short by the guard) holds a KL below the target
     at beta*, and one that runs ahead of it a KL above. The factor answers the KL measured now, without a sum, so
     nothing winds up while the policy lags; it is 1 at the target, so a policy at the optimum of beta* keeps beta*.
@@ -750,12 +750,12 @@ class EquilibriumKLController(LogSpaceController):
 
     def __init__(self, kl_coef: float, target: float, coef_min: float = 1e-4, coef_max: float = 10.0,
                  approach_power: float = 0.75, optimum: Optional[KLOptimum] = None, jackknife_groups: int = 0,
-                 drift: float = 0.05, hold_power: float = 0.5):  # fmt: skip
+                 drift: float = 0.05, hold_power: float = 1.0):  # fmt: skip
         kl_coef = _check_positive(kl_coef, "kl_coef", "an adaptive controller needs an initial coefficient > 0 (e.g. 0.05)")
         self.target = _check_positive(target, "target", "set kl_target to the KL you want, e.g. 4 (nats/sequence)")
         self.coef_min, self.coef_max = _check_bounds(coef_min, coef_max)
         self.approach_power = _check_nonnegative(approach_power, "approach_power", "e.g. 0.75 (0 turns the approach off)")
-        self.hold_power = _check_nonnegative(hold_power, "hold_power", "e.g. 0.5 (0: beta is the equilibrium coefficient "
+        self.hold_power = _check_nonnegative(hold_power, "hold_power", "e.g. 1 (0: beta is the equilibrium coefficient "
                                              "once the KL has arrived)")  # fmt: skip
         groups = _as_float(jackknife_groups)
         if not (math.isfinite(groups) and groups == int(groups) and (groups == 0 or groups >= 2)):
