@@ -124,21 +124,38 @@ def test_the_filtered_step_takes_the_smaller_of_the_share_and_the_kalman_gain():
 
 
 def test_an_estimate_on_a_bound_takes_the_unfiltered_step():
-    """An estimate on a coefficient bound says only that beta* lies beyond it: the step is the share, as without the
-    filter (a target beyond the batch's reach moves beta toward the bound as far as the unfiltered controller does,
-    on either side), and the filter takes no measurement from it: its variance grows by drift^2."""
+    """An estimate on a coefficient bound says only that beta* lies beyond it: with the KL measured on that side of
+    the target (above it for the upper bound, below for the lower) the step is the share, as without the filter (a
+    target beyond the batch's reach moves beta toward the bound as far as the unfiltered controller does, on either
+    side), and the filter takes no measurement from it: its variance grows by drift^2."""
     r, d, lengths = _batch()
-    for target, coef_max in ((1e-3, 1.0), (50.0, 10.0)):  # beta* above the upper bound; below the lower one
+    for target, coef_max, kl in ((1e-3, 1.0, 1e-2), (50.0, 10.0, 5.0)):  # beta* above the upper bound; below the lower
         filtered = EquilibriumKLController(0.5, target=target, coef_max=coef_max, approach_power=0.0,
-                                           jackknife_groups=4, drift=0.1)  # fmt: skip
-        plain = EquilibriumKLController(0.5, target=target, coef_max=coef_max, approach_power=0.0)
+                                           jackknife_groups=4, drift=0.1, hold_power=0.0)  # fmt: skip
+        plain = EquilibriumKLController(0.5, target=target, coef_max=coef_max, approach_power=0.0, hold_power=0.0)
         for c in (filtered, plain):
             c.observe_sequences(r, d, lengths)
-            c.update(target, 64)
+            c.update(kl, 64)
         assert filtered.estimate in (pytest.approx(math.log(coef_max)), pytest.approx(math.log(1e-4)))
         assert filtered.gain == pytest.approx(filtered.ess, rel=1e-4) and filtered.coef == pytest.approx(plain.coef, rel=1e-4)
         assert plain.gain == plain.ess and plain.coef != 0.5
         assert filtered.variance == pytest.approx(1.0 + 0.1**2)  # no measurement: the variance only grows
+
+
+def test_an_estimate_on_a_bound_against_the_kl_measured_takes_no_step():
+    """A batch whose estimate lies on the upper bound while the KL measured is at or below the target (or on the
+    lower bound while it is at or above) cannot represent the optimum at the target: its importance weights are too
+    noisy (on the one-token bandit, a batch from a policy at the target whose estimated KL of ``ref`` itself exceeds
+    the target). It tells nothing, as a batch of equal scores: the equilibrium coefficient stays, with or without the
+    filter, and the filter's variance is untouched."""
+    r, d, lengths = _batch()
+    for target, coef_max, kl in ((1e-3, 1.0, 1e-3), (1e-3, 1.0, 5e-4), (50.0, 10.0, 50.0), (50.0, 10.0, 80.0)):
+        for groups in (0, 4):
+            c = EquilibriumKLController(0.5, target=target, coef_max=coef_max, approach_power=0.0,
+                                        jackknife_groups=groups, drift=0.1, hold_power=0.0)  # fmt: skip
+            c.observe_sequences(r, d, lengths)
+            assert c.update(kl, 64) == 0.5 and c.coef == 0.5 and c.gain == 0.0 and c.variance == 1.0
+            assert c.estimate in (pytest.approx(math.log(coef_max)), pytest.approx(math.log(1e-4)))
 
 
 def test_the_approach_scales_beta_until_the_first_reading_at_the_target_then_leaves_it():

@@ -704,8 +704,12 @@ class EquilibriumKLController(LogSpaceController):
     near it the share is close to 1 and a batch of 32 sequences estimates log beta* within a spread of about 0.5
     (with a long right tail), so the unfiltered step follows each batch's noise and the KL settles away from the
     target. The filter then averages the batches. An estimate on a coefficient bound says only that beta* lies beyond
-    it: its step is the share, as without the filter, and it is no measurement (``P`` grows by ``drift ** 2``). ``P``
-    starts at 1 and again at a reference reset. The left-out solves keep the whole batch's target (a per-token target
+    it: its step is the share, as without the filter, and it is no measurement (``P`` grows by ``drift ** 2``). It
+    takes that step only when the KL measured now agrees (above the target for the upper bound, below it for the
+    lower); otherwise the batch's weights cannot represent the optimum at the target at all (with ``pi_beta`` near
+    ``ref``, the self-normalised estimate of ``KL(ref || ref)`` is ``-log mean exp(-d)``, which a batch of a policy at
+    the target can put above it), and the batch tells nothing: beta and ``P`` stay. ``P`` starts at 1 and again at a
+    reference reset. The left-out solves keep the whole batch's target (a per-token target
     times the whole batch's mean length). The measurements are in `docs/results.md` ("A KL in the loss").
 
     ``pi_beta`` is the optimum the configured KL trains toward at beta, given as ``optimum`` by the config
@@ -822,6 +826,11 @@ class EquilibriumKLController(LogSpaceController):
         now = max(safe_log(self.coef), lo)
         self.gain = self.ess
         on_bound = min(self.estimate - lo, hi - self.estimate) < 1e-6  # says only "beyond the bound"
+        if on_bound and (self.last_error <= 0 if hi - self.estimate < 1e-6 else self.last_error >= 0):
+            # beyond the bound, but the KL measured now is not on that side of the target: the batch's weights
+            # cannot represent the optimum at the target (importance-sampling noise), so it tells nothing
+            self.gain = 0.0
+            return self.coef
         if self.jackknife_groups and on_bound:  # the share's step; no measurement for the filter
             self.variance += self.drift**2
         elif self.jackknife_groups and (spread := self.jackknife_variance(r, d, target, lo, hi)) is not None:
