@@ -58,13 +58,13 @@ from klppo.ppo.guard import LOWER, KLGuard, register_kl_guard
 
 
 class _ConstantGain(EquilibriumKLController):
-    gain = 1.0
+    constant_gain = 1.0  # not `gain`: the controller sets that on the instance (the step it took, for logging)
 
     def equilibrium_coef(self):
         before = self.coef
         new = super().equilibrium_coef()
-        if self.ess is not None:
-            self.ess = self.gain  # recompute the step with a constant gain
+        if self.ess is not None and self.gain != 0.0:  # a batch that tells nothing takes no step here either
+            self.ess = self.gain = self.constant_gain  # recompute the step with a constant gain
             import math
 
             now = math.log(before)
@@ -74,12 +74,12 @@ class _ConstantGain(EquilibriumKLController):
 
 @register_kl_controller("equilibrium_full_step")
 class FullStep(_ConstantGain):
-    gain = 1.0
+    constant_gain = 1.0
 
 
 @register_kl_controller("equilibrium_ema")
 class Ema(_ConstantGain):
-    gain = 0.3
+    constant_gain = 0.3
 
 
 @register_kl_guard("no_low_side")
@@ -222,7 +222,7 @@ class EquilibriumOverAWindow(EquilibriumKLController):
 
         before = self.coef
         new = super().equilibrium_coef()
-        if self.estimate is None:
+        if self.estimate is None or self.gain == 0.0:  # no batch, or one that tells nothing
             return new
         self.recent = [*self.recent, (self.estimate, self.ess)][-self.window :]
         now = max(math.log(before), self.log_bounds()[0])

@@ -330,3 +330,20 @@ def test_one_batch_estimate_of_beta_star_is_consistent():
     large, small = estimates(4000, 5), estimates(32, 40)
     assert float(large.abs().max()) < 0.05
     assert float(small.std()) > 3 * float(large.std())
+
+
+def test_the_constant_gain_ablations_step_by_their_constant():
+    """`equilibrium_full_step` goes straight to the batch's estimate of log beta*, `equilibrium_ema` 0.3 of the way
+    (not the effective-sample-size share the shipped controller takes)."""
+    import torch
+
+    from lab.controller_ablations import Ema, FullStep
+
+    g = torch.Generator().manual_seed(0)
+    r, d = torch.randint(0, 2, (64,), generator=g).double(), 0.2 * torch.randn(64, generator=g, dtype=torch.float64)
+    for cls, constant in ((FullStep, 1.0), (Ema, 0.3)):
+        c = cls(0.5, target=0.3, approach_power=0.0, hold_power=0.0)
+        c.observe_sequences(r, d, torch.full((64,), 12.0))
+        new = c.update(0.3, 64)
+        assert c.gain == constant and c.ess == constant
+        assert math.log(new) == pytest.approx(math.log(0.5) + constant * (c.estimate - math.log(0.5)))

@@ -708,9 +708,10 @@ class EquilibriumKLController(LogSpaceController):
     takes that step only when the KL measured now agrees (above the target for the upper bound, below it for the
     lower); otherwise the batch's weights cannot represent the optimum at the target at all (with ``pi_beta`` near
     ``ref``, the self-normalised estimate of ``KL(ref || ref)`` is ``-log mean exp(-d)``, which a batch of a policy at
-    the target can put above it), and the batch tells nothing: beta and ``P`` stay. ``P`` starts at 1 and again at a
-    reference reset. The left-out solves keep the whole batch's target (a per-token target
-    times the whole batch's mean length). The measurements are in `docs/results.md` ("A KL in the loss").
+    the target can put above it), and the batch tells nothing: beta and ``P`` stay, with or without the filter
+    (`docs/results.md`, "A batch on a bound"). ``P`` starts at 1 and again at a reference reset. The left-out solves
+    keep the whole batch's target (a per-token target times the whole batch's mean length). The measurements are in
+    `docs/results.md` ("A KL in the loss").
 
     ``pi_beta`` is the optimum the configured KL trains toward at beta, given as ``optimum`` by the config
     (``KLControlConfig.kl_optimum``): the reverse-KL tilt ``ref * exp(r / (s * beta)) / Z`` (``s`` = 1, or 2 for
@@ -826,7 +827,8 @@ class EquilibriumKLController(LogSpaceController):
         now = max(safe_log(self.coef), lo)
         self.gain = self.ess
         on_bound = min(self.estimate - lo, hi - self.estimate) < 1e-6  # says only "beyond the bound"
-        if on_bound and (self.last_error <= 0 if hi - self.estimate < 1e-6 else self.last_error >= 0):
+        agrees = self.last_error is None or (self.last_error > 0 if hi - self.estimate < 1e-6 else self.last_error < 0)
+        if on_bound and not agrees:
             # beyond the bound, but the KL measured now is not on that side of the target: the batch's weights
             # cannot represent the optimum at the target (importance-sampling noise), so it tells nothing
             self.gain = 0.0
