@@ -96,9 +96,23 @@ def test_the_grid_table_and_the_paired_difference():
     table = controller_grid.table(good)
     assert "| beta*/5 | 0.001 | 1 | 32 | 2 | 0.05 ± 0.00 |" in table and "1 of 1 cells" in table
     overview = controller_grid.overview({"good": good, "bad": bad})  # the strict bar: tracking error <= 0.2
-    assert overview.splitlines()[2].endswith("| 1 of 1 |") and overview.splitlines()[3].endswith("| 0 of 1 |")
+    assert overview.splitlines()[2].endswith("| 1 of 1 | - |") and overview.splitlines()[3].endswith("| 0 of 1 | - |")
     paired = controller_grid.paired({"good": good, "bad": bad})
     assert "| bad | 2 | +0.200 ± 0.000 | -0.500 ± 0.000 |" in paired
+
+
+def test_the_converged_bar_checks_the_last_beta_only_where_the_policy_has_converged():
+    far = grid_run([1.0, 2.0, 2.0, 2.2], [0.5, 0.5, 0.5, 1.0])  # last beta 2x beta*, tracking error 0.05
+    assert controller_grid.meets_converged_bar(far) is None  # recorded without KL(pi || pi*)
+    assert not controller_grid.meets_strict(far)
+    assert controller_grid.meets_converged_bar({**far, "kl_to_optimum": 0.06})  # still on its way: beta not checked
+    assert not controller_grid.meets_converged_bar({**far, "kl_to_optimum": 0.05})  # converged: 2x is outside x/1.5
+    assert controller_grid.meets_converged_bar({**far, "beta": [0.5] * 4, "kl_to_optimum": 0.01})
+    high = grid_run([1.0, 2.0, 2.0, 5.0], [0.5] * 4)  # peak 2.5x the target
+    assert not controller_grid.meets_converged_bar({**high, "kl_to_optimum": 0.5})
+    runs = [{**far, "seed": 1, "kl_to_optimum": 0.2}, {**far, "seed": 2, "kl_to_optimum": 0.01}]
+    assert controller_grid.overview({"v": runs}).splitlines()[2].endswith("| 0 of 1 | 0 of 1 |")
+    assert controller_grid.overview({"v": runs[:1]}).splitlines()[2].endswith("| 0 of 1 | 1 of 1 |")
 
 
 # ---------------------------------------------------------------------------- default task across learning rates
