@@ -356,3 +356,22 @@ class EquilibriumKalmanGated(EquilibriumKalmanAdaptive):
 
     def process_variance(self, innovation: float, measurement_var: float) -> float:
         return super().process_variance(innovation, measurement_var) if self.window > 0 else self.drift**2
+
+
+@register_kl_controller("equilibrium_bound_proportional")
+class EquilibriumBoundProportional(EquilibriumKLController):
+    """On a coefficient bound the batch says only that beta* lies beyond it; this variant steps log beta toward the
+    bound by at most the KL measured's log error, |log(KL / target)| (the shipped controller: by the share of the
+    batch, which can multiply beta by 4-6 in one update with the KL within a few percent of the target)."""
+
+    def equilibrium_coef(self):
+        import math
+
+        before = self.coef
+        new = super().equilibrium_coef()
+        lo, hi = self.log_bounds()
+        if self.estimate is None or not self.gain or min(self.estimate - lo, hi - self.estimate) >= 1e-6:
+            return new
+        now = max(math.log(before), lo)
+        cap = abs(self.last_error)
+        return self.from_log(now + max(-cap, min(cap, math.log(new) - now)))
