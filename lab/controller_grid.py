@@ -10,7 +10,8 @@ repository root:
     python -m lab.controller_grid --envelope tiny_fixed_beta.jsonl
 
 Each run is one line of JSON: the cell, the seed, and per update the exact KL of the sampling policy (the `full`
-statistic of a one-token response) and beta. The table gives, per cell, the second-half tracking error
+statistic of a one-token response) and beta, and at the end the trained policy's exact KL(pi || pi*) to the optimum
+at beta* (`kl_to_optimum`). The table gives, per cell, the second-half tracking error
 (mean |KL - target| / target), the peak KL over the target, and the second half's geometric-mean beta over beta*,
 as mean and standard error over seeds (`klppo.kl.tracking`). `--kwargs` sets `kl_controller_kwargs` (JSON),
 `--config` any other `KLPPOConfig` field (JSON; the experimental settings under `experimental`, e.g.

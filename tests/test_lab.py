@@ -101,6 +101,28 @@ def test_the_grid_table_and_the_paired_difference():
     assert "| bad | 2 | +0.200 ± 0.000 | -0.500 ± 0.000 |" in paired
 
 
+def test_the_bound_proportional_variant_steps_toward_a_bound_by_the_kl_error_at_most():
+    """A batch whose estimated KL of `ref` itself (`-log mean exp(-d)` = 0.5) exceeds the target 0.3 puts the estimate
+    of beta* on the upper bound (10): klppo steps by the share (about 1) to nearly 10 with the KL measured 1.1x the
+    target; the variant steps log beta by log(1.1) at most."""
+    import math
+
+    from klppo.kl import get_kl_controller
+    from klppo.kl.controllers import EquilibriumKLController
+
+    import_plugin("controller_ablations")
+    r, d = [1.0] * 28 + [0.0] * 4, [0.5] * 32
+    coefs = {}
+    for name, cls in (("shipped", EquilibriumKLController), ("variant", get_kl_controller("equilibrium_bound_proportional"))):
+        c = cls(0.5, target=0.3, approach_power=0.0, hold_power=0.0)
+        c.arrived, c.last_error = True, 0.0
+        c.observe_sequences(r, d, [1] * 32)
+        coefs[name] = c.update(0.33, 1)
+        assert math.exp(c.estimate) == pytest.approx(10.0)
+    assert coefs["shipped"] > 9.0
+    assert coefs["variant"] == pytest.approx(0.5 * 1.1)
+
+
 def test_the_converged_bar_checks_the_last_beta_only_where_the_policy_has_converged():
     far = grid_run([1.0, 2.0, 2.0, 2.2], [0.5, 0.5, 0.5, 1.0])  # last beta 2x beta*, tracking error 0.05
     assert controller_grid.meets_converged_bar(far) is None  # recorded without KL(pi || pi*)
