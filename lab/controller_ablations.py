@@ -34,9 +34,9 @@ controller_ablations`).
   share's; with `k3` in the loss it holds the KL worse (tracking error +0.040 ± 0.007 on 55 runs of seeds 161-162,
   the same README, "The approach's power 1.5"), so klppo keeps the share's step.
 
-Every equilibrium variant here was measured before the shipped controller had its hold (beta times `(KL /
-target) ** hold_power` once the KL has arrived) and runs without it (`hold_power` 0), so that its command repeats
-what it measured; the hold itself is ablated through its constant (`--kwargs '{"hold_power": 0}'`).
+Every equilibrium variant here but `equilibrium_bound_proportional` was measured before the shipped controller had
+its hold (beta times `(KL / target) ** hold_power` once the KL has arrived) and runs without it (`hold_power` 0), so
+that its command repeats what it measured (`equilibrium_bound_proportional` keeps klppo's hold); the hold itself is ablated through its constant (`--kwargs '{"hold_power": 0}'`).
 
 The equilibrium controller's approach is ablated through its constant (`--kwargs '{"approach_power": 0}'`), the
 tracking controller's lookahead through its constant (`--kwargs '{"lookahead": 0}'`). The tracking controller's EMA of
@@ -364,8 +364,9 @@ class EquilibriumKalmanGated(EquilibriumKalmanAdaptive):
 @register_kl_controller("equilibrium_bound_proportional")
 class EquilibriumBoundProportional(EquilibriumKLController):
     """On a coefficient bound the batch says only that beta* lies beyond it; this variant steps log beta toward the
-    bound by at most the KL measured's log error, |log(KL / target)| (the shipped controller: by the share of the
-    batch, which can multiply beta by 4-6 in one update with the KL within a few percent of the target)."""
+    bound by at most the KL measured's log error, |log(KL / target)| (the controller's `last_error`, which is at least
+    -1: below target / e the cap is 1), where klppo steps by the share of the batch, which can multiply beta by 10 or
+    more in one update with the KL 1.1x the target (`tests/test_lab.py`). `kl/gain` still logs the share."""
 
     def equilibrium_coef(self):
         import math

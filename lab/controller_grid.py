@@ -66,7 +66,8 @@ def run_cell(job: dict) -> dict:
     tiny = resolve_model_path(TINY_MODEL)
     config = dict(job.get("config") or {})
     # the optimum the configured KL trains toward (the reverse-KL tilt, or k3's forward-KL optimum in the loss)
-    optimum = kl_optimum_of(config.get("kl_mode", "reward"), config.get("kl_estimator", "k1")) or KLOptimum()
+    known = kl_optimum_of(config.get("kl_mode", "reward"), config.get("kl_estimator", "k1"))
+    optimum = known or KLOptimum()
     with tempfile.TemporaryDirectory() as tmp:
         state = one_token_state(bandit_trainer(tiny, Path(tmp), max_steps=1))
         target = kl(optimum.exact(state["ref"], state["reward"], BETA_STAR), state["ref"])
@@ -86,7 +87,8 @@ def run_cell(job: dict) -> dict:
         trainer = bandit_trainer(tiny, Path(tmp), **overrides)
         trainer.train()
         end = one_token_state(trainer)
-        to_optimum = kl(end["logp"], optimum.exact(end["ref"], end["reward"], BETA_STAR))
+        # None where the configured KL's optimum has no closed form (the target above then falls back to the tilt's)
+        to_optimum = kl(end["logp"], known.exact(end["ref"], end["reward"], BETA_STAR)) if known else None
     logs = [h for h in trainer.state.log_history if "kl/coef" in h]
     return {**job, "target": target, "beta_star": BETA_STAR, "optimum": optimum.describe(),
             "kl_to_optimum": to_optimum, "kl": [h["kl/value"] for h in logs],
@@ -126,7 +128,7 @@ def meets_strict(run: dict) -> bool:
 def meets_converged_bar(run: dict) -> bool | None:
     """`STRICT`, with the last beta checked only where the run ends within `CONVERGED` of the optimum at beta*
     (KL(pi || pi*), exact from the trained policy's logits); None for a run recorded without it."""
-    if "kl_to_optimum" not in run:
+    if run.get("kl_to_optimum") is None:
         return None
     s, final = summarise(run), run["beta"][-1] / run["beta_star"]
     beta_ok = run["kl_to_optimum"] > CONVERGED or 1 / STRICT["final_beta"] <= final <= STRICT["final_beta"]

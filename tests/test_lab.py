@@ -101,6 +101,32 @@ def test_the_grid_table_and_the_paired_difference():
     assert "| bad | 2 | +0.200 ± 0.000 | -0.500 ± 0.000 |" in paired
 
 
+def test_a_grid_run_records_its_distance_to_the_optimum_of_the_configured_kl():
+    """With a learning rate too small to move the policy, one update leaves it at the reference, so the distance the
+    grid records is KL(ref || pi*) of the configured KL's optimum at beta*: the forward-KL optimum for `k3` in the
+    loss, the tilt for `k2`; none for a KL without a closed-form optimum."""
+    import tempfile
+    from pathlib import Path
+
+    from klppo.kl.optimum import kl_optimum_of
+    from klppo.models import TINY_MODEL, resolve_model_path
+    from klppo.testing.bandit import bandit_trainer, kl, one_token_state
+
+    with tempfile.TemporaryDirectory() as tmp:
+        state = one_token_state(bandit_trainer(resolve_model_path(TINY_MODEL), Path(tmp), max_steps=1))
+    distances = {}
+    for estimator in ("k3", "k2"):
+        job = dict(start=1.0, lr=1e-12, steps=1, batch=8, seed=0, updates=1,
+                   config={"kl_mode": "loss", "kl_estimator": estimator})
+        distances[estimator] = controller_grid.run_cell(job)["kl_to_optimum"]
+        optimum = kl_optimum_of("loss", estimator).exact(state["ref"], state["reward"], controller_grid.BETA_STAR)
+        assert distances[estimator] == pytest.approx(kl(state["ref"], optimum), rel=1e-3)
+    assert abs(distances["k3"] - distances["k2"]) > 0.01  # the two optima differ
+    no_closed_form = dict(start=1.0, lr=1e-12, steps=1, batch=8, seed=0, updates=1,
+                          config={"kl_mode": "loss", "kl_estimator": "k1"})
+    assert controller_grid.run_cell(no_closed_form)["kl_to_optimum"] is None
+
+
 def test_the_bound_proportional_variant_steps_toward_a_bound_by_the_kl_error_at_most():
     """A batch whose estimated KL of `ref` itself (`-log mean exp(-d)` = 0.5) exceeds the target 0.3 puts the estimate
     of beta* on the upper bound (10): klppo steps by the share (about 1) to nearly 10 with the KL measured 1.1x the
@@ -130,8 +156,11 @@ def test_the_converged_bar_checks_the_last_beta_only_where_the_policy_has_conver
     assert controller_grid.meets_converged_bar({**far, "kl_to_optimum": 0.06})  # still on its way: beta not checked
     assert not controller_grid.meets_converged_bar({**far, "kl_to_optimum": 0.05})  # converged: 2x is outside x/1.5
     assert controller_grid.meets_converged_bar({**far, "beta": [0.5] * 4, "kl_to_optimum": 0.01})
-    high = grid_run([1.0, 2.0, 2.0, 5.0], [0.5] * 4)  # peak 2.5x the target
+    late = grid_run([1.0, 2.0, 2.0, 1.0], [0.5] * 4)  # tracking error 0.25, peak 1x
+    assert not controller_grid.meets_converged_bar({**late, "kl_to_optimum": 0.5})
+    high = grid_run([5.0, 2.0, 2.0, 2.2], [0.5] * 4)  # tracking error 0.05, peak 2.5x
     assert not controller_grid.meets_converged_bar({**high, "kl_to_optimum": 0.5})
+    assert controller_grid.meets_converged_bar({**far, "kl_to_optimum": None}) is None  # no closed-form optimum
     runs = [{**far, "seed": 1, "kl_to_optimum": 0.2}, {**far, "seed": 2, "kl_to_optimum": 0.01}]
     assert controller_grid.overview({"v": runs}).splitlines()[2].endswith("| 0 of 1 | 0 of 1 |")
     assert controller_grid.overview({"v": runs[:1]}).splitlines()[2].endswith("| 0 of 1 | 1 of 1 |")
