@@ -11,7 +11,7 @@ repository root:
 
 Each run is one line of JSON: the cell, the seed, and per update the exact KL of the sampling policy (the `full`
 statistic of a one-token response) and beta, and at the end the trained policy's exact KL(pi || pi*) to the optimum
-at beta* (`kl_to_optimum`). The table gives, per cell, the second-half tracking error
+at beta* (`kl_to_optimum`; null where the configured KL's optimum has no closed form). The table gives, per cell, the second-half tracking error
 (mean |KL - target| / target), the peak KL over the target, and the second half's geometric-mean beta over beta*,
 as mean and standard error over seeds (`klppo.kl.tracking`). `--kwargs` sets `kl_controller_kwargs` (JSON),
 `--config` any other `KLPPOConfig` field (JSON; the experimental settings under `experimental`, e.g.
@@ -127,7 +127,8 @@ def meets_strict(run: dict) -> bool:
 
 def meets_converged_bar(run: dict) -> bool | None:
     """`STRICT`, with the last beta checked only where the run ends within `CONVERGED` of the optimum at beta*
-    (KL(pi || pi*), exact from the trained policy's logits); None for a run recorded without it."""
+    (KL(pi || pi*), exact from the trained policy's logits); None for a run recorded without it, or with it null (the
+    configured KL's optimum has no closed form)."""
     if run.get("kl_to_optimum") is None:
         return None
     s, final = summarise(run), run["beta"][-1] / run["beta_star"]
