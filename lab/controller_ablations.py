@@ -36,7 +36,8 @@ controller_ablations`).
 
 Every equilibrium variant here but `equilibrium_bound_proportional` was measured before the shipped controller had
 its hold (beta times `(KL / target) ** hold_power` once the KL has arrived) and runs without it (`hold_power` 0), so
-that its command repeats what it measured (`equilibrium_bound_proportional` keeps klppo's hold); the hold itself is ablated through its constant (`--kwargs '{"hold_power": 0}'`).
+that its command repeats what it measured (`equilibrium_bound_proportional` keeps klppo's hold); the hold itself is
+ablated through its constant (`--kwargs '{"hold_power": 0}'`).
 
 The equilibrium controller's approach is ablated through its constant (`--kwargs '{"approach_power": 0}'`), the
 tracking controller's lookahead through its constant (`--kwargs '{"lookahead": 0}'`). The tracking controller's EMA of
@@ -287,7 +288,7 @@ class EquilibriumKalman(EquilibriumKLController):
         d = torch.as_tensor(log_ratios, dtype=torch.float64)
         target = self.target * (float(torch.as_tensor(lengths, dtype=torch.float64).mean()) if unit == "token" else 1.0)
         lo, hi = self.log_bounds()
-        if min(self.estimate - lo, hi - self.estimate) < 1e-6:  # the target lies beyond the batch's reach: no measurement
+        if self.bound_side(self.estimate):  # the target lies beyond the batch's reach: no measurement
             self.variance += self.drift**2
             return before
         measurement_var = self.jackknife_variance(r, d, target, lo, hi, self.groups)
@@ -373,9 +374,8 @@ class EquilibriumBoundProportional(EquilibriumKLController):
 
         before = self.coef
         new = super().equilibrium_coef()
-        lo, hi = self.log_bounds()
-        if self.estimate is None or not self.gain or min(self.estimate - lo, hi - self.estimate) >= 1e-6:
+        if self.estimate is None or not self.gain or not self.bound_side(self.estimate):
             return new
-        now = max(math.log(before), lo)
+        now = max(math.log(before), self.log_bounds()[0])
         cap = abs(self.last_error)
         return self.from_log(now + max(-cap, min(cap, math.log(new) - now)))

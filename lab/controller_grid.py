@@ -11,11 +11,12 @@ repository root:
 
 Each run is one line of JSON: the cell, the seed, and per update the exact KL of the sampling policy (the `full`
 statistic of a one-token response) and beta, and at the end the trained policy's exact KL(pi || pi*) to the optimum
-at beta* (`kl_to_optimum`; null where the configured KL's optimum has no closed form). The table gives, per cell, the second-half tracking error
-(mean |KL - target| / target), the peak KL over the target, and the second half's geometric-mean beta over beta*,
-as mean and standard error over seeds (`klppo.kl.tracking`). `--kwargs` sets `kl_controller_kwargs` (JSON),
-`--config` any other `KLPPOConfig` field (JSON; the experimental settings under `experimental`, e.g.
-`'{"experimental": {"kl_guard": false}}'`, added to the grid's own `kl_statistic: full`), for ablations;
+at beta* (`kl_to_optimum`; null where the configured KL's optimum has no closed form). The table gives, per cell,
+the second-half tracking error (mean |KL - target| / target), the peak KL over the target, and the second half's
+geometric-mean beta over beta*, as mean and standard error over seeds (`klppo.kl.tracking`). `--kwargs` sets
+`kl_controller_kwargs` (JSON), `--config` any other `KLPPOConfig` field (JSON; the experimental settings under
+`experimental`, e.g. `'{"experimental": {"kl_guard": false}}'`, added to the grid's own `kl_statistic: full`), for
+ablations;
 `--plugin` imports a module that registers a controller or a guard of its own (`lab.controller_ablations`, or a
 module of the lab by its short name); `--updates` runs every cell for that many updates instead of `updates_for(lr)`.
 """

@@ -826,8 +826,9 @@ class EquilibriumKLController(LogSpaceController):
         self.ess = self.optimum.ess(self.estimate + math.log(self.optimum.scale), r, d)
         now = max(safe_log(self.coef), lo)
         self.gain = self.ess
-        on_bound = min(self.estimate - lo, hi - self.estimate) < 1e-6  # says only "beyond the bound"
-        agrees = self.last_error is None or (self.last_error > 0 if hi - self.estimate < 1e-6 else self.last_error < 0)
+        side = self.bound_side(self.estimate)  # on a bound, the estimate says only "beyond the bound"
+        on_bound = side != 0
+        agrees = self.last_error is None or (self.last_error > 0 if side > 0 else self.last_error < 0)
         if on_bound and not agrees:
             # beyond the bound, but the KL measured now is not on that side of the target: the batch's weights
             # cannot represent the optimum at the target (importance-sampling noise), so it tells nothing
@@ -840,6 +841,11 @@ class EquilibriumKLController(LogSpaceController):
             self.gain = min(self.ess, prior / (prior + spread))
             self.variance = (1 - self.gain) ** 2 * prior + self.gain**2 * spread
         return self.from_log(now + self.gain * (self.estimate - now))
+
+    def bound_side(self, log_beta: float) -> int:
+        """1 where ``log_beta`` lies on the upper coefficient bound, -1 on the lower, 0 between them."""
+        lo, hi = self.log_bounds()
+        return 1 if hi - log_beta < 1e-6 else -1 if log_beta - lo < 1e-6 else 0
 
     def jackknife_variance(self, r, d, target: float, lo: float, hi: float, groups: Optional[int] = None):
         """The grouped jackknife variance of the batch's estimate of log beta*: sequence ``i`` in group ``i mod
