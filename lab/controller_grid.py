@@ -7,7 +7,7 @@ repository root:
     python -m lab.controller_grid --seeds 1 2 3 --out results/controller_grid/grid.jsonl
     python -m lab.controller_grid --table results/controller_grid/grid.jsonl
     python -m lab.controller_grid --overview shipped=a.jsonl no-guard=b.jsonl --paired
-    python -m lab.controller_grid --envelope tiny_fixed_beta.jsonl
+    python -m lab.controller_grid --envelope tiny_fixed_beta.jsonl [--against grid.jsonl]
 
 Each run is one line of JSON: the cell, the seed, and per update the exact KL of the sampling policy (the `full`
 statistic of a one-token response) and beta, and at the end the trained policy's exact KL(pi || pi*) to the optimum
@@ -211,18 +211,49 @@ def paired(named: dict[str, list[dict]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def tracking_error_bound(run: dict, target: float | None = None) -> float:
+    """For a run at a fixed, tiny beta (the fastest the KL can arrive), the least second-half tracking error any
+    schedule of beta >= 0 could reach if the KL can rise no faster than in this run: the mean over the second half of
+    max(0, 1 - KL / target) (``target``: the run's own, or another's, e.g. the lower one of `k3` in the loss)."""
+    kls, target = run["kl"], target or run["target"]
+    second = kls[len(kls) // 2:]
+    return sum(max(0.0, 1 - k / target) for k in second) / len(second)
+
+
 def envelope(runs: list[dict]) -> str:
-    """Markdown: for runs at a fixed, tiny beta (the fastest the KL can arrive), per run the first update whose KL
-    reaches 0.8x the target and the least second-half tracking error any schedule of beta >= 0 could reach if the
-    KL can rise no faster than in this run: the mean over the second half of max(0, 1 - KL / target)."""
+    """Markdown: for runs at a fixed, tiny beta, per run the first update whose KL reaches 0.8x the target and
+    `tracking_error_bound`."""
     lines = ["| cell (lr, steps, batch) | seed | first update at 0.8x the target | tracking error bound |",
              "|" + " --- |" * 4]
     for run in sorted(runs, key=lambda r: (r["lr"], r["steps"], r["batch"], r["seed"])):
-        kls, target = run["kl"], run["target"]
-        second = kls[len(kls) // 2:]
-        first = next((i + 1 for i, k in enumerate(kls) if k >= 0.8 * target), None)
-        bound = sum(max(0.0, 1 - k / target) for k in second) / len(second)
-        lines.append(f"| {run['lr']:g}, {run['steps']}, {run['batch']} | {run['seed']} | {first} | {bound:.3f} |")
+        first = next((i + 1 for i, k in enumerate(run["kl"]) if k >= 0.8 * run["target"]), None)
+        lines.append(f"| {run['lr']:g}, {run['steps']}, {run['batch']} | {run['seed']} | {first} "
+                     f"| {tracking_error_bound(run):.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def against_envelope(envelope_runs: list[dict], runs: list[dict]) -> str:
+    """Markdown: every run above `STRICT`'s tracking error whose cell (learning rate, steps, batch) and seed the
+    envelope ran, with the bound on that cell and seed against the run's own target and the run's excess over it (the
+    part of its tracking error a controller could still remove). Runs of cells the envelope lacks are counted below
+    the table."""
+    fixed = {(r["lr"], r["steps"], r["batch"], r["seed"]): r for r in envelope_runs}
+    lines = ["| cell (lr, steps, batch) | start | seed | tracking error | bound | excess |", "|" + " --- |" * 6]
+    missing = 0
+    for run in sorted(runs, key=lambda r: (r["lr"], r["steps"], r["batch"], r["start"], r["seed"])):
+        error = summarise(run)["tracking_error"]
+        if error <= STRICT["tracking_error"]:
+            continue
+        envelope_run = fixed.get((run["lr"], run["steps"], run["batch"], run["seed"]))
+        if envelope_run is None:
+            missing += 1
+            continue
+        bound = tracking_error_bound(envelope_run, run["target"])
+        start = {0.2: "beta*/5", 5.0: "5 beta*"}.get(run["start"], f"{run['start']:g} beta*")
+        lines.append(f"| {run['lr']:g}, {run['steps']}, {run['batch']} | {start} | {run['seed']} | {error:.3f} "
+                     f"| {bound:.3f} | {error - bound:+.3f} |")
+    if missing:
+        lines.append(f"\n{missing} run(s) above {STRICT['tracking_error']} in cells or seeds the envelope did not run.")
     return "\n".join(lines) + "\n"
 
 
@@ -249,6 +280,9 @@ def main() -> None:
                         help="print one row per named variant (ablations) and exit")
     parser.add_argument("--envelope", type=Path, nargs="+",
                         help="print, for fixed tiny-beta runs, how soon the KL can arrive, and exit")
+    parser.add_argument("--against", type=Path, nargs="+",
+                        help="with --envelope: each run of these grid files above the strict tracking error, beside "
+                             "the bound on its cell and seed")
     parser.add_argument("--paired", action="store_true",
                         help="with --overview: also each variant against the first, paired by cell and seed")
     args = parser.parse_args()
@@ -256,7 +290,11 @@ def main() -> None:
         print(table([run for path in args.table for run in _read(path)]), end="")
         return
     if args.envelope:
-        print(envelope([run for path in args.envelope for run in _read(path)]), end="")
+        fixed = [run for path in args.envelope for run in _read(path)]
+        if args.against:
+            print(against_envelope(fixed, [run for path in args.against for run in _read(path)]), end="")
+        else:
+            print(envelope(fixed), end="")
         return
     if args.overview:
         named = {}

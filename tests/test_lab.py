@@ -166,6 +166,21 @@ def test_the_converged_bar_checks_the_last_beta_only_where_the_policy_has_conver
     assert controller_grid.overview({"v": runs[:1]}).splitlines()[2].endswith("| 0 of 1 | 1 of 1 |")
 
 
+def test_the_envelope_bounds_the_tracking_error_and_a_run_is_set_beside_its_own_cell_and_seed():
+    # second half 1.0 and 3.0 against 2.0: deficits 0.5 and 0 (the excess above the target is not counted)
+    fixed = grid_run([0.0, 0.0, 1.0, 3.0], [0.005] * 4)
+    assert controller_grid.tracking_error_bound(fixed) == pytest.approx(0.25)
+    assert controller_grid.envelope([fixed]).splitlines()[2] == "| 0.001, 1, 32 | 1 | 4 | 0.250 |"  # update 3: 1.0 < 0.8 * 2
+    slow = grid_run([0.0, 0.0, 1.0, 1.5], [0.5] * 4)  # tracking error (0.5 + 0.25) / 2
+    other_seed = {**slow, "seed": 2}
+    held = grid_run([0.0, 0.0, 2.0, 2.0], [0.5] * 4)  # within the strict bar: not listed
+    rows = controller_grid.against_envelope([fixed], [slow, other_seed, held]).splitlines()
+    assert rows[2] == "| 0.001, 1, 32 | beta*/5 | 1 | 0.375 | 0.250 | +0.125 |"
+    assert len(rows) == 5 and rows[4].startswith("1 run(s) above 0.2")  # seed 2: no envelope run
+    # a run with a lower target (k3 in the loss) is set beside the bound against its own target: deficit 0.8 / 1.8
+    lower = {**slow, "target": 1.8}  # tracking error (0.8 / 1.8 + 0.3 / 1.8) / 2 = 0.306; bound 0.444 / 2
+    assert controller_grid.against_envelope([fixed], [lower]).splitlines()[2].endswith("| 0.306 | 0.222 | +0.083 |")
+
 # ---------------------------------------------------------------------------- default task across learning rates
 def write_default_run(folder, kls, betas, passed=True):
     folder.mkdir(parents=True)
