@@ -213,11 +213,12 @@ def paired(named: dict[str, list[dict]]) -> str:
 
 def tracking_error_bound(run: dict, target: float | None = None) -> float:
     """For a run at a fixed, tiny beta (the fastest the KL can arrive), the least second-half tracking error any
-    schedule of beta >= 0 could reach if the KL can rise no faster than in this run: the mean over the second half of
-    max(0, 1 - KL / target) (``target``: the run's own, or another's, e.g. the lower one of `k3` in the loss)."""
+    schedule of beta >= 0 could reach if the KL can rise no faster than in this run: the mean over the second half's
+    finite readings of max(0, 1 - KL / target) (``target``: the run's own, or another's, e.g. the lower one of `k3` in
+    the loss)."""
     kls, target = run["kl"], target or run["target"]
-    second = kls[len(kls) // 2:]
-    return sum(max(0.0, 1 - k / target) for k in second) / len(second)
+    second = [k for k in kls[len(kls) // 2:] if math.isfinite(k)]
+    return sum(max(0.0, 1 - k / target) for k in second) / len(second) if second else float("nan")
 
 
 def envelope(runs: list[dict]) -> str:
@@ -232,28 +233,33 @@ def envelope(runs: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _envelope_key(run: dict) -> tuple:
+    return run["lr"], run["steps"], run["batch"], run["seed"], len(run["kl"])
+
+
 def against_envelope(envelope_runs: list[dict], runs: list[dict]) -> str:
-    """Markdown: every run above `STRICT`'s tracking error whose cell (learning rate, steps, batch) and seed the
-    envelope ran, with the bound on that cell and seed against the run's own target and the run's excess over it (the
-    part of its tracking error a controller could still remove). Runs of cells the envelope lacks are counted below
-    the table."""
-    fixed = {(r["lr"], r["steps"], r["batch"], r["seed"]): r for r in envelope_runs}
-    lines = ["| cell (lr, steps, batch) | start | seed | tracking error | bound | excess |", "|" + " --- |" * 6]
+    """Markdown: every run whose cell (learning rate, steps, batch), seed and number of updates the envelope ran, with
+    its tracking error, the bound on that cell and seed against the run's own target, the run's excess over it (the
+    part of its tracking error a controller could still remove) and whether it is within `STRICT`'s tracking error.
+    Runs above that bar whose cell, seed or length the envelope lacks are counted below the table."""
+    fixed = {_envelope_key(r): r for r in envelope_runs}
+    lines = ["| cell (lr, steps, batch) | start | seed | tracking error | bound | excess | within "
+             f"{STRICT['tracking_error']} |", "|" + " --- |" * 7]
     missing = 0
     for run in sorted(runs, key=lambda r: (r["lr"], r["steps"], r["batch"], r["start"], r["seed"])):
         error = summarise(run)["tracking_error"]
-        if error <= STRICT["tracking_error"]:
-            continue
-        envelope_run = fixed.get((run["lr"], run["steps"], run["batch"], run["seed"]))
+        within = error <= STRICT["tracking_error"]
+        envelope_run = fixed.get(_envelope_key(run))
         if envelope_run is None:
-            missing += 1
+            missing += not within
             continue
         bound = tracking_error_bound(envelope_run, run["target"])
         start = {0.2: "beta*/5", 5.0: "5 beta*"}.get(run["start"], f"{run['start']:g} beta*")
         lines.append(f"| {run['lr']:g}, {run['steps']}, {run['batch']} | {start} | {run['seed']} | {error:.3f} "
-                     f"| {bound:.3f} | {error - bound:+.3f} |")
+                     f"| {bound:.3f} | {error - bound:+.3f} | {'yes' if within else '**no**'} |")
     if missing:
-        lines.append(f"\n{missing} run(s) above {STRICT['tracking_error']} in cells or seeds the envelope did not run.")
+        lines.append(f"\n{missing} run(s) above {STRICT['tracking_error']} in cells, seeds or lengths the envelope did "
+                     "not run.")
     return "\n".join(lines) + "\n"
 
 
@@ -281,11 +287,13 @@ def main() -> None:
     parser.add_argument("--envelope", type=Path, nargs="+",
                         help="print, for fixed tiny-beta runs, how soon the KL can arrive, and exit")
     parser.add_argument("--against", type=Path, nargs="+",
-                        help="with --envelope: each run of these grid files above the strict tracking error, beside "
-                             "the bound on its cell and seed")
+                        help="with --envelope: each run of these grid files whose cell, seed and length the envelope "
+                             "ran, beside the bound on it")
     parser.add_argument("--paired", action="store_true",
                         help="with --overview: also each variant against the first, paired by cell and seed")
     args = parser.parse_args()
+    if args.against and not args.envelope:
+        parser.error("--against sets grid runs beside an envelope: give the envelope's runs with --envelope FILE")
     if args.table:
         print(table([run for path in args.table for run in _read(path)]), end="")
         return

@@ -170,16 +170,27 @@ def test_the_envelope_bounds_the_tracking_error_and_a_run_is_set_beside_its_own_
     # second half 1.0 and 3.0 against 2.0: deficits 0.5 and 0 (the excess above the target is not counted)
     fixed = grid_run([0.0, 0.0, 1.0, 3.0], [0.005] * 4)
     assert controller_grid.tracking_error_bound(fixed) == pytest.approx(0.25)
-    assert controller_grid.envelope([fixed]).splitlines()[2] == "| 0.001, 1, 32 | 1 | 4 | 0.250 |"  # update 3: 1.0 < 0.8 * 2
+    # the first reading at 0.8 * 2 is update 4's (update 3's 1.0 is below it)
+    assert controller_grid.envelope([fixed]).splitlines()[2] == "| 0.001, 1, 32 | 1 | 4 | 0.250 |"
+    assert controller_grid.tracking_error_bound({**fixed, "kl": [0.0, 0.0, float("nan"), 1.5]}) == pytest.approx(0.25)
+    other_cell = grid_run([0.0, 0.0, 2.0, 2.0], [0.005] * 4, lr=2e-3)  # bound 0 at lr 2e-3
     slow = grid_run([0.0, 0.0, 1.0, 1.5], [0.5] * 4)  # tracking error (0.5 + 0.25) / 2
     other_seed = {**slow, "seed": 2}
-    held = grid_run([0.0, 0.0, 2.0, 2.0], [0.5] * 4)  # within the strict bar: not listed
-    rows = controller_grid.against_envelope([fixed], [slow, other_seed, held]).splitlines()
-    assert rows[2] == "| 0.001, 1, 32 | beta*/5 | 1 | 0.375 | 0.250 | +0.125 |"
-    assert len(rows) == 5 and rows[4].startswith("1 run(s) above 0.2")  # seed 2: no envelope run
+    longer = {**slow, "kl": [0.0] * 4 + slow["kl"], "beta": [0.5] * 8}  # 8 updates: not bounded by a 4-update envelope
+    held = grid_run([0.0, 0.0, 2.0, 2.0], [0.5] * 4)  # within the strict bar: listed as such
+    rows = controller_grid.against_envelope([other_cell, fixed], [slow, other_seed, longer, held]).splitlines()
+    assert rows[2] == "| 0.001, 1, 32 | beta*/5 | 1 | 0.375 | 0.250 | +0.125 | **no** |"
+    assert rows[3] == "| 0.001, 1, 32 | beta*/5 | 1 | 0.000 | 0.250 | -0.250 | yes |"
+    assert len(rows) == 6 and rows[5].startswith("2 run(s) above 0.2")  # seed 2, and the longer run
     # a run with a lower target (k3 in the loss) is set beside the bound against its own target: deficit 0.8 / 1.8
     lower = {**slow, "target": 1.8}  # tracking error (0.8 / 1.8 + 0.3 / 1.8) / 2 = 0.306; bound 0.444 / 2
-    assert controller_grid.against_envelope([fixed], [lower]).splitlines()[2].endswith("| 0.306 | 0.222 | +0.083 |")
+    row = controller_grid.against_envelope([fixed], [lower]).splitlines()[2]
+    assert row.endswith("| 0.306 | 0.222 | +0.083 | **no** |")
+    # a run of the other cell is set beside that cell's bound (0), not this one's
+    moved = {**slow, "lr": 2e-3}
+    row = controller_grid.against_envelope([fixed, other_cell], [moved]).splitlines()[2]
+    assert row.endswith("| 0.375 | 0.000 | +0.375 | **no** |")
+
 
 # ---------------------------------------------------------------------------- default task across learning rates
 def write_default_run(folder, kls, betas, passed=True):
