@@ -109,6 +109,11 @@ def summarise(run: dict) -> dict:
     }
 
 
+def start_label(start: float) -> str:
+    """A run's first beta, as the tables name it (a multiple of beta*)."""
+    return {0.2: "beta*/5", 5.0: "5 beta*", 1.0: "beta* (fixed)"}.get(start, f"{start:g} beta*")
+
+
 def cells(starts=STARTS, lrs=LEARNING_RATES, batches=BATCHES):
     return [dict(start=s, lr=lr, steps=k, batch=b)
             for s, lr, k, b in itertools.product(starts, lrs, STEPS_PER_UPDATE, batches)]
@@ -154,7 +159,7 @@ def table(runs: list[dict]) -> str:
         for name in ("tracking_error", "in_band", "peak", "beta_ratio"):
             mean, se = mean_and_standard_error([r[name] for r in rows])
             cols.append(f"{mean:.2f} ± {se:.2f}" if len(rows) > 1 else f"{mean:.2f}")
-        start = {0.2: "beta*/5", 5.0: "5 beta*", 1.0: "beta* (fixed)"}.get(key[0], f"{key[0]:g} beta*")
+        start = start_label(key[0])
         lines.append(f"| {start} | {key[1]:g} | {key[2]} | {key[3]} | {len(rows)} | " + " | ".join(cols)
                      + f" | {'yes' if ok else '**no**'} |")
     worst = {name: max(summarise(r)[name] for r in runs) for name in ("tracking_error", "peak")}
@@ -216,7 +221,7 @@ def tracking_error_bound(run: dict, target: float | None = None) -> float:
     schedule of beta >= 0 could reach if the KL can rise no faster than in this run: the mean over the second half's
     finite readings of max(0, 1 - KL / target) (``target``: the run's own, or another's, e.g. the lower one of `k3` in
     the loss)."""
-    kls, target = run["kl"], target or run["target"]
+    kls, target = run["kl"], run["target"] if target is None else target
     second = [k for k in kls[len(kls) // 2:] if math.isfinite(k)]
     return sum(max(0.0, 1 - k / target) for k in second) / len(second) if second else float("nan")
 
@@ -254,7 +259,7 @@ def against_envelope(envelope_runs: list[dict], runs: list[dict]) -> str:
             missing += not within
             continue
         bound = tracking_error_bound(envelope_run, run["target"])
-        start = {0.2: "beta*/5", 5.0: "5 beta*"}.get(run["start"], f"{run['start']:g} beta*")
+        start = start_label(run["start"])
         lines.append(f"| {run['lr']:g}, {run['steps']}, {run['batch']} | {start} | {run['seed']} | {error:.3f} "
                      f"| {bound:.3f} | {error - bound:+.3f} | {'yes' if within else '**no**'} |")
     if missing:
