@@ -121,24 +121,25 @@ class TrainingDiverged(RuntimeError):
 
 
 @torch.no_grad()
-def policy_outputs_finite(model, sequences, accelerator, chunk: int) -> bool:
+def policy_outputs_finite(model, sequences, accelerator, chunk: int, logits_block_mb: float = 256.0) -> bool:
     """Whether the actor-critic `model` gives finite logits and values on `sequences` (a `Sequences` of this rank,
-    in forward passes of `chunk` rows), on every rank. An optimizer step can leave finite weights whose logits
+    in forward passes of `chunk` rows, the LM head read in blocks of `logits_block_mb`), on every rank. An optimizer step can leave finite weights whose logits
     overflow on some inputs (a learning rate far too high): the weights alone do not tell. Every rank runs the
     forward passes (sharded models need all of them) and the verdicts are summed, so all ranks answer the same."""
     from ..kl.reduce import all_reduce_sum
-    from .logprobs import position_ids_from_mask
+    from .logprobs import position_ids_from_mask, read_response
 
     bad = torch.zeros(1, dtype=torch.float64, device=accelerator.device)
     for start in range(0, sequences.batch_size, chunk):
         part = sequences.select(slice(start, start + chunk))
-        logits, values = model(
+        reads, values = model(
             part.query_responses, attention_mask=part.attention_mask,
             position_ids=position_ids_from_mask(part.attention_mask), response_length=part.responses.shape[1],
+            read=lambda source: read_response(source, part.responses, 1.0, None, logits_block_mb, finite=True),
         )  # fmt: skip
-        for x in (logits, values):
-            if x is not None:
-                bad += (~torch.isfinite(x)).sum()
+        bad += (~reads["finite"]).sum()
+        if values is not None:
+            bad += (~torch.isfinite(values)).sum()
     return all_reduce_sum(bad, accelerator).item() == 0
 
 

@@ -4,7 +4,8 @@ suppressed tokens masked out, and the memory-light log-softmax + gather."""
 from __future__ import annotations
 
 import torch
-from trl.trainer.utils import selective_log_softmax
+from torch.utils.checkpoint import checkpoint
+from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -60,3 +61,117 @@ def mask_suppressed(scaled_logits: torch.Tensor, suppressed: torch.Tensor | None
 def response_logprobs(scaled_logits: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
     """Log-probs of `responses [B, R]` under `scaled_logits [B, R, V]` (memory-light log-softmax + gather)."""
     return selective_log_softmax(scaled_logits, responses)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Reading the LM head in blocks of positions
+#
+# A response of R tokens over a vocabulary of V has `[B, R, V]` logits: at R = 2,048 and V = 152k, 64 rows of them
+# are 80 GB in float32. Everything klppo reads from them per token (the sampled token's log-prob, the entropy, the
+# exact KL to the reference) needs one position's logits at a time, so the LM head runs on a block of positions
+# at a time, and only `[B, R]` results are kept. With a gradient, each block is checkpointed: its logits are made
+# again in the backward pass instead of being kept (the approach of verl's `FusedLinearForPPO` and Liger-Kernel's
+# chunked losses), so the training pass holds one block's logits and their gradient at once.
+
+
+def head_transform(config):
+    """What a causal LM's forward does to its LM head's output before returning the logits, as a function of the
+    head's output (None: nothing): Gemma 2/3's final soft-capping `cap * tanh(x / cap)`, Cohere's `logit_scale`,
+    Granite's `logits_scaling`. A model whose forward does something else is found out by `ActorCritic`'s check of
+    its first forward pass, which then reads the model's own logits."""
+    text_config = getattr(config, "text_config", None) or config
+    cap = getattr(text_config, "final_logit_softcapping", None)
+    if cap:
+        return lambda x: torch.tanh(x / cap) * cap
+    scale = getattr(text_config, "logit_scale", None)
+    if isinstance(scale, (int, float)) and scale != 1.0:
+        return lambda x: x * scale
+    scaling = getattr(text_config, "logits_scaling", None)
+    if isinstance(scaling, (int, float)) and scaling != 1.0:
+        return lambda x: x / scaling
+    return None
+
+
+class ResponseLogits:
+    """The logits at a response's R predicting positions, `[B, R, V]`, made one block of positions at a time:
+    through an LM head from the last hidden states `[B, R, H]` (`from_hidden`), or sliced from logits already made
+    (`from_logits`: a model whose head `head_transform` does not know, or the generation's kept logits, which are
+    `scaled` by the temperature already). `block(positions, temperature, suppressed)` returns that block's logits
+    scaled, the suppressed ids masked (`response_logits`)."""
+
+    def __init__(self, vocab: int, hidden=None, head=None, logits=None, scaled: bool = False):
+        if (hidden is None) == (logits is None):
+            raise ValueError("ResponseLogits takes either hidden states and a head, or logits.")
+        self.vocab, self.hidden, self.head, self.logits, self.scaled = vocab, hidden, head, logits, scaled
+        source = hidden if hidden is not None else logits
+        self.rows, self.length = source.shape[0], source.shape[1]
+
+    @classmethod
+    def from_hidden(cls, hidden: torch.Tensor, head, vocab: int) -> "ResponseLogits":
+        return cls(vocab, hidden=hidden, head=head)
+
+    @classmethod
+    def from_logits(cls, logits: torch.Tensor, scaled: bool = False) -> "ResponseLogits":
+        return cls(logits.shape[-1], logits=logits, scaled=scaled)
+
+    @property
+    def requires_grad(self) -> bool:
+        return (self.hidden if self.hidden is not None else self.logits).requires_grad
+
+    def block(self, positions: slice, temperature: float, suppressed: torch.Tensor | None = None) -> torch.Tensor:
+        if self.logits is not None:
+            logits = self.logits[:, positions]
+            return logits if self.scaled else response_logits(logits, logits.shape[1], temperature, suppressed)
+        hidden = self.hidden[:, positions]
+        logits = self.head(hidden if hidden.is_contiguous() else hidden.contiguous())  # matmul's fast path
+        return response_logits(logits, logits.shape[1], temperature, suppressed)
+
+
+def block_positions(rows: int, vocab: int, budget_mb: float) -> int:
+    """Positions per block such that one block's float32 logits, `rows x positions x vocab`, fit in `budget_mb` MiB
+    (at least one position)."""
+    return max(1, int(budget_mb * 2**20 // (4 * max(rows, 1) * vocab)))
+
+
+def read_response(policy: ResponseLogits, responses: torch.Tensor, temperature: float, suppressed: torch.Tensor | None,
+                  budget_mb: float, reference: ResponseLogits | None = None, estimates: dict | None = None, entropy: bool = False,
+                  finite: bool = False) -> dict[str, torch.Tensor]:  # fmt: skip
+    """What a PPO update reads from the logits at each response position, a block of positions at a time, as
+    `[B, R]` tensors, every logit scaled by `temperature` with the `suppressed` ids masked (`response_logits`):
+
+    - `logp`: the log-prob of `responses [B, R]` under the policy (differentiable when the policy's logits are);
+    - `ref_logp`, with `reference`: the same under the reference (no gradient);
+    - each of `estimates {name: fn(logits, ref_logits) -> [B, r]}`, with `reference`: a KL read from both blocks'
+      logits (`full`; its gradient reaches the policy's logits);
+    - `entropy` (no gradient), `finite` (bool: every logit of the position is finite), when asked for.
+
+    A block holds `block_positions(B, V, budget_mb)` positions. With a gradient and more than one block, each block
+    is checkpointed (`torch.utils.checkpoint`): the backward pass makes its logits again, so no more than one
+    block's logits, their log-softmax and their gradient are alive at once. One block computes exactly what one
+    pass over all positions does."""
+    estimates = estimates or {}
+    step = block_positions(policy.rows, policy.vocab, budget_mb)
+
+    def read(positions: slice) -> dict[str, torch.Tensor]:
+        logits = policy.block(positions, temperature, suppressed)
+        out = {"logp": selective_log_softmax(logits, responses[:, positions])}
+        if entropy or finite:
+            with torch.no_grad():
+                if entropy:
+                    out["entropy"] = entropy_from_logits(logits.detach())
+                if finite:
+                    out["finite"] = torch.isfinite(logits).all(dim=-1)
+        if reference is not None:
+            with torch.no_grad():
+                ref_logits = reference.block(positions, temperature, suppressed)
+                out["ref_logp"] = selective_log_softmax(ref_logits, responses[:, positions])
+            for name, fn in estimates.items():
+                out[name] = fn(logits, ref_logits)
+        return out
+
+    blocks = [slice(start, start + step) for start in range(0, policy.length, step)]
+    if len(blocks) == 1:
+        return read(blocks[0])
+    checkpointed = torch.is_grad_enabled() and policy.requires_grad
+    parts = [checkpoint(read, b, use_reentrant=False) if checkpointed else read(b) for b in blocks]
+    return {key: torch.cat([p[key] for p in parts], dim=1) for key in parts[0]}

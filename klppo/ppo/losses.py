@@ -37,21 +37,19 @@ def clipped_value_loss(
     return 0.5 * torch.max(loss1, loss2), loss2 > loss1
 
 
-def ppo_statistics(logits, log_ratio, pg_clipped, vf_clipped, mask, share: float, **losses) -> dict:
+def ppo_statistics(entropy, log_ratio, pg_clipped, vf_clipped, mask, share: float, **losses) -> dict:
     """The logging parts `{name: (sum, count)}` of one micro-batch's PPO losses: each loss in `losses` (`policy`,
     `value`: already a mean over the mini-batch) with this micro-batch's `share` of one optimizer step
     (1 / (micro-batches per mini-batch * ranks)), and token sums of the approximate KL to the sampling policy, the
-    clipped fractions (`vf_clipped` None: no critic), the entropy (of `logits [B, R, V]`, scaled) and the ratio's
+    clipped fractions (`vf_clipped` None: no critic), the entropy (`[B, R]`, of the scaled logits) and the ratio's
     first two moments (`val/ratio_var`)."""
-    from trl.trainer.utils import entropy_from_logits
-
     fmask = mask.to(log_ratio.dtype)
     n_tok, log_ratio = fmask.sum(), log_ratio.detach()
     parts = {f"loss/{name}": (loss.detach(), share) for name, loss in losses.items() if loss is not None}
     parts.update({
         "policy/approxkl": ((0.5 * log_ratio**2 * fmask).sum(), n_tok),
         "policy/clipfrac": ((pg_clipped.to(fmask.dtype) * fmask).sum(), n_tok),
-        "policy/entropy": ((entropy_from_logits(logits.detach()) * fmask).sum(), n_tok),
+        "policy/entropy": ((entropy.detach() * fmask).sum(), n_tok),
         "val/ratio": ((log_ratio.exp() * fmask).sum(), n_tok),
         "val/ratio_sq": (((2 * log_ratio).exp() * fmask).sum(), n_tok),
     })  # fmt: skip

@@ -88,6 +88,11 @@ class KLPlan:
         target = f", target {self.target:g} per {self.unit}" if self.target is not None else ""
         return f"KL applied in: {self.mode} (estimator {self.estimator}, statistic {self.statistic} per {self.unit}{target})"
 
+    def estimate_from_logits(self, name: str, logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
+        """Per-position KL by the logits-based estimator `name` from scaled logits `[..., V]` (`read_response`'s
+        `estimates`)."""
+        return self.estimate(name, logits=logits, ref_logits=ref_logits)
+
     def estimate(self, name: str, log_ratio=None, old_log_ratio=None, logits=None, ref_logits=None,
                  return_clamped: bool = False):  # fmt: skip
         """Per-position KL by the estimator `name`, with this run's clamps (`klppo.kl.estimate_kl`): a per-token

@@ -116,20 +116,19 @@ def check_reference_resets(fsdp: bool, policy: nn.Module, ref_model: nn.Module |
 
 
 @torch.no_grad()
-def kl_to_initial(rollout, reference_logits, tensors: dict, initial: dict, plan, chunk: int, accelerator) -> dict:
+def kl_to_initial(rollout, reference_logprobs, tensors: dict, initial: dict, plan, chunk: int, accelerator) -> dict:
     """`kl/initial`: the KL of the rollout's policy to the reference before the first reset (`k3` on the sampled
-    tokens: unbiased and never negative; in the statistic's unit), from the reference (`reference_logits(part)`)
+    tokens: unbiased and never negative; in the statistic's unit), from the reference (`reference_logprobs(part)`)
     with its first tensors (`initial`) swapped into `tensors`."""
     from ..kl import GlobalSums, estimate_kl
     from ..kl.reduce import unit_count
-    from .logprobs import response_logprobs
 
     mask = rollout.response_mask
     total = torch.zeros((), dtype=torch.float64, device=mask.device)
     with swapped_in(tensors, initial):
         for start in range(0, rollout.batch_size, chunk):
             part = rollout.select(slice(start, start + chunk))
-            logp = response_logprobs(reference_logits(part), part.responses)
+            logp = reference_logprobs(part)
             k3 = estimate_kl("k3", part.logp, logp, log_ratio_clamp=plan.log_ratio_clamp)
             total += torch.where(part.response_mask.bool(), k3, 0.0).double().sum()
     stats = GlobalSums()

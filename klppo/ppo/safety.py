@@ -192,7 +192,7 @@ class UpdateSafety:
             if unsettled.forward_checked or self.checked_rows is None:  # checked, or resumed: the rollout will
                 return None
             finite = policy_outputs_finite(model_wrapped, self.checked_rows, self.accelerator,
-                                           args.rollout_forward_batch_size)  # fmt: skip
+                                           args.rollout_forward_batch_size, args.experimental.logits_block_mb)  # fmt: skip
             unsettled.forward_checked = finite
         if finite:
             return None

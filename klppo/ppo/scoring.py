@@ -9,15 +9,18 @@ distributed training after it is built.
 from __future__ import annotations
 
 from collections import defaultdict
+from contextlib import contextmanager, nullcontext
+from functools import partial
 
 import torch
 from trl.trainer.utils import use_adapter
 
 from .callbacks import timed
 from .engines import root_unsharded, unwrap
-from ..kl import estimate_kl
+from ..kl import estimate_kl, get_kl_estimator_spec
 from .plan import LOGGED_ESTIMATORS, KLPlan
-from .logprobs import position_ids_from_mask, response_logits, response_logprobs, response_positions
+from .logprobs import ResponseLogits, position_ids_from_mask, read_response, response_positions
+from .value import _same_logits, last_hidden_states, lm_head_of
 from .sampling import Generation
 from .steps import Rollout, Sequences
 
@@ -36,14 +39,18 @@ class RolloutScorer:
         suppressed_ids: token ids never sampled, masked out of every scored log-softmax (or None).
         chunk: sequences per forward pass.
         critic_free: no critic: the values are zeros.
+        logits_block_mb: MiB of float32 logits made at once (`read_response`): the LM heads run on blocks of
+            response positions, and only per-token results are kept.
     """
 
     def __init__(self, plan: KLPlan, accelerator, ref_model, use_adapter_reference: bool, ref_adapter: str | None,
-                 temperature: float, suppressed_ids: torch.Tensor | None, chunk: int, critic_free: bool):  # fmt: skip
+                 temperature: float, suppressed_ids: torch.Tensor | None, chunk: int, critic_free: bool,
+                 logits_block_mb: float = 256.0):  # fmt: skip
         self.plan, self.accelerator, self.ref_model = plan, accelerator, ref_model
         self.use_adapter_reference, self.ref_adapter = use_adapter_reference, ref_adapter
         self.temperature, self.suppressed_ids = temperature, suppressed_ids
-        self.chunk, self.critic_free = chunk, critic_free
+        self.chunk, self.critic_free, self.logits_block_mb = chunk, critic_free, logits_block_mb
+        self.head_reads_hidden: dict[int, bool] = {}  # per reference model: `ActorCritic.head_reads_hidden`'s check
 
     @torch.no_grad()
     def score(self, model, sequences: Sequences, generated: Generation | None = None, timings: dict | None = None) -> Rollout:
@@ -56,6 +63,9 @@ class RolloutScorer:
         acc, plan, unwrapped = self.accelerator, self.plan, unwrap(self.accelerator, model)
         need_policy = generated.logp is None or plan.policy_logits_at_scoring
         need_values = generated.values is None and not self.critic_free
+        logits_estimates = {name: partial(plan.estimate_from_logits, name)
+                            for name in dict.fromkeys((plan.estimator, plan.statistic))
+                            if get_kl_estimator_spec(name).needs_logits}  # fmt: skip
         parts = []
         for start in range(0, sequences.batch_size, self.chunk):
             rows = slice(start, start + self.chunk)
@@ -63,30 +73,40 @@ class RolloutScorer:
             qr, attn, resp = seq.query_responses, seq.attention_mask, seq.responses
             pos = position_ids_from_mask(attn)
             logp = None if generated.logp is None else generated.logp[rows]
-            logits = None if generated.logits is None else generated.logits[rows]
+            policy = None if generated.logits is None else ResponseLogits.from_logits(generated.logits[rows], scaled=True)
             values = None
             if need_policy:
                 with timed(timings, "time/score_policy", acc):  # a shared critic's values come from this same pass
-                    policy_logits, values = model(
+                    source, values = model(
                         qr, attention_mask=attn, position_ids=pos, compute_values=need_values and unwrapped.shared,
-                        response_length=resp.shape[1],  # the LM head runs on the response's predicting positions only
+                        response_length=resp.shape[1], read=lambda source: source,  # the head in blocks, below
                     )  # fmt: skip
-                    policy_logits = response_logits(policy_logits, resp.shape[1], self.temperature, self.suppressed_ids)
-                    logits = policy_logits if logits is None else logits  # the generation's, when it kept them
-                    logp = response_logprobs(policy_logits, resp) if logp is None else logp
+                    policy = source if policy is None else policy  # the generation's logits, when it kept them
+                    if logp is None and not (logits_estimates and policy is source):
+                        logp = self.read(source, resp)["logp"]
             if need_values and values is None:
                 with timed(timings, "time/score_value", acc), root_unsharded(model):
                     values = unwrapped.critic(qr, attention_mask=attn, position_ids=pos)
             with timed(timings, "time/score_ref", acc):
-                ref_logits = self.reference_logits(model, seq)
-                ref_logp = response_logprobs(ref_logits, resp)
+                reference = self.reference_source(model, seq)
+                from_logits = {}
+                if logits_estimates:  # the policy's and the reference's logits, one block of positions at a time
+                    from_logits = self.read(policy, resp, reference=reference, estimates=logits_estimates)
+                    logp = from_logits["logp"] if logp is None else logp
+                    ref_logp = from_logits["ref_logp"]
+                else:
+                    ref_logp = self.read(reference, resp)["logp"]
             with timed(timings, "time/kl", acc):  # the log-ratio once; every estimate reads it
                 keep = seq.response_mask.bool()
                 zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
                 log_ratio = torch.where(keep, logp - ref_logp, zero)
-                kl, clamped = plan.estimate(plan.estimator, log_ratio, logits=logits, ref_logits=ref_logits, return_clamped=True)
-                statistic = kl if plan.statistic == plan.estimator else plan.estimate(
-                    plan.statistic, log_ratio, logits=logits, ref_logits=ref_logits)  # fmt: skip
+                if plan.estimator in from_logits:
+                    kl = from_logits[plan.estimator]
+                    clamped = torch.zeros(kl.shape, dtype=torch.bool, device=kl.device)
+                else:
+                    kl, clamped = plan.estimate(plan.estimator, log_ratio, return_clamped=True)
+                statistic = kl if plan.statistic == plan.estimator else (
+                    from_logits[plan.statistic] if plan.statistic in from_logits else plan.estimate(plan.statistic, log_ratio))  # fmt: skip
                 logged = torch.stack([estimate_kl(name, log_ratio=log_ratio, log_ratio_clamp=plan.log_ratio_clamp)
                                       for name in LOGGED_ESTIMATORS], dim=-1)  # fmt: skip
             parts.append(dict(
@@ -101,18 +121,46 @@ class RolloutScorer:
             scored["values"] = torch.zeros_like(scored["ref_logp"])
         return Rollout(**vars(sequences.sequences()), **scored)
 
-    def reference_logits(self, model, seq: Sequences) -> torch.Tensor:
-        """Temperature-scaled reference logits for the response positions `[B, R, V]`; `model` is the actor-critic
-        (the reference is its policy with the adapter disabled, or `ref_model`)."""
+    def read(self, source: ResponseLogits, responses: torch.Tensor, **kwargs) -> dict[str, torch.Tensor]:
+        """`read_response` with this run's temperature, suppressed ids and block size."""
+        return read_response(source, responses, self.temperature, self.suppressed_ids, self.logits_block_mb, **kwargs)
+
+    def reference_source(self, model, seq: Sequences) -> ResponseLogits:
+        """The reference's logits at the response positions of `seq`, as a `ResponseLogits` of its last hidden states
+        `[B, R, H]` and its LM head (no `[B, R, V]` tensor); `model` is the actor-critic (the reference is its policy
+        with the adapter disabled, or `ref_model`)."""
         pos = position_ids_from_mask(seq.attention_mask)
-        kwargs = dict(
-            input_ids=seq.query_responses, attention_mask=seq.attention_mask, position_ids=pos, use_cache=False,
-            logits_to_keep=response_positions(seq.responses.shape[1], seq.query_responses.shape[1], pos.device),
-        )  # fmt: skip
+        positions = response_positions(seq.responses.shape[1], seq.query_responses.shape[1], pos.device)
+        kwargs = dict(input_ids=seq.query_responses, attention_mask=seq.attention_mask, position_ids=pos,
+                      use_cache=False, logits_to_keep=positions[-1:])  # fmt: skip
         if self.use_adapter_reference:
             policy = unwrap(self.accelerator, model).policy
-            with use_adapter(policy, self.ref_adapter), root_unsharded(model):  # None: adapters disabled
-                logits = policy(**kwargs).logits
+            context = partial(self._adapter_reference, model, policy)
         else:
-            logits = self.ref_model(**kwargs).logits
-        return response_logits(logits, seq.responses.shape[1], self.temperature, self.suppressed_ids)
+            policy, context = self.ref_model, nullcontext
+        with context(), last_hidden_states(policy) as hidden:
+            logits = policy(**kwargs).logits
+        states = hidden[-1].index_select(1, positions)
+        head = lm_head_of(policy)
+        if self.head_reads_hidden.get(id(policy)) is None:
+            with context():
+                self.head_reads_hidden[id(policy)] = _same_logits(head(states[:, -1:]), logits, policy)
+        if not self.head_reads_hidden[id(policy)]:  # the model's own logits at every response position
+            with context():
+                logits = policy(**{**kwargs, "logits_to_keep": positions}).logits
+            return ResponseLogits.from_logits(logits)
+
+        def reference_head(hidden: torch.Tensor) -> torch.Tensor:
+            with context():
+                return head(hidden)
+
+        return ResponseLogits.from_hidden(states, reference_head, logits.shape[-1])
+
+    @contextmanager
+    def _adapter_reference(self, model, policy):
+        with use_adapter(policy, self.ref_adapter), root_unsharded(model):  # None: adapters disabled
+            yield
+
+    def reference_logprobs(self, model, seq: Sequences) -> torch.Tensor:
+        """The reference's log-probs of the responses of `seq`, `[B, R]`."""
+        return self.read(self.reference_source(model, seq), seq.responses)["logp"]

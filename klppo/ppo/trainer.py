@@ -173,6 +173,7 @@ class KLPPOTrainer(Trainer):
         self.scorer = RolloutScorer(
             self.kl_plan, self.accelerator, self.ref_model, self.use_adapter_reference, self.ref_adapter_name,
             args.temperature, self.sampler.suppressed_ids, args.rollout_forward_batch_size, args.critic_free,
+            args.experimental.logits_block_mb,
         )  # fmt: skip
         # what one update leaves for the next: the KL controller, the guard, the monitors, the non-finite path
         self.run = RunState.build(args, self.kl_plan, self.accelerator, log=self.is_world_process_zero())
@@ -538,7 +539,7 @@ class KLPPOTrainer(Trainer):
         share = 1.0 / (self.args.gradient_accumulation_steps * self.accelerator.num_processes)
         return partial(update.micro_batch_loss, self.model_wrapped, args=self.args, plan=self.kl_plan,
                        suppressed_ids=self.sampler.suppressed_ids, warming=self.critic_warming_up, share=share,
-                       reference_logits=lambda part: self.scorer.reference_logits(self.model_wrapped, part))  # fmt: skip
+                       reference=lambda part: self.scorer.reference_source(self.model_wrapped, part))  # fmt: skip
 
     # ------------------------------------------------------------------ reference resets
     def _reference_tensors(self) -> dict[str, torch.Tensor]:
@@ -565,7 +566,7 @@ class KLPPOTrainer(Trainer):
     def _kl_to_initial(self, rollout: Rollout, timings: dict) -> dict[str, float]:
         """`kl/initial`: the KL to the reference before the first reset (`klppo.ppo.reference.kl_to_initial`)."""
         with timed(timings, "time/score_initial", self.accelerator):
-            return kl_to_initial(rollout, lambda part: self.scorer.reference_logits(self.model_wrapped, part),
+            return kl_to_initial(rollout, lambda part: self.scorer.reference_logprobs(self.model_wrapped, part),
                                  self._reference_tensors(), self.run.initial_reference, self.kl_plan,
                                  self.args.rollout_forward_batch_size, self.accelerator)  # fmt: skip
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+from functools import partial
 
 import torch
 
@@ -22,7 +23,7 @@ from ..kl.reduce import explained_variance, global_masked_whiten, unit_count
 from ..rewards import combine_rewards
 from .advantages import advantage_slope, gae_advantages, sequence_advantages
 from .config import KL_LOSS_MIN_ADVANTAGE_STD
-from .logprobs import position_ids_from_mask, response_logits, response_logprobs
+from .logprobs import position_ids_from_mask, read_response
 from .losses import clipped_policy_loss, clipped_value_loss, ppo_statistics
 from .plan import LOGGED_ESTIMATORS, KLPlan
 from .safety import guard_sample
@@ -181,22 +182,34 @@ def kl_loss_baseline(plan: KLPlan, rollout: Rollout, accelerator) -> tuple[torch
 
 
 def micro_batch_loss(model, mb: Rollout, advantages: Advantages, idx: torch.Tensor, counts: dict, args,
-                     plan: KLPlan, suppressed_ids, reference_logits, warming: bool, share: float):  # fmt: skip
+                     plan: KLPlan, suppressed_ids, reference, warming: bool, share: float):  # fmt: skip
     """Step 8's loss of one micro-batch `mb` (rows `idx` of the rollout) through `model` (the wrapped actor-critic),
     normalised by the mini-batch's GLOBAL counts (`share`: this micro-batch's part of its mini-batch's mean, summed
     over micro-batches and ranks). Returns the loss, its logging parts `{name: (sum, count)}` and its reading for the
     KL guard (`GuardSample`). In loss mode the configured estimate at the current policy joins the loss, with the
-    baseline taken out of its gradient when the plan says so; `reference_logits(mb)` gives the reference's logits
-    to a logits-based estimator. `warming`: the critic alone (a shared head reads the trunk detached, and the policy
-    loss is left out)."""
+    baseline taken out of its gradient when the plan says so; a logits-based estimator reads the reference's logits
+    from `reference(mb)` (a `ResponseLogits`). The LM head is read in blocks of `logits_block_mb`
+    (`read_response`): no `[B, R, V]` logits are held at once. `warming`: the critic alone (a shared head reads the
+    trunk detached, and the policy loss is left out)."""
     mask, resp = mb.response_mask, mb.responses
-    logits, values = model(
+    kl_from_logits = "loss" in plan.places and not warming and plan.estimator_needs_logits
+    ref, estimates = None, {}
+    if kl_from_logits:
+        with torch.no_grad():
+            ref = reference(mb)
+        estimates = {plan.estimator: partial(plan.estimate_from_logits, plan.estimator)}
+    budget = args.experimental.logits_block_mb
+
+    def read(source):
+        return read_response(source, resp, args.temperature, suppressed_ids, budget, reference=ref,
+                             estimates=estimates, entropy=True)  # fmt: skip
+
+    reads, values = model(
         mb.query_responses, attention_mask=mb.attention_mask, position_ids=position_ids_from_mask(mb.attention_mask),
-        response_length=resp.shape[1], **({"detach_value_input": True} if warming else {}),
+        response_length=resp.shape[1], read=read, **({"detach_value_input": True} if warming else {}),
     )  # fmt: skip
-    logits = response_logits(logits, resp.shape[1], args.temperature, suppressed_ids)
     values = values[:, mb.context_length - 1 : -1].float() if values is not None else None
-    logp = response_logprobs(logits, resp)
+    logp = reads["logp"]
     # PPO's clipped losses, token means over the mini-batch's global token count
     pg_tok, pg_clipped, to_old = clipped_policy_loss(logp, mb.logp, advantages.advantages[idx], args.cliprange)
     loss, value_loss, vf_clipped = aggregate_loss(pg_tok, mask, "token-mean", num_tokens=counts["num_tokens"]), None, None
@@ -207,17 +220,16 @@ def micro_batch_loss(model, mb: Rollout, advantages: Advantages, idx: torch.Tens
     # (0 after the stop token, where the sampled token was replaced by padding)
     old_log_ratio = torch.where(mask.bool(), to_old, 0.0)
     log_ratio = mb.log_ratio + old_log_ratio
-    parts = ppo_statistics(logits, old_log_ratio, pg_clipped, vf_clipped, mask, share, policy=loss, value=value_loss)
+    parts = ppo_statistics(reads["entropy"], old_log_ratio, pg_clipped, vf_clipped, mask, share, policy=loss, value=value_loss)
     sample = guard_sample(log_ratio.detach(), old_log_ratio.detach(), mb.log_ratio, mask, plan.unit)
     parts["kl/during_update"] = (sample.kl_now, sample.count)  # the KL statistic at the current policy
     if warming:  # the critic alone: neither the policy loss nor the KL reaches the policy's weights
         loss = None
     elif "loss" in plan.places:  # the estimator at the current policy, per the aggregation
-        ref_logits = None
-        if plan.estimator_needs_logits:
-            with torch.no_grad():
-                ref_logits = reference_logits(mb)
-        kl = plan.estimate(plan.estimator, log_ratio, old_log_ratio, logits=logits, ref_logits=ref_logits)
+        if kl_from_logits:
+            kl = reads[plan.estimator]
+        else:
+            kl = plan.estimate(plan.estimator, log_ratio, old_log_ratio)
         if advantages.kl_loss_baseline is not None:  # a zero-mean control variate: E_old[w * grad log pi] = 0
             c = plan.log_ratio_clamp
             w = (old_log_ratio if c is None else old_log_ratio.clamp(-c, c)).exp()

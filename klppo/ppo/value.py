@@ -40,6 +40,32 @@ def last_hidden_states(model: nn.Module, last_position: bool = False):
         handle.remove()
 
 
+def lm_head_of(model: nn.Module):
+    """`model`'s LM head as a function of its last hidden states `[..., H] -> [..., V]`: its output embeddings, then
+    what its forward does to their output (`klppo.ppo.logprobs.head_transform`)."""
+    from .logprobs import head_transform
+
+    head = model.get_output_embeddings()
+    transform = head_transform(model.config)
+    return head if transform is None else (lambda hidden: transform(head(hidden)))
+
+
+def _same_logits(ours: torch.Tensor, theirs: torch.Tensor, model: nn.Module) -> bool:
+    """Whether the LM head run on the last hidden states (`ours`) gives the model's own logits (`theirs`), within
+    rounding; if not, say once that the head is read the memory-heavy way."""
+    import logging
+
+    scale = theirs.float().abs().amax().clamp(min=1.0)
+    same = ours.shape == theirs.shape and bool(((ours.float() - theirs.float()).abs().amax() <= 1e-3 * scale).item())
+    if not same:
+        logging.getLogger(__name__).warning(
+            "The LM head of %s on its last hidden states does not give the model's own logits (its forward transforms "
+            "them in a way klppo does not know), so its logits are made for every response position at once: memory "
+            "then grows with batch x response length x vocabulary.", type(model).__name__,
+        )  # fmt: skip
+    return same
+
+
 def hidden_size_of(config) -> int:
     for name in ("hidden_size", "n_embd", "d_model"):
         if getattr(config, name, None):
@@ -164,6 +190,12 @@ class ActorCritic(nn.Module):
     `response_length=R` computes logits only at the R positions that predict the last R tokens
     (`rollout.response_positions`), `[B, R, V]`; `detach_value_input` overrides the constructor's for one call (a
     critic trained alone).
+
+    With `read`, the logits are never made at once: `forward` returns `(read(source), values)`, with `source` a
+    `klppo.ppo.logprobs.ResponseLogits` of the policy's last hidden states at the R predicting positions `[B, R, H]`
+    and its LM head (`policy_head`), which the caller runs on blocks of positions (`read_response`). For a model
+    whose logits `policy_head` does not reproduce (checked once, on the first such pass), `source` holds the
+    model's own logits `[B, R, V]` instead.
     """
 
     def __init__(
@@ -181,6 +213,9 @@ class ActorCritic(nn.Module):
         self.value_head = value_head
         # shared critic: with True, the value loss trains the head only, never the policy's trunk
         self.detach_value_input = detach_value_input
+        # whether `policy_head` on the last hidden states gives the policy's logits: checked on the first forward
+        # pass that reads the head in blocks (None until then); False: such passes read the model's own logits
+        self.head_reads_hidden: bool | None = None
 
     @property
     def shared(self) -> bool:
@@ -205,13 +240,18 @@ class ActorCritic(nn.Module):
 
     def forward(
         self, input_ids, attention_mask=None, position_ids=None, compute_values: bool = True, response_length: int = 0,
-        detach_value_input: bool | None = None,
+        detach_value_input: bool | None = None, read=None,
     ):
-        from .logprobs import response_positions
+        from .logprobs import ResponseLogits, response_positions
 
         keep = response_positions(response_length, input_ids.shape[1], input_ids.device) if response_length else 0
+        if read is not None and not response_length:
+            raise ValueError("ActorCritic: `read` needs `response_length`.")
+        from_hidden = read is not None and self.head_reads_hidden is not False
+        if from_hidden:  # the model's own head on one position only: the check of `head_reads_hidden`
+            keep = keep[-1:]
         shared_values = compute_values and self.shared
-        with last_hidden_states(self.policy) if shared_values else nullcontext([None]) as hidden:
+        with last_hidden_states(self.policy) if shared_values or from_hidden else nullcontext([None]) as hidden:
             out = self.policy(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -227,7 +267,26 @@ class ActorCritic(nn.Module):
                 values = self.value_head(last.detach() if detach else last)
             else:
                 values = self.critic(input_ids, attention_mask=attention_mask, position_ids=position_ids)
-        return out.logits, values
+        if read is None:
+            return out.logits, values
+        vocab = out.logits.shape[-1]
+        if from_hidden:
+            positions = response_positions(response_length, input_ids.shape[1], input_ids.device)
+            states = hidden[-1].index_select(1, positions)  # [B, R, H], contiguous
+            head = self.policy_head
+            if self.head_reads_hidden is None:
+                self.head_reads_hidden = _same_logits(head(states[:, -1:].detach()), out.logits.detach(), self.policy)
+            if self.head_reads_hidden:
+                return read(ResponseLogits.from_hidden(states, head, vocab)), values
+            out = self.policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              use_cache=False, logits_to_keep=positions)  # fmt: skip
+        return read(ResponseLogits.from_logits(out.logits)), values
+
+    @property
+    def policy_head(self):
+        """The policy's LM head as a function of its last hidden states: `get_output_embeddings()` and what the
+        model's forward does to its output (`klppo.ppo.logprobs.head_transform`)."""
+        return lm_head_of(self.policy)
 
     @property
     def is_activation_checkpointing(self) -> bool:
