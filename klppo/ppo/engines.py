@@ -66,12 +66,24 @@ def is_fsdp2(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+_UNSHARDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # root_unsharded's depth per module
+
+
 @contextmanager
 def root_unsharded(model: nn.Module):
     """Inside the block, the FSDP2 root's own parameters are whole, for forwards that do not enter through the
-    root (a root forward in the block would reshard them on exit). A no-op for any other module."""
-    if not is_fsdp2(model):
-        yield
+    root (a root forward in the block would reshard them on exit) and for its LM head run on hidden states
+    (`klppo.ppo.logprobs.read_response`). Nested blocks of one module unshard and reshard once, at the outermost.
+    A no-op for any other module."""
+    if not is_fsdp2(model) or _UNSHARDED.get(model, 0) > 0:
+        if is_fsdp2(model):
+            _UNSHARDED[model] += 1
+            try:
+                yield
+            finally:
+                _UNSHARDED[model] -= 1
+        else:
+            yield
         return
     # FSDP2 names its root at the first forward. Were that first forward one of the submodule forwards below, their
     # blocks would take themselves for roots and the actor-critic's own forward would fail ("already lazily
@@ -80,10 +92,19 @@ def root_unsharded(model: nn.Module):
     if fsdp_state is not None:
         fsdp_state()._lazy_init()
     model.unshard()
+    _UNSHARDED[model] = 1
     try:
         yield
     finally:
+        _UNSHARDED[model] = 0
         model.reshard()
+
+
+def unshard_again(model: nn.Module) -> None:
+    """Inside a `root_unsharded(model)` block, make the root's parameters whole again after a forward that entered
+    through it (which reshards them on exit). A no-op elsewhere."""
+    if is_fsdp2(model) and _UNSHARDED.get(model, 0) > 0:
+        model.unshard()
 
 
 def load_full_weights(model: nn.Module, weights: dict) -> None:

@@ -16,7 +16,7 @@ import torch
 from trl.trainer.utils import use_adapter
 
 from .callbacks import timed
-from .engines import root_unsharded, unwrap
+from .engines import root_unsharded, unshard_again, unwrap
 from ..kl import estimate_kl, get_kl_estimator_spec
 from .plan import LOGGED_ESTIMATORS, KLPlan
 from .logprobs import ResponseLogits, position_ids_from_mask, read_response, response_positions
@@ -83,11 +83,12 @@ class RolloutScorer:
                     )  # fmt: skip
                     policy = source if policy is None else policy  # the generation's logits, when it kept them
                     if logp is None and not (logits_estimates and policy is source):
-                        logp = self.read(source, resp)["logp"]
+                        with self.unsharded(model):
+                            logp = self.read(source, resp)["logp"]
             if need_values and values is None:
                 with timed(timings, "time/score_value", acc), root_unsharded(model):
                     values = unwrapped.critic(qr, attention_mask=attn, position_ids=pos)
-            with timed(timings, "time/score_ref", acc):
+            with timed(timings, "time/score_ref", acc), self.unsharded(model):
                 reference = self.reference_source(model, seq)
                 from_logits = {}
                 if logits_estimates:  # the policy's and the reference's logits, one block of positions at a time
@@ -125,30 +126,35 @@ class RolloutScorer:
         """`read_response` with this run's temperature, suppressed ids and block size."""
         return read_response(source, responses, self.temperature, self.suppressed_ids, self.logits_block_mb, **kwargs)
 
-    def reference_source(self, model, seq: Sequences) -> ResponseLogits:
+    def reference_source(self, model, seq: Sequences, whole: bool = False) -> ResponseLogits:
         """The reference's logits at the response positions of `seq`, as a `ResponseLogits` of its last hidden states
-        `[B, R, H]` and its LM head (no `[B, R, V]` tensor); `model` is the actor-critic (the reference is its policy
-        with the adapter disabled, or `ref_model`)."""
+        `[B, R, H]` and its LM head (no `[B, R, V]` tensor), or with `whole` of its logits `[B, R, V]`; `model` is the
+        actor-critic (the reference is its policy with the adapter disabled, or `ref_model`). Its head is read
+        inside `self.unsharded(model)`."""
         pos = position_ids_from_mask(seq.attention_mask)
         positions = response_positions(seq.responses.shape[1], seq.query_responses.shape[1], pos.device)
         kwargs = dict(input_ids=seq.query_responses, attention_mask=seq.attention_mask, position_ids=pos,
-                      use_cache=False, logits_to_keep=positions[-1:])  # fmt: skip
+                      use_cache=False, logits_to_keep=positions if whole else positions[-1:])  # fmt: skip
         if self.use_adapter_reference:
             policy = unwrap(self.accelerator, model).policy
-            context = partial(self._adapter_reference, model, policy)
+            context = partial(use_adapter, policy, self.ref_adapter)  # None: adapters disabled
         else:
             policy, context = self.ref_model, nullcontext
-        with context(), last_hidden_states(policy) as hidden:
-            logits = policy(**kwargs).logits
-        states = hidden[-1].index_select(1, positions)
-        head = lm_head_of(policy)
-        if self.head_reads_hidden.get(id(policy)) is None:
-            with context():
-                self.head_reads_hidden[id(policy)] = _same_logits(head(states[:, -1:]), logits, policy)
-        if not self.head_reads_hidden[id(policy)]:  # the model's own logits at every response position
-            with context():
-                logits = policy(**{**kwargs, "logits_to_keep": positions}).logits
-            return ResponseLogits.from_logits(logits)
+        with self.unsharded(model):
+            if whole or self.head_reads_hidden.get(id(policy)) is False:  # the model's own logits at every position
+                with context():
+                    return ResponseLogits.from_logits(policy(**{**kwargs, "logits_to_keep": positions}).logits)
+            with context(), last_hidden_states(policy) as hidden:
+                logits = policy(**kwargs).logits
+            if self.ref_model is not None:
+                unshard_again(self.ref_model)  # its forward resharded its root: its head is read below
+            states = hidden[-1].index_select(1, positions)
+            head = lm_head_of(policy)
+            if self.head_reads_hidden.get(id(policy)) is None:
+                with context():
+                    self.head_reads_hidden[id(policy)] = _same_logits(head(states[:, -1:]), logits, policy)
+                if not self.head_reads_hidden[id(policy)]:
+                    return self.reference_source(model, seq, whole=True)
 
         def reference_head(hidden: torch.Tensor) -> torch.Tensor:
             with context():
@@ -157,10 +163,14 @@ class RolloutScorer:
         return ResponseLogits.from_hidden(states, reference_head, logits.shape[-1])
 
     @contextmanager
-    def _adapter_reference(self, model, policy):
-        with use_adapter(policy, self.ref_adapter), root_unsharded(model):  # None: adapters disabled
+    def unsharded(self, model):
+        """FSDP2's root units of the actor-critic `model` and of the reference whole inside the block
+        (`root_unsharded`): for the forwards that do not enter through a root and the LM heads run on hidden
+        states."""
+        with root_unsharded(model), root_unsharded(self.ref_model) if self.ref_model is not None else nullcontext():
             yield
 
     def reference_logprobs(self, model, seq: Sequences) -> torch.Tensor:
         """The reference's log-probs of the responses of `seq`, `[B, R]`."""
-        return self.read(self.reference_source(model, seq), seq.responses)["logp"]
+        with self.unsharded(model):
+            return self.read(self.reference_source(model, seq), seq.responses)["logp"]

@@ -60,7 +60,7 @@ from .build import (
 )
 from .callbacks import KLProgressCallback, maybe_offline_wandb, now, timed
 from .config import KLPPOConfig
-from .engines import backward, destroy_process_group_at_exit, optimizer_step, root_unsharded, unwrap
+from .engines import backward, destroy_process_group_at_exit, is_fsdp2, optimizer_step, root_unsharded, unwrap
 from .guard import LOWER, UPPER, reset_momentum
 from .health import TrainingDiverged, rollout_outputs_finite
 from .plan import make_kl_plan
@@ -539,7 +539,14 @@ class KLPPOTrainer(Trainer):
         share = 1.0 / (self.args.gradient_accumulation_steps * self.accelerator.num_processes)
         return partial(update.micro_batch_loss, self.model_wrapped, args=self.args, plan=self.kl_plan,
                        suppressed_ids=self.sampler.suppressed_ids, warming=self.critic_warming_up, share=share,
-                       reference=lambda part: self.scorer.reference_source(self.model_wrapped, part))  # fmt: skip
+                       reference=self._loss_reference)  # fmt: skip
+
+    def _loss_reference(self, mb):
+        """The reference's logits for a logits-based KL in the loss (`micro_batch_loss`): its hidden states and head,
+        read in blocks inside the policy's forward and backward passes; under FSDP2, whose roots are resharded
+        between the two, its whole logits."""
+        whole = is_fsdp2(self.model_wrapped)
+        return self.scorer.reference_source(self.model_wrapped, mb, whole=whole)
 
     # ------------------------------------------------------------------ reference resets
     def _reference_tensors(self) -> dict[str, torch.Tensor]:

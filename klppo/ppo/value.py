@@ -66,6 +66,14 @@ def _same_logits(ours: torch.Tensor, theirs: torch.Tensor, model: nn.Module) -> 
     return same
 
 
+def _not_views(result):
+    """`result` with each tensor of a dict that is a view copied: FSDP2 warns at every forward of a module that
+    returns a view (an in-place op on it would skip its pre-backward hook)."""
+    if not isinstance(result, dict):
+        return result
+    return {k: v.clone() if isinstance(v, torch.Tensor) and v._base is not None else v for k, v in result.items()}
+
+
 def hidden_size_of(config) -> int:
     for name in ("hidden_size", "n_embd", "d_model"):
         if getattr(config, name, None):
@@ -277,10 +285,10 @@ class ActorCritic(nn.Module):
             if self.head_reads_hidden is None:
                 self.head_reads_hidden = _same_logits(head(states[:, -1:].detach()), out.logits.detach(), self.policy)
             if self.head_reads_hidden:
-                return read(ResponseLogits.from_hidden(states, head, vocab)), values
+                return _not_views(read(ResponseLogits.from_hidden(states, head, vocab))), values
             out = self.policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                               use_cache=False, logits_to_keep=positions)  # fmt: skip
-        return read(ResponseLogits.from_logits(out.logits)), values
+        return _not_views(read(ResponseLogits.from_logits(out.logits))), values
 
     @property
     def policy_head(self):
