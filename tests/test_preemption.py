@@ -208,6 +208,14 @@ def accelerate_launch(tmp_path: Path, reward_file: Path, out: Path, *extra: str)
             *train_args(out, reward_file, *extra)]  # fmt: skip
 
 
+def torchrun(reward_file: Path, out: Path, *extra: str) -> list[str]:
+    """`torchrun` with 2 CPU processes (torch's elastic agent) running `scripts/train.py`."""
+    from test_trainer_distributed import free_port
+
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+            str(ROOT / "scripts" / "train.py"), *train_args(out, reward_file, *extra)]  # fmt: skip
+
+
 def check_ranks_stopped(done: Ended, out: Path, tmp_path: Path, name: str) -> None:
     """Both ranks of the 2-rank run `name` stopped after the same update, whose one checkpoint is saved."""
     check_stopped_run(out, done.stdout)
@@ -237,12 +245,12 @@ def test_sigterm_to_the_launchers_process_group_stops_every_rank_after_the_same_
 @pytest.mark.slow
 @pytest.mark.ranks
 def test_sigterm_to_one_rank_alone_stops_every_rank_after_the_same_update(tmp_path, reward_file):
-    """2 CPU ranks; SIGTERM reaches the second rank alone, during update 2 (the first rank, which saves, never gets
-    it): the all-reduce at the end of the update tells every rank, so both stop after update 2, with one checkpoint.
-    Were each rank to act on its own flag, the first would go on to update 3 and the ranks would meet different
-    collectives."""
+    """2 CPU ranks under `torchrun`; SIGTERM reaches the second rank alone, during update 2 (the first rank, which
+    saves, never gets it): the all-reduce at the end of the update tells every rank, so both stop after update 2, with
+    one checkpoint, and the launcher exits once they have. Were each rank to act on its own flag, the first would go
+    on to update 3 and the ranks would meet different collectives."""
     out = tmp_path / "out"
-    done = run_as_scheduler(accelerate_launch(tmp_path, reward_file, out), tmp_path, "stop", timeout=300,
+    done = run_as_scheduler(torchrun(reward_file, out), tmp_path, "stop", timeout=300,
                             KLPPO_TEST_SIGTERM_AT=str(SIGTERM_AT), KLPPO_TEST_SIGTERM_RANK="1")  # fmt: skip
     check_ranks_stopped(done, out, tmp_path, "stop")
     # the agent, not signalled itself, reports each rank's exit status
