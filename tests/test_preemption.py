@@ -318,15 +318,17 @@ def test_a_rank_blocked_in_a_collective_exits_at_sigterm(tmp_path, ending):
             signalled = time.monotonic()
             blocked.send_signal(signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
-            blocked.wait(timeout=grace + 30)
+            blocked.wait(timeout=grace + 60)
         waited = time.monotonic() - signalled
         text = logs[0].read_text()
         assert blocked.returncode == EXIT_STOPPED, (blocked.returncode, text[-3000:])
-        assert "the barrier returned" not in text and f"klppo: {'a second SIGTERM' if ending == 'second signal' else 'the run has not stopped'}" in text
+        why = "a second SIGTERM" if ending == "second signal" else "the run has not stopped"
+        assert "the barrier returned" not in text and f"klppo: {why}" in text, text[-3000:]
+        # the upper bounds leave room for a loaded machine; without the watcher the rank waits the barrier's 300 s
         if ending == "grace period":
-            assert grace - 0.1 <= waited <= grace + 5, waited
+            assert grace - 0.1 <= waited <= grace + 20, waited
         else:
-            assert waited <= 5, waited
+            assert waited <= 10, waited
     finally:
         for process in ranks:
             with contextlib.suppress(ProcessLookupError):

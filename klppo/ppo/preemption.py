@@ -88,12 +88,17 @@ class StopRequest:
             return False
         self._previous = signal.signal(signal.SIGTERM, self._handle)
         read, write = os.pipe()
-        os.set_blocking(write, False)  # the C-level handler must never block on it
-        self._pipe = (read, write)
-        self._previous_wakeup_fd = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
-        self._watcher = threading.Thread(target=self._watch, args=(read, self._previous_wakeup_fd),
-                                         name="klppo-sigterm-watcher", daemon=True)  # fmt: skip
-        self._watcher.start()
+        try:
+            os.set_blocking(write, False)  # the C-level handler must never block on it
+            self._previous_wakeup_fd = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        except (ValueError, OSError):  # a platform whose wakeup fd must be a socket (Windows): no watcher
+            os.close(read)
+            os.close(write)
+        else:
+            self._pipe = (read, write)
+            self._watcher = threading.Thread(target=self._watch, args=(read, self._previous_wakeup_fd),
+                                             name="klppo-sigterm-watcher", daemon=True)  # fmt: skip
+            self._watcher.start()
         self._installed = True
         return True
 
@@ -102,12 +107,13 @@ class StopRequest:
         if not self._installed:
             return
         signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
-        signal.set_wakeup_fd(self._previous_wakeup_fd)
-        read, write = self._pipe
-        os.close(write)  # the watcher reads the end of the pipe and returns
-        self._watcher.join(timeout=5)
-        if not self._watcher.is_alive():
-            os.close(read)
+        if self._watcher is not None:
+            signal.set_wakeup_fd(self._previous_wakeup_fd)
+            read, write = self._pipe
+            os.close(write)  # the watcher reads the end of the pipe and returns
+            self._watcher.join(timeout=5)
+            if not self._watcher.is_alive():
+                os.close(read)
         self._installed, self._pipe, self._watcher = False, None, None
 
     def _handle(self, signum, frame) -> None:
@@ -120,10 +126,11 @@ class StopRequest:
         """The watcher thread: reads the signal numbers the C-level handler writes into the pipe (forwarding them to
         the wakeup fd set before, if any), and ends the process at a second SIGTERM or at the grace deadline."""
         first = deadline = None
+        pipe = select.poll()  # not select.select: a training process may hold more than 1024 files
+        pipe.register(read, select.POLLIN)
         while True:
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, _, _ = select.select([read], [], [], timeout)
-            if not ready:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic()) * 1000
+            if not pipe.poll(timeout):
                 self._exit(f"the run has not stopped {self.grace_s:g} s after SIGTERM (a rank may be waiting for "
                            "another that died)")  # fmt: skip
                 return
