@@ -1,7 +1,8 @@
 """Train a causal LM with PPO and KL control from a YAML experiment.
 
-Single process (CPU or one GPU):
-    accelerate launch scripts/train.py --config configs/default.yaml
+Single process (CPU or one GPU; not `accelerate launch`, whose single-process launcher exits at a stop signal without
+waiting for the script to save its checkpoint):
+    python scripts/train.py --config configs/default.yaml
     python scripts/train.py --config configs/tiny.yaml --kl_controller pid --kl_target 2.0 --kl_controller_kwargs '{}'
     (`kl_controller_kwargs` holds one controller's constants: tiny.yaml's are the adaptive controller's, so a
     switch of controller replaces them, here with the PID controller's defaults)

@@ -156,8 +156,12 @@ EXPERIMENTAL_DOC = r"""
             ends the run at the end of the current update, every rank after the same one: a checkpoint of that update
             is saved, the summary written, and `scripts/train.py` exits with status 143 and says it was stopped.
             `--resume_from_checkpoint true` goes on from there. A second SIGTERM more than 5 s after the first (a
-            launcher forwarding the first to its ranks is not a second), or SIGINT, stops at once. It replaces
-            transformers' `enable_jit_checkpoint`. False: SIGTERM stops the process at once.
+            launcher forwarding the first to its ranks is not a second), or SIGINT, stops at once, a second SIGTERM
+            even in a blocked collective (exit status 143, no checkpoint); with several ranks, so does the end of the
+            grace period, `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` seconds after the first (30 by default). Launch one
+            process with `python scripts/train.py`: `accelerate launch` on one process exits at the signal without
+            waiting for the save. It replaces transformers' `enable_jit_checkpoint`. False: SIGTERM stops the process
+            at once.
         ref_reset_optimizer (`bool`, *optional*, defaults to `True`):
             With `ref_reset_steps`: clear the optimizer's state (Adam's moments and step counts, the critic's too) at
             each reset, as ProRL does; False keeps it.
