@@ -16,6 +16,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .ppo.callbacks import maybe_offline_wandb
 from .ppo.checkpoint import ResumeMismatch
 from .ppo.health import TrainingDiverged
 from .ppo.lock import OutputDirInUse, OutputDirLock
@@ -184,6 +185,7 @@ def _load_data(script_args, training_args):
 def main(parsed) -> dict:
     """Train one parsed experiment `(script_args, training_args, model_args)` and return its run summary."""
     script_args, training_args, model_args = parsed
+    maybe_offline_wandb(training_args)  # the command owns its process: wandb without credentials logs offline
 
     # one run per output_dir, from the start (the trainer holds the same lock while it trains)
     with OutputDirLock(training_args.output_dir, enabled=int(os.environ.get("RANK", "0")) == 0):
