@@ -37,3 +37,20 @@ def test_an_unknown_name_is_an_attribute_error():
 
     assert not hasattr(klppo, "NoSuchTrainer")
     assert "__version__" in dir(klppo) and "NoSuchTrainer" not in dir(klppo)
+
+
+def test_klppos_own_deprecations_are_errors_in_the_tests_and_third_parties_are_not():
+    """pyproject's `filterwarnings`: a DeprecationWarning raised in a klppo module, or of klppo's category wherever it
+    points, fails the test; a third party's is ignored."""
+    import warnings
+
+    import pytest
+
+    from klppo.utils import KLPPODeprecationWarning
+
+    with pytest.raises(KLPPODeprecationWarning):
+        warnings.warn("a klppo name is deprecated", KLPPODeprecationWarning, stacklevel=2)
+    with pytest.raises(DeprecationWarning):
+        warnings.warn_explicit("deprecated", DeprecationWarning, "klppo/kl/x.py", 1, module="klppo.kl.x")
+    warnings.warn_explicit("deprecated", DeprecationWarning, "transformers/x.py", 1, module="transformers.x")
+    warnings.warn("a third party's deprecation", DeprecationWarning)
