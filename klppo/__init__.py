@@ -1,12 +1,17 @@
 """klppo: PPO for Hugging Face causal LMs with first-class KL control.
 
-``klppo.kl`` is pure torch and imports quickly; the trainer classes are imported lazily so that
-``import klppo.kl`` does not pull in transformers.
+``klppo.kl`` is pure torch and imports quickly; the trainer classes are imported lazily (on first use of the name)
+so that ``import klppo.kl`` does not pull in transformers. ``dir(klppo)``, ``help(klppo)`` and IDEs list them all the
+same (``__all__``, ``__dir__``).
 """
 
 __version__ = "0.1.0"
 
 __all__ = ["KLPPOConfig", "KLPPOTrainer", "PPOConfig", "PPOTrainer", "__version__"]
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
 
 
 def __getattr__(name):

@@ -1,7 +1,9 @@
-"""The `scripts/train.py` command (its docstring shows how to launch it): a YAML experiment parsed into
-`ScriptArguments`, `KLPPOConfig` and TRL's `ModelConfig` (`--config` sets defaults, command-line flags override
-them, an unknown key is an error), the trainer built from them, and the run summary. `lab/compare.py` and tests
-reuse `parse` and `build_trainer`.
+"""The `klppo` command (`klppo train --config tiny`; also `python -m klppo`, `accelerate launch -m klppo` and
+`scripts/train.py`, whose docstring shows how to launch it): a YAML experiment parsed into `ScriptArguments`,
+`KLPPOConfig` and TRL's `ModelConfig` (`--config` sets defaults, command-line flags override them, an unknown key is
+an error), the trainer built from them, and the run summary. `--config` takes a YAML file or the name of a config
+klppo ships (`default`, `tiny`, ...: `shipped_configs()`). `lab/compare.py` and tests reuse `parse` and
+`build_trainer`.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from .ppo.callbacks import maybe_offline_wandb
 from .ppo.checkpoint import ResumeMismatch
 from .ppo.health import TrainingDiverged
 from .ppo.lock import OutputDirInUse, OutputDirLock
@@ -23,7 +27,7 @@ from .utils import none_from_text, write_json
 
 @dataclass
 class ScriptArguments:
-    """Data, reward and reporting options of `scripts/train.py`."""
+    """Data, reward and reporting options of `klppo train` (and `scripts/train.py`)."""
 
     dataset_name: str = field(
         default="klppo:offline-prompts",
@@ -51,14 +55,49 @@ class UserError(Exception):
     """A problem with the user's input: reported as one paragraph, without a traceback."""
 
 
+def config_folder() -> Path:
+    """Where the experiment configs klppo ships are: `klppo/configs/` in an installed klppo (the wheel ships the
+    repository's `configs/*.yaml` there, see `setup.py`), the repository's `configs/` in a checkout."""
+    package = Path(__file__).resolve().parent
+    installed = package / "configs"
+    return installed if installed.is_dir() else package.parent / "configs"
+
+
+def shipped_configs() -> dict[str, str]:
+    """`{name: path}` of the experiment configs klppo ships (`default`, `tiny`, ...), by file name without `.yaml`."""
+    return {path.stem: str(path) for path in sorted(config_folder().glob("*.yaml"))}
+
+
+def resolve_config(value: str) -> str:
+    """The file `--config value` reads: `value` itself when it is a file, else the config klppo ships under that name
+    (`tiny` or `tiny.yaml`); anything else as given (the parser then reports the missing file)."""
+    if os.path.isfile(value) or "/" in value or os.sep in value:
+        return value
+    return shipped_configs().get(value[: -len(".yaml")] if value.endswith(".yaml") else value, value)
+
+
+def _with_config_resolved(argv: list[str]) -> list[str]:
+    """`argv` with the `--config` value (`--config X` or `--config=X`) resolved by `resolve_config`."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg == "--config" and i + 1 < len(out):
+            out[i + 1] = resolve_config(out[i + 1])
+            break
+        if arg.startswith("--config="):
+            out[i : i + 1] = ["--config", resolve_config(arg[len("--config="):])]
+            break
+    return out
+
+
 def parse(argv=None):
-    """`(ScriptArguments, KLPPOConfig, ModelConfig)` from `--config` YAML and command-line overrides."""
+    """`(ScriptArguments, KLPPOConfig, ModelConfig)` from `--config` YAML (a file, or the name of a shipped config)
+    and command-line overrides."""
     from trl import ModelConfig, TrlParser
 
     from . import KLPPOConfig
 
     parser = TrlParser((ScriptArguments, KLPPOConfig, ModelConfig))
-    return parser.parse_args_and_config(args=argv)
+    return parser.parse_args_and_config(args=_with_config_resolved(sys.argv[1:] if argv is None else argv))
 
 
 def build_trainer(script_args, training_args, model_args):
@@ -146,6 +185,7 @@ def _load_data(script_args, training_args):
 def main(parsed) -> dict:
     """Train one parsed experiment `(script_args, training_args, model_args)` and return its run summary."""
     script_args, training_args, model_args = parsed
+    maybe_offline_wandb(training_args)  # the command owns its process: wandb without credentials logs offline
 
     # one run per output_dir, from the start (the trainer holds the same lock while it trains)
     with OutputDirLock(training_args.output_dir, enabled=int(os.environ.get("RANK", "0")) == 0):
@@ -212,11 +252,12 @@ def cli(argv=None) -> int:
         print(f"error: the --config file is not valid YAML: {err}", file=sys.stderr)
         return 2
     except FileNotFoundError as err:
-        print(f"error: {err}. Check the path given to --config.", file=sys.stderr)
+        print(f"error: {err}. Check the path given to --config, or name a config klppo ships: "
+              f"{', '.join(shipped_configs())}.", file=sys.stderr)
         return 2
     except (ValueError, TypeError) as err:
         # configuration mistakes (unknown YAML key, invalid KL field, ...) are caught at parse time
-        print(f"error: {err}\nSee `python scripts/train.py --help` and docs/configuration.md.", file=sys.stderr)
+        print(f"error: {err}\nSee `klppo train --help` and docs/configuration.md.", file=sys.stderr)
         return 2
     try:
         summary = main(parsed)
@@ -224,3 +265,47 @@ def cli(argv=None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return EXIT_STOPPED if summary.get("stopped_after_update") is not None else 0
+
+
+USAGE = """usage: klppo train --config CONFIG [--FIELD VALUE ...]
+
+PPO with KL control for Hugging Face causal LMs.
+
+commands:
+  train      train from a YAML experiment: --config takes a file or the name of a config klppo ships
+             ({configs}); every field can be set on the command line
+             (`klppo train --help` lists them, docs/configuration.md explains them)
+
+`python -m klppo` and `accelerate launch -m klppo` run the same command; `train` may be left out there, e.g.
+`accelerate launch --num_processes 2 -m klppo --config tiny`.
+
+options:
+  -h, --help   show this message
+  --version    print klppo's version
+"""
+
+
+def command(argv=None) -> int:
+    """The `klppo` console script, `python -m klppo` and `accelerate launch -m klppo`: `klppo train ARGS` (or, with no
+    command, `klppo ARGS` where ARGS start with an option) runs `cli(ARGS)`, what `scripts/train.py ARGS` runs; `klppo`
+    alone or `klppo --help` prints the usage, `klppo --version` the version. Returns the exit status."""
+    from . import __version__
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "train":
+        return cli(argv[1:])
+    if argv and argv[0] == "--version":
+        print(f"klppo {__version__}")
+        return 0
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE.format(configs=", ".join(shipped_configs())), end="")
+        return 0 if argv else 2
+    if argv[0].startswith("-"):
+        return cli(argv)
+    print(f"klppo: unknown command {argv[0]!r}; the command is `train` (klppo train --config tiny). See klppo --help.",
+          file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(command())

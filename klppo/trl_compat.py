@@ -22,6 +22,7 @@ agree, as `kl/value` and `kl/k1` already do in klppo.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
@@ -350,7 +351,7 @@ class PPOTrainer(KLPPOTrainer):
                     f"{sorted(getattr(model, 'peft_config', {}))}). Pass a PEFT model that holds it, or unset it."
                 )
             model.set_adapter(model_adapter)
-        self._fit_pad_token(model, processing_class)
+        processing_class = self._fit_pad_token(model, processing_class)
         specs = [] if reward_model is None else [self._reward_model_function(reward_model, processing_class)]
         if reward_funcs is not None:
             specs += list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
@@ -372,20 +373,23 @@ class PPOTrainer(KLPPOTrainer):
         self._train_start = None
 
     @staticmethod
-    def _fit_pad_token(model, tokenizer) -> None:
-        """TRL's scripts add a `[PAD]` token without resizing the model (pythia's embedding has spare rows), and TRL
-        replaced pad ids by 0 before every forward pass. klppo embeds the pad id at masked positions, so a pad id
-        past the policy's embedding pads with EOS instead: the positions are masked either way."""
+    def _fit_pad_token(model, tokenizer):
+        """The tokenizer to train with. TRL's scripts add a `[PAD]` token without resizing the model (pythia's
+        embedding has spare rows), and TRL replaced pad ids by 0 before every forward pass. klppo embeds the pad id at
+        masked positions, so a pad id past the policy's embedding pads with EOS instead, in a copy of the tokenizer
+        (the caller's stays as it was): the positions are masked either way."""
         embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         if tokenizer is None or embeddings is None or tokenizer.pad_token_id is None:
-            return
+            return tokenizer
         if tokenizer.pad_token_id >= embeddings.num_embeddings and tokenizer.eos_token is not None:
             logger.warning(
                 "The pad token %r (id %d) is outside the policy's %d embeddings: padding with the EOS token %r "
                 "instead (padded positions are masked, so training is the same).", tokenizer.pad_token,
                 tokenizer.pad_token_id, embeddings.num_embeddings, tokenizer.eos_token,
             )  # fmt: skip
+            tokenizer = copy.deepcopy(tokenizer)
             tokenizer.pad_token = tokenizer.eos_token
+        return tokenizer
 
     @staticmethod
     def _reward_model_function(reward_model, processing_class):

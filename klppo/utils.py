@@ -9,7 +9,12 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["atomic_path", "write_json"]
+
+__all__ = ["KLPPODeprecationWarning", "atomic_path", "write_json"]
+
+
+class KLPPODeprecationWarning(DeprecationWarning):
+    """The category of klppo's own deprecations (the tests turn it into an error, wherever its stacklevel points)."""
 
 
 @contextmanager

@@ -573,53 +573,6 @@ def test_tracking_on_simulated_plants(lag, start):
     assert abs(mean - 1) < 0.05 and rms < 0.1
 
 
-def test_a_controller_written_with_the_old_hook_names_still_steps_and_reads_the_batch():
-    """`_step` (now `next_coef`) and a defined `observe_sequences` (now declared by `reads_sequences = True`) keep
-    working, each with a DeprecationWarning that names the new spelling."""
-    from klppo.kl import KLController
-
-    with pytest.warns(DeprecationWarning, match="rename it `next_coef`"):
-        class Halving(KLController):
-            def _step(self, kl, n_steps):
-                return self.value / 2
-
-    with pytest.warns(DeprecationWarning, match="reads_sequences = True"):
-        class Reading(Halving):
-            def observe_sequences(self, scores, log_ratios, lengths, unit="sequence"):
-                self.seen = len(scores)
-
-    controller = Reading(0.8)
-    assert controller.update(1.0, 4) == 0.4 and Reading.reads_sequences and not Halving.reads_sequences
-    controller.observe_sequences([1.0, 2.0], [0.1, 0.2], [3, 4])
-    assert controller.seen == 2
-
-    class NotReading(KLController):  # says it does not read the batch: that stands, with no warning
-        reads_sequences = False
-
-        def observe_sequences(self, scores, log_ratios, lengths, unit="sequence"):
-            pass
-
-    assert NotReading.reads_sequences is False
-
-    # a variant of a built-in controller written against the old names: its `_step` reaches the parent's step
-    # through `super()._step`, and its `_equilibrium_step` replaces the parent's
-    from klppo.kl.controllers import EquilibriumKLController
-
-    with pytest.warns(DeprecationWarning, match="rename it `equilibrium_coef`"):
-        class Variant(EquilibriumKLController):
-            def _step(self, kl, n_steps):
-                self.stepped = True
-                return super()._step(kl, n_steps)
-
-            def _equilibrium_step(self):
-                return 0.123
-
-    assert Variant.next_coef is Variant.__dict__["_step"] and Variant.equilibrium_coef is Variant.__dict__["_equilibrium_step"]
-    assert EquilibriumKLController._step is EquilibriumKLController.next_coef
-    variant, original = Variant(0.1, target=0.3, hold_power=0.0), EquilibriumKLController(0.1, target=0.3, hold_power=0.0)
-    assert variant.update(0.6, 8) == 0.123 != original.update(0.6, 8) and variant.stepped
-
-
 def test_a_guard_whose_check_predates_change_sq_is_called_without_it():
     """`KLGuard.check` gained `change_sq` (for `low_significance`); a registered guard that overrides `check` with
     the four arguments it had before is still called, with those four."""

@@ -1,4 +1,4 @@
-"""scripts/train.py end to end on configs/tiny.yaml, and its error messages."""
+"""scripts/train.py end to end on configs/tiny.yaml, its error messages, and the `klppo` command."""
 
 from __future__ import annotations
 
@@ -307,3 +307,54 @@ def test_wandb_without_credentials_logs_every_update_offline(tmp_path, monkeypat
     # transformers' callback files every key but `eval_*` under "train/"
     assert any(math.isfinite(d.get("train/eval/perplexity", math.nan)) for d in logged)
     assert any(isinstance(d.get("completions"), wandb.Table) for d in logged)
+
+
+def test_config_takes_the_name_of_a_shipped_config(tmp_path, capsys, monkeypatch):
+    """`--config tiny` (or `tiny.yaml`, `--config=tiny`) reads the config klppo ships, the repository's
+    `configs/tiny.yaml`; a file of that name in the working folder comes first; a missing one lists the names."""
+    from klppo.cli import cli, parse, resolve_config, shipped_configs
+
+    assert {"default", "tiny", "fixed_reward", "pid_loss", "qwen_hub"} <= set(shipped_configs())
+    assert os.path.samefile(shipped_configs()["tiny"], TINY)
+    by_path = parse(["--config", TINY, "--output_dir", str(tmp_path)])
+    for argv in (["--config", "tiny"], ["--config", "tiny.yaml"], ["--config=tiny"]):
+        assert parse([*argv, "--output_dir", str(tmp_path)]) == by_path, argv
+    (tmp_path / "tiny").write_text("max_steps: 7\n")
+    monkeypatch.chdir(tmp_path)
+    assert resolve_config("tiny") == "tiny" and resolve_config("no_such_config") == "no_such_config"
+    assert parse(["--config", "tiny", "--output_dir", str(tmp_path)])[1].max_steps == 7
+    assert cli(["--config", "no_such_config"]) == 2
+    assert "name a config klppo ships: " in capsys.readouterr().err
+
+
+def test_the_klppo_command_dispatches_to_train(monkeypatch, capsys):
+    """`klppo train ARGS` and `klppo ARGS` (ARGS starting with an option) run the training entry point; `klppo` alone
+    and `--help` print the usage, `--version` the version, an unknown command exits 2."""
+    import klppo
+    import klppo.cli as cli_module
+
+    calls = []
+    monkeypatch.setattr(cli_module, "cli", lambda argv=None: calls.append(argv) or 0)
+    assert cli_module.command(["train", "--config", "tiny"]) == 0
+    assert cli_module.command(["--config", "tiny", "--max_steps", "1"]) == 0
+    assert calls == [["--config", "tiny"], ["--config", "tiny", "--max_steps", "1"]]
+    assert cli_module.command([]) == 2 and "usage: klppo train --config" in capsys.readouterr().out
+    assert cli_module.command(["--help"]) == 0 and "tiny" in capsys.readouterr().out
+    assert cli_module.command(["--version"]) == 0 and capsys.readouterr().out.strip() == f"klppo {klppo.__version__}"
+    assert cli_module.command(["grpo"]) == 2 and "unknown command 'grpo'" in capsys.readouterr().err
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("module", ["klppo", "klppo.cli"])
+def test_python_m_klppo_prints_the_usage(module, tmp_path):
+    """`python -m klppo` and `python -m klppo.cli` are the command (`--help` prints its usage); `train --help` lists
+    the fields."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    proc = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, env=env,
+                          cwd=str(tmp_path), timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "usage: klppo train --config" in proc.stdout and "tiny" in proc.stdout
+    if module == "klppo":
+        proc = subprocess.run([sys.executable, "-m", module, "train", "--help"], capture_output=True, text=True,
+                              env=env, cwd=str(tmp_path), timeout=300)  # fmt: skip
+        assert proc.returncode == 0 and "--kl_controller" in proc.stdout and "--dataset_name" in proc.stdout

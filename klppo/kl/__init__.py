@@ -1,6 +1,8 @@
 """KL control for klppo: pure tensor functions and small classes (torch and the stdlib only).
 
-- ``estimators``: estimators behind a registry (per-token ones and the exact ``full``), ``estimate_kl``.
+- ``estimators``: the built-in estimators (per-token ones and the exact ``full``, ``klppo.kl.full``), each declared
+  whole where it is registered (``estimator_registry``: its value, and what its gradient follows in each place,
+  ``KLGradient``), and ``estimate_kl``.
 - ``controllers``: coefficient controllers behind a registry (fixed, adaptive, exponential, PID, tracking,
   equilibrium).
 - ``penalty``: KL into per-token rewards or into the loss; loss aggregation modes.
@@ -28,6 +30,7 @@ from .controllers import (
 )
 from .estimators import (
     BUILTIN_KL_ESTIMATORS,
+    KLGradient,
     compute_kl,
     kl_from_log_ratio,
     estimate_kl,
@@ -63,6 +66,7 @@ __all__ = [
     "register_kl_estimator",
     "unregister_kl_estimator",
     "BUILTIN_KL_ESTIMATORS",
+    "KLGradient",
     "KLController",
     "FixedKLController",
     "AdaptiveKLController",

@@ -2,9 +2,10 @@
 
 ``divergence_followed(estimator, mode, off_policy=False)`` answers, for one estimator applied in
 the reward (detached, through the return with reward-to-go) or in the loss (backpropagated), what
-the expected gradient is the gradient of. It encodes the estimator table of `docs/kl.md`
-(Schulman 2020; Tang & Munos 2025; "Rethinking KL Regularization in RLHF" 2025; "A Comedy of
-Estimators" 2025; DeepSeek-V3.2 Eq. 7). Notation: ``d = log pi - log ref``, ``r = ref / pi``,
+the expected gradient is the gradient of, as each estimator declares it when it is registered
+(``register_kl_estimator``'s ``reward``, ``loss`` and ``off_policy_loss``; the built-in ones in
+``klppo.kl.estimators``, after Schulman 2020; Tang & Munos 2025; "Rethinking KL Regularization in RLHF" 2025; "A
+Comedy of Estimators" 2025; DeepSeek-V3.2 Eq. 7). Notation: ``d = log pi - log ref``, ``r = ref / pi``,
 ``s = grad log pi``, ``w = pi / pi_old``.
 
 "Unbiased" means: an unbiased estimate of grad KL(pi_theta || pi_ref). In loss mode that holds per
@@ -26,6 +27,7 @@ import argparse
 import sys
 from dataclasses import dataclass
 
+from .estimator_registry import FORWARD_KL, NO_GRADIENT, REVERSE_KL
 from .estimators import BUILTIN_KL_ESTIMATORS, get_kl_estimator_spec
 from .penalty import KL_PLACES
 
@@ -45,9 +47,7 @@ README_TABLE_END = "<!-- estimator-table:end -->"
 CONTROLLER_TABLE_START = "<!-- controller-table:start -->"
 CONTROLLER_TABLE_END = "<!-- controller-table:end -->"
 
-REVERSE = "KL(pi||ref)"
-FORWARD = "KL(ref||pi)"
-NONE = "none (zero expected gradient)"
+REVERSE, FORWARD, NONE = REVERSE_KL, FORWARD_KL, NO_GRADIENT
 
 
 @dataclass(frozen=True)
@@ -58,80 +58,6 @@ class DivergenceInfo:
     divergence: str
     unbiased: bool
     message: str
-
-
-def _reward_info(base: str, estimator: str) -> DivergenceInfo:
-    if base == "k1":
-        return DivergenceInfo(REVERSE, True,
-            f"{estimator} in the reward: with reward-to-go (gamma = 1) the policy gradient E[k1 * s] is the "
-            "unbiased gradient of the sequence-level KL(pi||ref).")
-    if base in ("k3", "low_var_kl", "corrected_k3"):
-        extra = {
-            "k3": "",
-            "low_var_kl": " (and the [-10, 10] output clamp biases the value further)",
-            "corrected_k3": " (rewards are computed at rollout time where pi = pi_old, so w = 1)",
-        }[base]
-        return DivergenceInfo(f"biased mix: grad {REVERSE} - grad {FORWARD}", False,
-            f"{estimator} in the reward follows grad KL(pi||ref) - grad KL(ref||pi), not grad KL(pi||ref){extra}; "
-            "reported to destabilise training: use k1 in the reward, or this estimator as a loss.")
-    if base == "k2":
-        return DivergenceInfo(f"biased mix: grad E_pi[k2] - grad {REVERSE}", False,
-            f"{estimator} in the reward follows grad E_pi[d^2/2] - grad KL(pi||ref), not a KL: use k1 in the reward "
-            "(k2 belongs in the loss).")
-    if base == "abs":
-        return DivergenceInfo("biased mix: grad E_pi|d| - grad sum_x |pi(x) - ref(x)|", False,
-            f"{estimator} in the reward follows grad E_pi|d| - grad sum|pi - ref|, not a KL: use k1 in the reward.")
-    if base == "full":
-        return DivergenceInfo(f"partial: score-function part of grad {REVERSE}", False,
-            "full in the reward: the per-position KL depends on theta directly too, and only the loss path sees that "
-            "part; the gradient of the sequence KL(pi||ref) is exact only with full also in the loss (same coefficient).")
-    raise KeyError(base)
-
-
-def _loss_info(base: str, estimator: str, plus: bool, off_policy: bool) -> DivergenceInfo:
-    if base == "full":
-        where = " (positions are those sampled by pi_old)" if off_policy else ""
-        return DivergenceInfo(REVERSE, True,
-            f"full as a loss: the exact gradient of the per-position KL(pi||ref){where}; the effect of a token on "
-            "later positions is not included (use k1 in the reward for that).")
-    if plus:
-        if off_policy:
-            return DivergenceInfo("neither KL direction (k2 gradient without importance weight)", False,
-                f"{estimator} as a loss off-policy (pi != pi_old): the straight-through k2 gradient E_old[d * s] has no "
-                "importance weight, so it follows neither KL; use corrected_k3.")
-        return DivergenceInfo(REVERSE, True,
-            f"{estimator} as a loss: value of {base}, gradient of k2 (d * s), the unbiased per-token gradient of "
-            "KL(pi||ref) on-policy.")
-    if base == "corrected_k3":
-        return DivergenceInfo(REVERSE, True,
-            f"{estimator} as a loss: grad(w * k3) = w * d * s, the unbiased per-token gradient of KL(pi||ref) "
-            "on- and off-policy (DeepSeek-V3.2 Eq. 7); without old_logp it falls back to k3 (forward KL).")
-    if off_policy:
-        grad = {"k1": "E_old[s] = grad E_old[log pi] (pushes pi away from pi_old)",
-                "k2": "E_old[d * s]", "k3": "E_old[(1 - r) * s]", "low_var_kl": "E_old[(1 - r) * s]",
-                "abs": "E_old[sign(d) * s]"}[base]
-        return DivergenceInfo("neither KL direction (no importance weight)", False,
-            f"{estimator} as a loss off-policy (pi != pi_old): the expected gradient {grad} has no importance weight "
-            "and follows neither KL; use corrected_k3 (or k2 weighted by stopgrad(pi/pi_old)).")
-    if base == "k1":
-        return DivergenceInfo(NONE, False,
-            f"{estimator} as a loss: its gradient is the score s, whose expectation is 0: noise, no regularisation; "
-            "use k1 in the reward or k2 / k3+ as a loss.")
-    if base == "k2":
-        return DivergenceInfo(REVERSE, True,
-            f"{estimator} as a loss: gradient d * s, the unbiased per-token gradient of KL(pi||ref) on-policy "
-            "(k2 loss == k1 reward, token-wise).")
-    if base in ("k3", "low_var_kl"):
-        clamp = ("; the [-10, 10] output clamp also removes the gradient of the most divergent tokens"
-                 if base == "low_var_kl" else "")
-        return DivergenceInfo(FORWARD, False,
-            f"{estimator} as a loss follows KL(ref||pi), the FORWARD KL: its value estimates KL(pi||ref) but its "
-            f"gradient (1 - r) * s is that of KL(ref||pi){clamp}; use k3+ or k2 for the reverse KL.")
-    if base == "abs":
-        return DivergenceInfo("total variation: sum_x |pi(x) - ref(x)|", False,
-            f"{estimator} as a loss: gradient sign(d) * s, whose expectation is the gradient of sum|pi - ref| "
-            "(twice the total variation), not of a KL.")
-    raise KeyError(base)
 
 
 def divergence_followed(estimator: str, mode: str, off_policy: bool = False) -> DivergenceInfo:
@@ -147,14 +73,11 @@ def divergence_followed(estimator: str, mode: str, off_policy: bool = False) -> 
     if mode not in KL_PLACES:
         raise ValueError(f"Unknown KL mode {mode!r}; divergence_followed takes one of {', '.join(KL_PLACES)}")
     spec = get_kl_estimator_spec(estimator)  # ValueError for unknown names
-    base, plus = spec.base, spec.straight_through
-    known = base in BUILTIN_KL_ESTIMATORS
-    if not known:
+    gradient = spec.gradient(mode, off_policy)  # declared with the estimator (`register_kl_estimator`)
+    if gradient is None:
         return DivergenceInfo("unknown (custom estimator)", False,
             f"{estimator} is a custom estimator: klppo does not know which divergence its gradient follows.")
-    if mode == "reward":
-        return _reward_info(base, estimator)
-    return _loss_info(base, estimator, plus, off_policy)
+    return DivergenceInfo(gradient.divergence, gradient.unbiased, gradient.for_estimator(estimator))
 
 
 def _cell(info: DivergenceInfo) -> str:

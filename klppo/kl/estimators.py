@@ -32,25 +32,43 @@ Estimators that need the whole distribution rather than the sampled token's log-
 ``full`` KL) register with ``inputs="logits"`` and the signature ``fn(logits, ref_logits, chunk_size)``;
 ``estimate_kl`` calls either kind with what it needs.
 
-Adding an estimator is one function and one decorator line::
+Adding an estimator is one function and one decorator, which declares the estimator whole: its value formula and
+what its expected gradient follows in the reward and in the loss (``KLGradient``, with the terms that give the optimum
+it trains toward; ``klppo.kl.estimator_registry``)::
 
-    @register_kl_estimator("my_kl", formula="...")
+    @register_kl_estimator("my_kl", formula="...", loss=KLGradient(REVERSE_KL, True, "{name} as a loss: ...",
+                                                                  terms={"path": 1.0}))
     def kl_my(log_ratio, old_log_ratio=None, log_ratio_clamp=40.0): ...
 
 The decorator also registers the straight-through twin ``my_kl+`` (value of ``my_kl``, gradient
-of ``k2``).
+of ``k2``). The registry is ``klppo.kl.estimator_registry``; the full-vocabulary KL is ``klppo.kl.full``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
-from torch.autograd.function import once_differentiable
+
+from .estimator_registry import (
+    FORWARD_KL,
+    NO_GRADIENT,
+    REVERSE_KL,
+    KLEstimatorSpec,
+    KLGradient,
+    _clamp,
+    _k2,
+    get_kl_estimator,
+    get_kl_estimator_spec,
+    kl_estimators,
+    register_kl_estimator,
+    unregister_kl_estimator,
+)
+from .full import full_kl
 
 __all__ = [
     "KLEstimatorSpec",
+    "KLGradient",
     "register_kl_estimator",
     "get_kl_estimator",
     "get_kl_estimator_spec",
@@ -64,128 +82,8 @@ __all__ = [
     "LOW_VAR_KL_CLAMP",
 ]
 
-KLEstimatorFn = Callable[..., torch.Tensor]
-
 # verl's `low_var_kl` clamps its output to [-10, 10].
 LOW_VAR_KL_CLAMP = 10.0
-
-
-@dataclass(frozen=True)
-class KLEstimatorSpec:
-    """One registry entry.
-
-    name: registry key. fn: the estimator. formula: value formula, for docs and the estimator table.
-    uses_old_logp: whether ``old_logp`` changes the result. output_clamp: a bound the estimator
-    itself applies to its output (``low_var_kl``), or None. base: for a straight-through ``X+``
-    entry the name ``X``, otherwise the entry's own name. inputs: ``"logprobs"`` (the sampled
-    tokens' log-probs, the shared signature) or ``"logits"`` (``fn(logits, ref_logits, chunk_size)``).
-    """
-
-    name: str
-    fn: KLEstimatorFn
-    formula: str
-    uses_old_logp: bool = False
-    output_clamp: Optional[float] = None
-    base: str = ""
-    inputs: str = "logprobs"
-
-    @property
-    def straight_through(self) -> bool:
-        return self.base != self.name
-
-    @property
-    def needs_logits(self) -> bool:
-        return self.inputs == "logits"
-
-
-_KL_ESTIMATORS: dict[str, KLEstimatorSpec] = {}
-
-
-def register_kl_estimator(
-    name: str,
-    formula: str,
-    *,
-    uses_old_logp: bool = False,
-    output_clamp: Optional[float] = None,
-    straight_through: bool = True,
-    inputs: str = "logprobs",
-):
-    """Decorator: register ``fn`` under ``name`` (and, by default, its twin ``name + "+"``).
-
-    The twin has the value of ``fn`` and the gradient of ``k2``:
-    ``k2 - k2.detach() + fn(...).detach()``. ``inputs="logits"`` registers an estimator of the whole
-    distribution (no twin: it has no sampled token to take a ``k2`` gradient at).
-    """
-    if inputs not in ("logprobs", "logits"):
-        raise ValueError(f"inputs must be 'logprobs' or 'logits', got {inputs!r}")
-    straight_through = straight_through and inputs == "logprobs"
-
-    def decorator(fn: KLEstimatorFn) -> KLEstimatorFn:
-        names = [name, name + "+"] if straight_through else [name]
-        for key in names:
-            if key in _KL_ESTIMATORS:
-                raise ValueError(f"KL estimator {key!r} is already registered")
-        _KL_ESTIMATORS[name] = KLEstimatorSpec(name, fn, formula, uses_old_logp, output_clamp, name, inputs)
-        if straight_through:
-            twin = _make_straight_through(fn, name)
-            _KL_ESTIMATORS[name + "+"] = KLEstimatorSpec(
-                name + "+", twin, f"value of {name}, gradient of k2", uses_old_logp, output_clamp, name
-            )
-        return fn
-
-    return decorator
-
-
-def unregister_kl_estimator(name: str) -> None:
-    """Remove a registered estimator and its ``X+`` twin (for tests and plug-ins); ``KeyError`` if unknown."""
-    spec = _KL_ESTIMATORS.pop(name)
-    if not spec.straight_through:
-        _KL_ESTIMATORS.pop(name + "+", None)
-
-
-def _unknown_estimator_error(name) -> ValueError:
-    valid = ", ".join(repr(n) for n in kl_estimators())
-    return ValueError(
-        f"Unknown KL estimator {name!r}. Valid estimators: {valid}. Register a new one with "
-        "`klppo.kl.register_kl_estimator`."
-    )
-
-
-def get_kl_estimator_spec(name: str) -> KLEstimatorSpec:
-    """The registry entry for ``name``; ``ValueError`` listing the valid names if unknown."""
-    try:
-        return _KL_ESTIMATORS[name]
-    except (KeyError, TypeError):
-        raise _unknown_estimator_error(name) from None
-
-
-def get_kl_estimator(name: str) -> KLEstimatorFn:
-    """The estimator function registered under ``name`` (shared signature in the module docstring)."""
-    return get_kl_estimator_spec(name).fn
-
-
-def kl_estimators(inputs: Optional[str] = None) -> list[str]:
-    """Registered names: per-token estimators in registration order, their ``X+`` twins, then the
-    logits-based ones. ``inputs="logprobs"`` or ``"logits"`` lists one kind only."""
-    specs = [s for s in _KL_ESTIMATORS.values() if inputs is None or s.inputs == inputs]
-    per_token = [s for s in specs if not s.needs_logits]
-    return (
-        [s.name for s in per_token if not s.straight_through]
-        + [s.name for s in per_token if s.straight_through]
-        + [s.name for s in specs if s.needs_logits]
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# helpers
-
-
-def _clamp(x: torch.Tensor, bound: Optional[float]) -> torch.Tensor:
-    return x if bound is None else x.clamp(-bound, bound)
-
-
-def _k2(d, log_ratio_clamp):
-    return 0.5 * _clamp(d, log_ratio_clamp).square()
 
 
 def _k3(d, log_ratio_clamp):
@@ -194,31 +92,45 @@ def _k3(d, log_ratio_clamp):
     return torch.expm1(-d) + d
 
 
-def _make_straight_through(fn: KLEstimatorFn, name: str) -> KLEstimatorFn:
-    def straight_through(log_ratio, old_log_ratio=None, log_ratio_clamp=40.0):
-        value = fn(log_ratio, old_log_ratio, log_ratio_clamp)
-        k2 = _k2(log_ratio, log_ratio_clamp)
-        # Forward: exactly `value`. Backward: exactly the gradient of k2.
-        return k2 - k2.detach() + value.detach()
+# ---------------------------------------------------------------------------------------------
+# what each estimator's gradient follows, place by place (`KLGradient`; the table of `docs/kl.md`)
 
-    straight_through.__name__ = f"kl_{name}_plus".replace("+", "")
-    straight_through.__qualname__ = straight_through.__name__
-    straight_through.__doc__ = f"""Straight-through ``{name}+``: value of ``{name}``, gradient of ``k2``.
 
-    Formula: ``k2 - k2.detach() + {name}.detach()``.
-    Value: that of ``{name}``. Gradient (loss mode): ``d * s``, whose on-policy expectation is
-    grad KL(pi_theta || pi_ref) (unbiased per token); off-policy it needs an importance weight,
-    which this twin does not apply. Clamping: as ``{name}`` for the value, ``d`` clamped for the
-    gradient. Source: verl's "+" estimators (fixed in verl PR 6058).
-    """
-    return straight_through
+def _off_policy(gradient: str) -> KLGradient:
+    """The loss off-policy (pi != pi_old) of an estimator without an importance weight."""
+    return KLGradient("neither KL direction (no importance weight)", False,
+                      f"{{name}} as a loss off-policy (pi != pi_old): the expected gradient {gradient} has no importance "
+                      "weight and follows neither KL; use corrected_k3 (or k2 weighted by stopgrad(pi/pi_old)).")  # fmt: skip
+
+
+def _reward_mix(extra: str = "", terms=None) -> KLGradient:
+    """k3's family in the reward: the value estimates KL(pi||ref), the score-function gradient adds -grad KL(ref||pi)."""
+    return KLGradient(f"biased mix: grad {REVERSE_KL} - grad {FORWARD_KL}", False,
+                      f"{{name}} in the reward follows grad KL(pi||ref) - grad KL(ref||pi), not grad KL(pi||ref){extra}; "
+                      "reported to destabilise training: use k1 in the reward, or this estimator as a loss.", terms)  # fmt: skip
+
+
+def _forward_loss(extra: str = "", terms=None) -> KLGradient:
+    return KLGradient(FORWARD_KL, False,
+                      "{name} as a loss follows KL(ref||pi), the FORWARD KL: its value estimates KL(pi||ref) but its "
+                      f"gradient (1 - r) * s is that of KL(ref||pi){extra}; use k3+ or k2 for the reverse KL.", terms)  # fmt: skip
+
+
+_LOW_VAR_CLAMP_NOTE = "; the [-10, 10] output clamp also removes the gradient of the most divergent tokens"
 
 
 # ---------------------------------------------------------------------------------------------
 # the estimators
 
 
-@register_kl_estimator("k1", formula="d")
+@register_kl_estimator(
+    "k1", formula="d",
+    reward=KLGradient(REVERSE_KL, True, "{name} in the reward: with reward-to-go (gamma = 1) the policy gradient "
+                      "E[k1 * s] is the unbiased gradient of the sequence-level KL(pi||ref).", {"seq": 1.0}),
+    loss=KLGradient(NO_GRADIENT, False, "{name} as a loss: its gradient is the score s, whose expectation is 0: noise, "
+                    "no regularisation; use k1 in the reward or k2 / k3+ as a loss.", {}),
+    off_policy_loss=_off_policy("E_old[s] = grad E_old[log pi] (pushes pi away from pi_old)"),
+)  # fmt: skip
 def kl_k1(log_ratio, old_log_ratio=None, log_ratio_clamp=40.0):
     """k1 = d = logp - ref_logp.  Shapes: ``[...] -> [...]``.
 
@@ -231,7 +143,14 @@ def kl_k1(log_ratio, old_log_ratio=None, log_ratio_clamp=40.0):
     return _clamp(log_ratio, log_ratio_clamp)
 
 
-@register_kl_estimator("k2", formula="d^2 / 2")
+@register_kl_estimator(
+    "k2", formula="d^2 / 2",
+    reward=KLGradient(f"biased mix: grad E_pi[k2] - grad {REVERSE_KL}", False, "{name} in the reward follows grad "
+                      "E_pi[d^2/2] - grad KL(pi||ref), not a KL: use k1 in the reward (k2 belongs in the loss)."),
+    loss=KLGradient(REVERSE_KL, True, "{name} as a loss: gradient d * s, the unbiased per-token gradient of KL(pi||ref) "
+                    "on-policy (k2 loss == k1 reward, token-wise).", {"path": 1.0}),
+    off_policy_loss=_off_policy("E_old[d * s]"),
+)  # fmt: skip
 def kl_k2(log_ratio, old_log_ratio=None, log_ratio_clamp=40.0):
     """k2 = d**2 / 2.  Shapes: ``[...] -> [...]``.
 
@@ -244,7 +163,10 @@ def kl_k2(log_ratio, old_log_ratio=None, log_ratio_clamp=40.0):
     return _k2(log_ratio, log_ratio_clamp)
 
 
-@register_kl_estimator("k3", formula="exp(-d) - 1 + d")
+@register_kl_estimator(
+    "k3", formula="exp(-d) - 1 + d", reward=_reward_mix(terms={"seq": 1.0, "fpath": -1.0}),
+    loss=_forward_loss(terms={"fpath": 1.0}), off_policy_loss=_off_policy("E_old[(1 - r) * s]"),
+)  # fmt: skip
 def kl_k3(log_ratio, old_log_ratio=None, log_ratio_clamp=40.0):
     """k3 = r - 1 - log r = expm1(-d) + d.  Shapes: ``[...] -> [...]``.
 
@@ -257,7 +179,11 @@ def kl_k3(log_ratio, old_log_ratio=None, log_ratio_clamp=40.0):
     return _k3(log_ratio, log_ratio_clamp)
 
 
-@register_kl_estimator("low_var_kl", formula="clamp(k3, -10, 10)", output_clamp=LOW_VAR_KL_CLAMP)
+@register_kl_estimator(
+    "low_var_kl", formula="clamp(k3, -10, 10)", output_clamp=LOW_VAR_KL_CLAMP,
+    reward=_reward_mix(" (and the [-10, 10] output clamp biases the value further)"),
+    loss=_forward_loss(_LOW_VAR_CLAMP_NOTE), off_policy_loss=_off_policy("E_old[(1 - r) * s]"),
+)  # fmt: skip
 def kl_low_var_kl(log_ratio, old_log_ratio=None, log_ratio_clamp=40.0):
     """low_var_kl = clamp(k3, -10, 10).  Shapes: ``[...] -> [...]``.
 
@@ -270,7 +196,14 @@ def kl_low_var_kl(log_ratio, old_log_ratio=None, log_ratio_clamp=40.0):
     return _k3(log_ratio, log_ratio_clamp).clamp(-LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP)
 
 
-@register_kl_estimator("abs", formula="abs(d)")
+@register_kl_estimator(
+    "abs", formula="abs(d)",
+    reward=KLGradient("biased mix: grad E_pi|d| - grad sum_x |pi(x) - ref(x)|", False,
+                      "{name} in the reward follows grad E_pi|d| - grad sum|pi - ref|, not a KL: use k1 in the reward."),
+    loss=KLGradient("total variation: sum_x |pi(x) - ref(x)|", False, "{name} as a loss: gradient sign(d) * s, whose "
+                    "expectation is the gradient of sum|pi - ref| (twice the total variation), not of a KL."),
+    off_policy_loss=_off_policy("E_old[sign(d) * s]"),
+)  # fmt: skip
 def kl_abs(log_ratio, old_log_ratio=None, log_ratio_clamp=40.0):
     """abs = |d|.  Shapes: ``[...] -> [...]``.
 
@@ -282,7 +215,18 @@ def kl_abs(log_ratio, old_log_ratio=None, log_ratio_clamp=40.0):
     return _clamp(log_ratio, log_ratio_clamp).abs()
 
 
-@register_kl_estimator("corrected_k3", formula="w * k3, w = pi / pi_old", uses_old_logp=True)
+_CORRECTED_K3_LOSS = KLGradient(
+    REVERSE_KL, True, "{name} as a loss: grad(w * k3) = w * d * s, the unbiased per-token gradient of KL(pi||ref) on- "
+    "and off-policy (DeepSeek-V3.2 Eq. 7); without old_logp it falls back to k3 (forward KL).", {"path": 1.0},
+)  # fmt: skip
+
+
+@register_kl_estimator(
+    "corrected_k3", formula="w * k3, w = pi / pi_old", uses_old_logp=True,
+    reward=_reward_mix(" (rewards are computed at rollout time where pi = pi_old, so w = 1)",
+                       {"seq": 1.0, "fpath": -1.0}),
+    loss=_CORRECTED_K3_LOSS, off_policy_loss=_CORRECTED_K3_LOSS,
+)  # fmt: skip
 def kl_corrected_k3(log_ratio, old_log_ratio=None, log_ratio_clamp=40.0):
     """corrected_k3 = w * k3 with w = exp(clamp(logp - old_logp)) = pi_theta / pi_old.
 
@@ -298,8 +242,6 @@ def kl_corrected_k3(log_ratio, old_log_ratio=None, log_ratio_clamp=40.0):
     if old_log_ratio is None:
         return k3
     return torch.exp(_clamp(old_log_ratio, log_ratio_clamp)) * k3
-
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -387,135 +329,23 @@ def compute_kl(
 
 
 # ---------------------------------------------------------------------------------------------
-# full-vocabulary KL
+# full-vocabulary KL (`klppo.kl.full`)
 
 
-def _full_kl_rows(x: torch.Tensor, y: torch.Tensor):
-    """Exact KL(softmax(x) || softmax(y)) over the last dim. ``[..., V] -> [...]`` plus pieces."""
-    logp = torch.log_softmax(x, dim=-1)
-    logq = torch.log_softmax(y, dim=-1)
-    p = logp.exp()
-    # 0 * log 0 = 0: tokens that the policy cannot emit contribute nothing (avoids -inf - -inf).
-    terms = torch.where(p > 0, p * (logp - logq), torch.zeros((), dtype=p.dtype, device=p.device))
-    return terms.sum(-1), p, logp, logq
+def _full_loss(where: str = "") -> KLGradient:
+    return KLGradient(REVERSE_KL, True, f"full as a loss: the exact gradient of the per-position KL(pi||ref){where}; "
+                      "the effect of a token on later positions is not included (use k1 in the reward for that).",
+                      {"path": 1.0})  # fmt: skip
 
 
-def _blocks(a: int, t: int, chunk_size: int):
-    """Yield (a0, a1, t0, t1) blocks of an [A, T] grid holding at most ``chunk_size`` positions."""
-    if t >= chunk_size:
-        for i in range(a):
-            for t0 in range(0, t, chunk_size):
-                yield i, i + 1, t0, min(t0 + chunk_size, t)
-    else:
-        rows = max(1, chunk_size // max(t, 1))
-        for a0 in range(0, a, rows):
-            yield a0, min(a0 + rows, a), 0, t
-
-
-class _ChunkedFullKL(torch.autograd.Function):
-    """KL(softmax(logits) || softmax(ref_logits)) per position on ``[A, T, V]`` inputs, in chunks.
-
-    Saves only the inputs (which the caller holds anyway) and the ``[A, T]`` output; the backward
-    pass recomputes each chunk's softmaxes, so extra memory is O(chunk_size x V) in both passes
-    (plus the ``[A, T, V]`` gradient itself in the backward pass).
-    Gradient: ``d KL / d logits_v = p_v * (log p_v - log q_v - KL)``.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, ref_logits, chunk_size, compute_dtype):
-        a, t, _ = logits.shape
-        out = torch.empty((a, t), dtype=compute_dtype, device=logits.device)
-        for a0, a1, t0, t1 in _blocks(a, t, chunk_size):
-            x = logits[a0:a1, t0:t1].to(compute_dtype)
-            y = ref_logits[a0:a1, t0:t1].to(compute_dtype)
-            out[a0:a1, t0:t1] = _full_kl_rows(x, y)[0]
-        ctx.save_for_backward(logits, ref_logits, out)
-        ctx.chunk_size = chunk_size
-        ctx.compute_dtype = compute_dtype
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out):
-        logits, ref_logits, kl = ctx.saved_tensors
-        grad = torch.empty_like(logits)
-        a, t, _ = logits.shape
-        for a0, a1, t0, t1 in _blocks(a, t, ctx.chunk_size):
-            x = logits[a0:a1, t0:t1].to(ctx.compute_dtype)
-            y = ref_logits[a0:a1, t0:t1].to(ctx.compute_dtype)
-            _, p, logp, logq = _full_kl_rows(x, y)
-            diff = logp - logq - kl[a0:a1, t0:t1, None]
-            g = torch.where(p > 0, p * diff, torch.zeros((), dtype=p.dtype, device=p.device))
-            grad[a0:a1, t0:t1] = (grad_out[a0:a1, t0:t1, None] * g).to(grad.dtype)
-        return grad, None, None, None
-
-
-def _as_3d(x: torch.Tensor, vocab: int, flat: bool) -> torch.Tensor:
-    """A view ``[1, N, V]`` (``flat``) or ``[A, T, V]`` of ``[..., V]``, copying only if unavoidable."""
-    if flat:
-        return x.view(1, -1, vocab)
-    if x.dim() == 3:
-        return x
-    try:
-        return x.view(-1, x.shape[-2], vocab)
-    except RuntimeError:
-        return x.reshape(-1, x.shape[-2], vocab)  # rare: a copy
-
-
-def _can_flatten(x: torch.Tensor, vocab: int) -> bool:
-    try:
-        x.view(1, -1, vocab)
-        return True
-    except RuntimeError:
-        return False
-
-
-def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
-    """Exact per-position KL(pi_theta || pi_ref) over the whole vocabulary.
-
-    ``sum_v softmax(logits)_v * (log_softmax(logits)_v - log_softmax(ref_logits)_v)``.
-
-    Args:
-        logits ``[..., V]``: policy logits (already divided by the sampling temperature); carries
-            the gradient.
-        ref_logits ``[..., V]``: reference logits, same shape and the same temperature; no gradient
-            flows to them.
-        chunk_size: positions processed at once. Extra memory is O(chunk_size x V) in the forward
-            and backward passes: autograd keeps only the inputs and the ``[...]`` result, and the
-            backward pass recomputes each chunk. Non-contiguous inputs such as ``logits[:, :-1]``
-            are read through views, not copied.
-
-    Returns:
-        ``[...]``: KL per position; float32 for half-precision inputs, else the input dtype.
-
-    Value: exact, so unbiased with zero variance per position. Gradient as a loss: the exact
-    gradient of the per-position KL(pi_theta || pi_ref). Clamping: none needed (log_softmax is
-    stable for any finite logits; vocabulary entries with pi_theta = 0 contribute 0).
-    Source: old TRL ``kl_penalty="full"`` (which materialised every softmax at once).
-    """
-    if logits.shape != ref_logits.shape:
-        raise ValueError(
-            f"logits and ref_logits must have the same shape, got {tuple(logits.shape)} "
-            f"and {tuple(ref_logits.shape)}"
-        )
-    if logits.dim() == 0:
-        raise ValueError("full_kl expects logits of shape [..., V]")
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    vocab = logits.shape[-1]
-    lead = logits.shape[:-1]
-    compute_dtype = torch.promote_types(logits.dtype, torch.float32)
-    ref_logits = ref_logits.detach()
-    if logits.dim() == 1:
-        logits, ref_logits = logits.unsqueeze(0), ref_logits.unsqueeze(0)
-    flat = _can_flatten(logits, vocab) and _can_flatten(ref_logits, vocab)
-    x = _as_3d(logits, vocab, flat)
-    y = _as_3d(ref_logits, vocab, flat)
-    out = _ChunkedFullKL.apply(x, y, chunk_size, compute_dtype)
-    return out.reshape(lead)
-
-
-@register_kl_estimator("full", formula="sum_v pi_v * (log pi_v - log ref_v)", inputs="logits")
+@register_kl_estimator(
+    "full", formula="sum_v pi_v * (log pi_v - log ref_v)", inputs="logits",
+    reward=KLGradient(f"partial: score-function part of grad {REVERSE_KL}", False, "full in the reward: the per-position "
+                      "KL depends on theta directly too, and only the loss path sees that part; the gradient of the "
+                      "sequence KL(pi||ref) is exact only with full also in the loss (same coefficient).",
+                      {"seq": 1.0, "path": -1.0}),
+    loss=_full_loss(), off_policy_loss=_full_loss(" (positions are those sampled by pi_old)"),
+)  # fmt: skip
 def kl_full(logits, ref_logits, chunk_size=1024):
     """Exact per-position KL(pi || ref) over the vocabulary (``full_kl``)."""
     return full_kl(logits, ref_logits, chunk_size=chunk_size)

@@ -28,28 +28,16 @@ FORWARD = "forward"
 _LOG_B_LIMIT = 30.0
 _BISECTIONS = 100
 
-# The expected gradient of the KL term, by place and estimator, as a sum of three terms (one sequence y = y_1..y_T,
-# h_t its prefix before token t, s_t = grad log pi(y_t | h_t)):
+# The expected gradient of the KL term in one place, as a sum of three terms (one sequence y = y_1..y_T, h_t its
+# prefix before token t, s_t = grad log pi(y_t | h_t)):
 #   "seq":   grad KL(pi || ref) of whole sequences;
 #   "path":  sum_t E[grad_theta KL(pi(.|h_t) || ref(.|h_t))], the prefixes held where they were sampled: what a
 #            per-token loss term gives (Tang & Munos 2025); on a one-token response, the same as "seq";
 #   "fpath": the same for the forward KL(ref(.|h_t) || pi(.|h_t)).
 # In the reward, an estimator's detached value X_t enters the return, and with reward-to-go the policy gradient is
 # E[(sum_s s_s)(sum_t X_t)] = grad E[sum_t X_t] - E[sum_t grad X_t]. In the loss (on-policy) it is E[sum_t grad Y_t],
-# Y the estimator whose gradient is taken (k2 for a straight-through `X+`).
-_REWARD_TERMS = {
-    "k1": {"seq": 1.0},  # E[grad log pi] = 0
-    "k3": {"seq": 1.0, "fpath": -1.0},  # E[k3_t | h_t] = KL_t; E[grad k3] is the forward KL's gradient
-    "corrected_k3": {"seq": 1.0, "fpath": -1.0},  # w = pi / pi_old = 1 at the rollout: k3
-    "full": {"seq": 1.0, "path": -1.0},  # the value is KL_t(h_t) itself
-}
-_LOSS_TERMS = {
-    "k1": {},  # E[grad log pi] = 0: no gradient on-policy
-    "k2": {"path": 1.0},  # E[d * s] = grad KL at each position
-    "k3": {"fpath": 1.0},  # E[(1 - ref / pi) * s] = grad KL(ref || pi) at each position
-    "corrected_k3": {"path": 1.0},
-    "full": {"path": 1.0},
-}
+# Y the estimator whose gradient is taken (k2 for a straight-through `X+`). Each estimator declares its terms when it
+# is registered (`KLGradient.terms` of its `reward` and `loss`; the built-in ones in `klppo.kl.estimators`).
 
 
 @dataclass(frozen=True)
@@ -251,18 +239,17 @@ def kl_optimum_of(mode: str, estimator: str, loss_weight: Optional[float] = 1.0)
         return None
     terms: dict[str, float] = {}
     if "reward" in places:
-        if spec.base not in _REWARD_TERMS:
+        if spec.reward is None or spec.reward.terms is None:
             return None
-        for k, v in _REWARD_TERMS[spec.base].items():
+        for k, v in spec.reward.terms.items():
             terms[k] = terms.get(k, 0.0) + v
     if "loss" in places:
-        loss_base = "k2" if spec.straight_through else spec.base
-        if loss_base not in _LOSS_TERMS:
+        if spec.loss is None or spec.loss.terms is None:
             return None
-        if _LOSS_TERMS[loss_base]:
+        if spec.loss.terms:
             if loss_weight is None:
                 return None
-            for k, v in _LOSS_TERMS[loss_base].items():
+            for k, v in spec.loss.terms.items():
                 terms[k] = terms.get(k, 0.0) + loss_weight * v
     terms = {k: v for k, v in terms.items() if abs(v) > 1e-12}
     if set(terms) == {"fpath"} and terms["fpath"] > 0:

@@ -75,10 +75,11 @@ def check_prompt_dataset(name: str, dataset) -> None:
 
 def load_policy_and_tokenizer(model, processing_class=None):
     """`(model, path, tokenizer)`: the policy (loaded when given as a path), the path it came from (or None)
-    and its tokenizer, left-padded with a pad token."""
+    and its tokenizer, left-padded with a pad token (a copy of the one given, when that needs either)."""
     path = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
     if isinstance(model, str):
         model = load_causal_lm(model)
+    given = processing_class is not None
     if processing_class is None:
         if not path:
             raise ValueError("Pass `processing_class` (the tokenizer) when `model` is not a path.")
@@ -92,6 +93,8 @@ def load_policy_and_tokenizer(model, processing_class=None):
         )
     if not hasattr(model, "generate") or not hasattr(model, "get_input_embeddings"):
         raise TypeError(f"The policy must be a causal LM (it samples text), got {type(model).__name__}.")
+    if given and (processing_class.pad_token is None or processing_class.padding_side != "left"):
+        processing_class = copy.deepcopy(processing_class)  # the caller's tokenizer stays as it was
     ensure_pad_token(processing_class, path or "the policy")
     embeddings = model.get_input_embeddings()
     embeddings = getattr(embeddings, "base_layer", embeddings)  # a LoRA-wrapped embedding

@@ -42,19 +42,40 @@ class KLProgressCallback(TrainerCallback):
             self.bar = None
 
 
-def maybe_offline_wandb(args) -> None:
-    """With wandb in `report_to` and no credentials, log offline (and say so once) instead of failing."""
+def wandb_lacks_credentials(args) -> bool:
+    """Whether wandb is in `report_to`, `WANDB_MODE` unset, and wandb has no credentials (no `WANDB_API_KEY`, no
+    `~/.netrc` login): klppo then logs offline, and says so once per process."""
     global _WANDB_NOTICE_GIVEN
     if "wandb" not in (args.report_to or []) or os.environ.get("WANDB_MODE"):
-        return
-    if not (os.environ.get("WANDB_API_KEY") or _netrc_has_wandb_login()):
+        return False
+    if os.environ.get("WANDB_API_KEY") or _netrc_has_wandb_login():
+        return False
+    if not _WANDB_NOTICE_GIVEN:
+        warnings.warn("wandb has no credentials here: logging offline to ./wandb (sync later with `wandb sync`).",
+                      stacklevel=3)  # fmt: skip
+        _WANDB_NOTICE_GIVEN = True
+    return True
+
+
+def maybe_offline_wandb(args) -> None:
+    """For a command that owns its process (`klppo train`): `WANDB_MODE=offline` in the process's environment when
+    wandb lacks credentials. A trainer built from Python leaves the environment alone (`offline_wandb`)."""
+    if wandb_lacks_credentials(args):
         os.environ["WANDB_MODE"] = "offline"
-        if not _WANDB_NOTICE_GIVEN:
-            warnings.warn(
-                "wandb has no credentials here: logging offline to ./wandb (sync later with `wandb sync`).",
-                stacklevel=3,
-            )
-            _WANDB_NOTICE_GIVEN = True
+
+
+@contextmanager
+def offline_wandb(args):
+    """`WANDB_MODE=offline` while wandb starts its run (it reads the mode then) when it lacks credentials, and the
+    environment as it was afterwards."""
+    if not wandb_lacks_credentials(args):
+        yield
+        return
+    os.environ["WANDB_MODE"] = "offline"
+    try:
+        yield
+    finally:
+        os.environ.pop("WANDB_MODE", None)
 
 
 def _netrc_has_wandb_login() -> bool:

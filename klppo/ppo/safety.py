@@ -128,7 +128,7 @@ class UpdateSafety:
 
     def __init__(self, nonfinite, accelerator, log: bool):
         self.nonfinite, self.accelerator, self.log = nonfinite, accelerator, log
-        self.rollback: bool | None = None  # decided once the models are wrapped (`decide_rollback`)
+        self.rollback: bool | None = None  # decided once, when the trainer is built (`decide_rollback`)
         self.unsettled: Unsettled | None = None
         self.checked_rows = None  # the last rollout's sequences, which the check before a save reads
 

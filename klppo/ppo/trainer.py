@@ -58,7 +58,7 @@ from .build import (
     load_policy_and_tokenizer,
     prepare_frozen_models,
 )
-from .callbacks import KLProgressCallback, maybe_offline_wandb, now, timed
+from .callbacks import KLProgressCallback, now, offline_wandb, timed
 from .config import KLPPOConfig
 from .engines import backward, destroy_process_group_at_exit, is_fsdp2, optimizer_step, root_unsharded, unwrap
 from .guard import LOWER, UPPER, reset_momentum
@@ -103,6 +103,13 @@ class KLPPOTrainer(Trainer):
         peft_config: a `peft.PeftConfig`; the policy is wrapped with `get_peft_model`.
         callbacks: extra `TrainerCallback`s.
         heldout_texts: texts for `eval/perplexity` (default: klppo's offline held-out set).
+
+    Building it seeds the global random generators (Python's, numpy's, torch's) with `args.seed`, as transformers'
+    `Trainer` does when it is built, and earlier, so that the value heads and model copies made before
+    `Trainer.__init__` are the same run after run. It changes neither the process's environment nor the objects
+    passed in (a tokenizer that needs a pad token or left padding is copied first). Building it is collective under
+    several processes (every rank builds it): it decides there, once, whether updates are rolled back
+    (`decide_rollback_on_all_ranks`).
     """
 
     _tag_names = ["klppo", "ppo"]
@@ -123,8 +130,7 @@ class KLPPOTrainer(Trainer):
     ):
         train_dataset, eval_dataset = as_prompt_dataset(train_dataset), as_prompt_dataset(eval_dataset)
         args = check_trainer_inputs(args, train_dataset, reward_funcs, eval_dataset)
-        set_seed(args.seed)  # value heads and copies are created below, before Trainer seeds
-        maybe_offline_wandb(args)
+        set_seed(args.seed)  # value heads and copies are created below, before Trainer seeds (see the docstring)
         given_path = model if isinstance(model, str) else None
         model, _, processing_class = load_policy_and_tokenizer(model, processing_class)
         self.reward_funcs, self.reward_weights, self.reward_func_names = load_rewards(reward_funcs, args, processing_class)
@@ -151,6 +157,7 @@ class KLPPOTrainer(Trainer):
         if args.ref_reset_steps:
             check_reference_resets(self.is_fsdp_enabled, self.model.policy, self.ref_model,
                                    self.use_adapter_reference, self.ref_adapter_name)  # fmt: skip
+        self.decide_rollback_on_all_ranks()
         logger.info("%s; controller %s", self.kl_plan.describe(), self.kl_controller.name)
 
     def _build_update_parts(self, policy) -> None:
@@ -257,7 +264,8 @@ class KLPPOTrainer(Trainer):
             lambda rows: self.prompt_batch([row for row in rows for _ in range(generations)]), self.accelerator,
             args.seed, skip=self.state.global_step,
         )  # fmt: skip
-        self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+        with offline_wandb(args):  # wandb starts its run here: offline without credentials, the environment kept
+            self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         start_time, metrics = time.time(), {}
         while self.state.global_step < num_updates:
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
@@ -589,12 +597,19 @@ class KLPPOTrainer(Trainer):
         """Updates skipped so far because of NaN/inf in the rewards, the KL, a loss or a gradient."""
         return self.run.safety.nonfinite.skips
 
-    @property
-    def rollback_updates(self) -> bool:
-        """Whether a non-finite step undoes its whole update (`UpdateSafety.decide_rollback`)."""
+    def decide_rollback_on_all_ranks(self) -> bool:
+        """Decide, once, whether a non-finite step undoes its whole update (`UpdateSafety.decide_rollback`): a
+        collective (the weights are counted over all ranks), so every rank calls it at the same point; the
+        constructor does."""
         engine = "deepspeed" if self.is_deepspeed_enabled else None
         return self.run.safety.decide_rollback(self.args.experimental.nonfinite_rollback, unwrap(self.accelerator, self.model_wrapped),
                                            engine)  # fmt: skip
+
+    @property
+    def rollback_updates(self) -> bool:
+        """Whether a non-finite step undoes its whole update, as `decide_rollback_on_all_ranks` decided (no
+        communication)."""
+        return bool(self.run.safety.rollback)
 
     # ------------------------------------------------------------------ checkpoints
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
