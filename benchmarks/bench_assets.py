@@ -42,11 +42,15 @@ SHAPES = {
                  intermediate_size=2560, rope_theta=100000.0),
     "1.7b": dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=32,
                  intermediate_size=8192, rope_theta=130000.0),
+    # SmolLM2-135M's shape with Qwen 2.5's vocabulary: what the LM head's logits cost at a 152k vocabulary
+    "135m-v152k": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                       intermediate_size=1536, rope_theta=100000.0, vocab_size=151936),
 }  # fmt: skip
 SHAPE_COMMON = dict(vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192, rms_norm_eps=1e-5,
                     hidden_act="silu", initializer_range=0.02)  # fmt: skip
 SHAPE_TITLES = {"tiny": "a 2-layer Llama with SmolLM2's vocabulary", "135m": "SmolLM2-135M's shape",
-                "360m": "SmolLM2-360M's shape", "1.7b": "SmolLM2-1.7B's shape"}  # fmt: skip
+                "360m": "SmolLM2-360M's shape", "1.7b": "SmolLM2-1.7B's shape",
+                "135m-v152k": "SmolLM2-135M's shape with a 151,936-token vocabulary"}  # fmt: skip
 SHAPE_SEED = 0
 SHAPE_STORAGE_DTYPE = "bfloat16"
 SHAPE_RECIPE = "v1"  # part of the cache folder's name: change it when the builder changes
@@ -58,10 +62,11 @@ def shape_config(shape: str, tokenizer):
     """The `LlamaConfig` of a SmolLM2 shape, with `tokenizer`'s special token ids."""
     from transformers import LlamaConfig
 
-    if len(tokenizer) > SHAPE_COMMON["vocab_size"]:
-        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens, more than the shapes' {SHAPE_COMMON['vocab_size']}")
+    settings = {**SHAPE_COMMON, **SHAPES[shape]}
+    if len(tokenizer) > settings["vocab_size"]:
+        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens, more than the shape's {settings['vocab_size']}")
     return LlamaConfig(
-        **SHAPES[shape], **SHAPE_COMMON, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        **settings, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )  # fmt: skip
 
