@@ -103,7 +103,7 @@ EXPERIMENTAL_DOC = r"""
             not while it climbs from 0 at the start).
         full_kl_chunk_size (`int`, *optional*, defaults to `1024`):
             Positions per chunk for `kl_estimator="full"`.
-        generation_logits_max_mb (`float`, *optional*, defaults to `1024`):
+        generation_logits_max_mb (`float`, *optional*, defaults to `256`):
             A logits-based `kl_statistic` reads the policy's logits from generation (no scoring pass) when a
             rollout's response logits, `sequences x response_length x vocabulary` float32 values per process,
             fit in this many MiB; above it, one policy forward per update scores them
@@ -182,7 +182,7 @@ class ExperimentalSettings:
     kl_log_ratio_clamp: float | None = 40.0
     kl_drift_patience: int = 5
     full_kl_chunk_size: int = 1024
-    generation_logits_max_mb: float = 1024.0
+    generation_logits_max_mb: float = 256.0
     logits_block_mb: float = 256.0
     merge_adapter_for_generation: bool = True
     shared_critic_detach: bool = False
