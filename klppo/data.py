@@ -18,6 +18,7 @@ from importlib import resources
 from pathlib import Path
 
 OFFLINE_PROMPTS_ID = "klppo:offline-prompts"
+LIST_PROMPTS_ID = "klppo:list-prompts"
 HELDOUT_TEXT_ID = "klppo:pydoc"
 
 # Every EVAL_EVERY-th prompt of the built-in set goes to the eval split.
@@ -52,6 +53,37 @@ def offline_prompts(split: str = "all") -> list[str]:
     return [p for p, e in zip(prompts, in_eval) if e == (split == "eval")]
 
 
+LIST_TOPICS = (
+    "fruits", "vegetables", "ways to save water", "uses for a brick", "reasons to learn a language",
+    "things to pack for a trip", "habits of good sleepers", "kitchen tools", "board games", "musical instruments",
+    "ways to stay warm in winter", "things to do on a rainy day", "birds", "trees", "sports played with a ball",
+    "jobs in a hospital", "ways to reduce waste", "things found in a garden", "famous rivers", "desserts",
+    "ways to learn faster", "household chores", "animals that live in the sea", "reasons to read books",
+    "things to bring to a picnic", "tips for a job interview", "ways to be kind to a neighbour", "spices",
+    "parts of a bicycle", "things that make a good teacher", "ways to exercise at home", "breakfast foods",
+    "hobbies that cost little", "things to check before a long drive", "flowers", "ways to relax after work",
+    "school subjects", "tools a carpenter uses", "ways to make a room brighter", "rules for a safe hike",
+    "insects", "things to do in a new city", "signs of a healthy plant", "uses for old newspapers",
+    "ways to keep a conversation going", "farm animals", "qualities of a good friend", "kinds of weather",
+    "ways to save money on food", "things to keep in a first-aid kit",
+)  # fmt: skip
+LIST_PROMPT = "Give five {topic}, one per line. Start every line with '- ' and explain each in one sentence."
+
+
+def list_prompts(split: str = "all") -> list[str]:
+    """The prompts of the list-format task (`klppo.rewards.lists`): five items of a topic, one per line, each
+    explained in a sentence. Split as the built-in set is: prompt `i` is in `eval` when `i % 10 == 9`."""
+    if split not in _SPLITS:
+        raise ValueError(f"Unknown split {split!r} for {LIST_PROMPTS_ID}: use one of {_SPLITS}.")
+    prompts = [LIST_PROMPT.format(topic=t) for t in LIST_TOPICS]
+    if split == "all":
+        return prompts
+    return [p for i, p in enumerate(prompts) if (i % EVAL_EVERY == EVAL_EVERY - 1) == (split == "eval")]
+
+
+BUILTIN_PROMPTS = {OFFLINE_PROMPTS_ID: offline_prompts, LIST_PROMPTS_ID: list_prompts}
+
+
 def load_prompt_dataset(
     name_or_path: str,
     split: str = "train",
@@ -63,7 +95,7 @@ def load_prompt_dataset(
     """Load prompts as a ``datasets.Dataset`` with a ``prompt`` column.
 
     Args:
-        name_or_path: ``"klppo:offline-prompts"``, a local ``.jsonl``/``.json``/``.csv``/``.parquet``
+        name_or_path: ``"klppo:offline-prompts"``, ``"klppo:list-prompts"``, a local ``.jsonl``/``.json``/``.csv``/``.parquet``
             file, or a Hub dataset name (loaded with ``datasets.load_dataset``).
         split: the split to load. For the built-in set: ``"train"``, ``"eval"`` or ``"all"``
             (``"test"`` and ``"validation"`` mean ``"eval"``). For a local file it is ignored (the
@@ -81,13 +113,13 @@ def load_prompt_dataset(
     """
     import datasets
 
-    if name_or_path == OFFLINE_PROMPTS_ID:
+    if name_or_path in BUILTIN_PROMPTS:
         builtin_split = {"test": "eval", "validation": "eval"}.get(split, split)
-        dataset = datasets.Dataset.from_dict({"prompt": offline_prompts(builtin_split)})
+        dataset = datasets.Dataset.from_dict({"prompt": BUILTIN_PROMPTS[name_or_path](builtin_split)})
     elif name_or_path.startswith("klppo:"):
         raise ValueError(
-            f"Unknown built-in prompt set {name_or_path!r}: the only one is {OFFLINE_PROMPTS_ID!r}. "
-            "Pass it, a local .jsonl/.json/.csv/.parquet file, or a Hub dataset name."
+            f"Unknown built-in prompt set {name_or_path!r}: the built-in ones are {', '.join(BUILTIN_PROMPTS)}. "
+            "Pass one, a local .jsonl/.json/.csv/.parquet file, or a Hub dataset name."
         )
     elif Path(name_or_path).suffix.lower() in _FILE_BUILDERS:
         path = Path(name_or_path)

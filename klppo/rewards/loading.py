@@ -11,11 +11,13 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from .lexical import long_word_reward
+from .lists import list_items_reward
 from .sentiment import positive_sentiment_reward
 
 BUILTIN_REWARDS: dict[str, Callable] = {
     "klppo:sentiment": positive_sentiment_reward,
     "klppo:long-words": long_word_reward,
+    "klppo:list-items": list_items_reward,
 }
 
 VALID_FORMS = (
