@@ -138,3 +138,27 @@ def test_rollback_is_refused_under_deepspeed_at_parse_time(monkeypatch, tmp_path
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # as `accelerate launch` sets it
     with pytest.raises(ValueError, match="nonfinite_rollback=True is not available under DeepSpeed.*Leave"):
         KLPPOConfig(output_dir=str(tmp_path), experimental={"nonfinite_rollback": True}, report_to="none")
+
+
+@pytest.mark.ranks
+@pytest.mark.slow
+def test_zero3_reads_the_lm_head_in_blocks_as_in_one(tiny_model_path, tmp_path):
+    """ZeRO-3 with LoRA, the adapter-disabled reference and the exact KL in the loss and the reward: the LM heads read
+    one position at a time (each block checkpointed, its logits made again in the backward pass, the partitioned head
+    gathered by its hooks each time) train the adapter as one block does."""
+    config = accelerate_config(tmp_path, 3)
+    adapters = {}
+    for name, budget in (("one", 256.0), ("blocks", 1e-6)):
+        out = tmp_path / name
+        train_tiny(config, out, tmp_path, "--use_peft", "true", "--lora_r", "4", "--lora_target_modules", "q_proj",
+                   "v_proj", "--learning_rate", "0.01", "--kl_mode", "both", "--kl_estimator", "full",
+                   "--save_strategy", "no", "--experimental", json.dumps({"logits_block_mb": budget}))  # fmt: skip
+        from safetensors.torch import load_file
+
+        adapters[name] = load_file(out / "adapter_model.safetensors")
+    assert adapters["one"].keys() == adapters["blocks"].keys()
+    trained = [k for k in adapters["one"] if "lora_B" in k]  # zero at the start: what the updates wrote
+    one = torch.cat([adapters["one"][k].flatten() for k in trained])
+    blocks = torch.cat([adapters["blocks"][k].flatten() for k in trained])
+    assert one.norm() > 1e-3
+    assert (blocks - one).norm() / one.norm() < 1e-3
