@@ -18,7 +18,7 @@ from .engines import root_unsharded, unwrap
 from ..kl import estimate_kl
 from .plan import LOGGED_ESTIMATORS, KLPlan
 from .logprobs import position_ids_from_mask, response_logits, response_logprobs, response_positions
-from .sampling import Generation
+from .generation.sampling import Generation
 from .steps import Rollout, Sequences
 
 
