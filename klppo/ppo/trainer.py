@@ -339,6 +339,7 @@ class KLPPOTrainer(Trainer):
         trackers and destroys the process group. The unwrapped models (`trainer.model`) stay usable."""
         acc = self.accelerator
         acc.wait_for_everyone()
+        self.sampler.shutdown()  # a vLLM engine frees its memory and process groups
         self.model_wrapped = self.model
         self.optimizer = self.lr_scheduler = None
         acc.free_memory()

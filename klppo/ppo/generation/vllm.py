@@ -129,6 +129,8 @@ class VLLMEngine(GenerationEngine):
         from trl.trainer.utils import ensure_master_addr_port
 
         ensure_master_addr_port()
+        # the engine initialises torch.distributed when no launcher did (gloo, world size 1): it then owns it
+        self._owns_process_group = not torch.distributed.is_initialized()
         start = time.perf_counter()
         self.llm = LLM(
             model=self._dir.name, tokenizer=self._dir.name, load_format="dummy", dtype=dtype,
@@ -243,4 +245,18 @@ class VLLMEngine(GenerationEngine):
         return Sampled(sequences, Generation(sequences.responses, finite=finite))
 
     def shutdown(self) -> None:
+        """Free the engine, its process groups, and torch.distributed when the engine started it (a later trainer
+        in the same process then starts from a clean state: accelerate would otherwise take the engine's group for a
+        distributed launch)."""
+        import gc
+
+        if getattr(self, "llm", None) is None:
+            return
+        self.llm = None
+        gc.collect()
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+        destroy_model_parallel()
+        if self._owns_process_group:
+            destroy_distributed_environment()
         self._dir.cleanup()
