@@ -11,7 +11,10 @@ on the same prompts, `--response-length` new tokens each, no stop token:
   klppo   the generation phase of `KLPPOTrainer.rollout` (`time/generation`) on workload (b)'s policy: a LoRA adapter
           (merged into kept copies of the weights for sampling), a shared critic's value head, klppo's sampler; with
           `cache_implementation="static"` and the same compile settings;
-  klppo-unmerged  the same with the adapter left unmerged (`merge_adapter_for_generation=False`).
+  klppo-unmerged  the same with the adapter left unmerged (`merge_adapter_for_generation=False`);
+  vllm    the same rollout with `use_vllm=True`: a vLLM engine colocated in the process (`.venv-vllm`), the merged
+          weights synced before every call as in training (`time/weight_sync`, reported apart), `generate`'s
+          compile settings unused.
 
 The first call compiles (and, with CUDA graphs, warms up); the report gives it apart, then the second call, then
 the median of the others, and for every call the graphs dynamo compiled and the CUDA graphs recorded
@@ -37,7 +40,7 @@ sys.path.insert(0, str(HERE))
 import bench_assets  # noqa: E402
 from compile_counts import CompileCounter, per_step  # noqa: E402
 
-VARIANTS = ("plain", "klppo", "klppo-unmerged")
+VARIANTS = ("plain", "klppo", "klppo-unmerged", "vllm")
 
 
 def parse_args(argv=None):
@@ -168,7 +171,7 @@ def profiled(args, call) -> dict:
     return {"profile": top}
 
 
-def run_klppo(args, path, tokenizer, settings, merged: bool) -> dict:
+def run_klppo(args, path, tokenizer, settings, merged: bool, vllm: bool = False) -> dict:
     from collections import defaultdict
 
     from datasets import Dataset
@@ -182,7 +185,7 @@ def run_klppo(args, path, tokenizer, settings, merged: bool) -> dict:
         response_length=args.response_length, temperature=args.temperature, stop_token=None, critic="shared",
         kl_estimator="k1", kl_controller="fixed", report_to="none", disable_tqdm=True, save_strategy="no",
         eval_strategy="no", num_sample_generations=0, use_cpu=args.device == "cpu", bf16=args.dtype == "bfloat16",
-        cache_implementation="static",
+        cache_implementation="dynamic" if vllm else "static", use_vllm=vllm,
         experimental={"merge_adapter_for_generation": merged, "generation_compile_config": settings},
     )  # fmt: skip
     prompts = Dataset.from_dict({"prompt": bench_assets.load_prompts(args.batch_size)})
@@ -190,20 +193,24 @@ def run_klppo(args, path, tokenizer, settings, merged: bool) -> dict:
                       task_type="CAUSAL_LM")  # fmt: skip
     trainer = KLPPOTrainer(model=load_model(args, path), args=config, processing_class=tokenizer,
                            reward_funcs=positive_sentiment_reward, train_dataset=prompts, peft_config=lora)  # fmt: skip
-    if args.force_compile:
+    if args.force_compile and not vllm:
         trainer.sampler.generation_config.compile_config._compile_all_devices = True
     trainer.setup_optimisation(1)
     batch = trainer.prompt_batch(list(prompts["prompt"]))
-    generation = []
+    generation, syncs = [], []
 
     def call():
         timings = defaultdict(float)
         trainer.rollout(batch, timings)
         generation.append(timings["time/generation"])
+        syncs.append(timings.get("time/weight_sync", 0.0))
 
     result = {**time_calls(args, call), **profiled(args, call)}
     result["generation_s"] = generation[: args.calls]  # the generation phase alone (the calls include scoring)
     result["steady_generation_s"] = statistics.median(generation[2:])
+    if vllm:
+        result["engine_start_s"] = trainer.sampler.start_seconds
+        result["weight_sync_s"] = syncs[: args.calls]
     return result
 
 
@@ -228,6 +235,13 @@ def render(report: dict) -> str:
     if plain and klppo:
         ratio = klppo["steady_generation_s"] / plain["steady_s"]
         lines += ["", f"klppo's generation / plain `generate`, after warm-up: {ratio:.2f}x."]
+    engine = report["variants"].get("vllm")
+    if engine:
+        lines += ["", f"vllm: engine started in {engine['engine_start_s']:.1f} s; weight sync per call "
+                  f"{statistics.median(engine['weight_sync_s']):.3f} s (median), not in its generation figures."]
+        if klppo:
+            ratio = engine["steady_generation_s"] / klppo["steady_generation_s"]
+            lines += [f"vllm's generation / klppo's (`generate`), after warm-up: {ratio:.2f}x."]
     lines += ["", "klppo's figures are the generation phase of `rollout` (`time/generation`), without its scoring."]
     for name, r in report["variants"].items():
         prof = r.get("profile")
@@ -264,7 +278,8 @@ def main(argv=None):
         if name == "plain":
             variants[name] = run_plain(args, path, tokenizer, settings)
         else:
-            variants[name] = run_klppo(args, path, tokenizer, settings, merged=name == "klppo")
+            variants[name] = run_klppo(args, path, tokenizer, settings, merged=name != "klppo-unmerged",
+                                       vllm=name == "vllm")  # fmt: skip
         print(f"[decode] {name}: {json.dumps({k: v for k, v in variants[name].items() if k != 'counts'})}", flush=True)
     machine = torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     report = {

@@ -3,13 +3,13 @@
     python benchmarks/sampling.py                       # CPU, 8 and 64 rows of SmolLM2's 49,152-token vocabulary
     python benchmarks/sampling.py --device cuda --rows 64 256
 
-The draws, each from unnormalised weights `exp(logits / T - max)` (what `klppo.ppo.sampling.TemperatureSampler`
+The draws, each from unnormalised weights `exp(logits / T - max)` (what `klppo.ppo.generation.sampling.TemperatureSampler`
 holds at each step):
-- `inverse_cdf`: `klppo.ppo.sampling.sample_categorical`, two-level inverse transform sampling (one uniform per row);
-- `exponential_race`: `klppo.ppo.sampling.sample_exponential_race`, `argmax(w / E)` with E ~ Exp(1);
+- `inverse_cdf`: `klppo.ppo.generation.sampling.sample_categorical`, two-level inverse transform sampling (one uniform per row);
+- `exponential_race`: `klppo.ppo.generation.sampling.sample_exponential_race`, `argmax(w / E)` with E ~ Exp(1);
 - `multinomial`: `torch.multinomial(w, 1)`, what `generate(do_sample=True)` calls.
 Prints the median time per step over `--repeats` steps after `--warmup`, in microseconds, and writes them as JSON to
-`--out` when given. The sampler uses `klppo.ppo.sampling.default_draw(device)`.
+`--out` when given. The sampler uses `klppo.ppo.generation.sampling.default_draw(device)`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from klppo.ppo.sampling import default_draw, sample_categorical, sample_exponential_race
+from klppo.ppo.generation.sampling import default_draw, sample_categorical, sample_exponential_race
 
 DRAWS = {
     "inverse_cdf": sample_categorical,

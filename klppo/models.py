@@ -268,6 +268,25 @@ def tiny_llama_config(tokenizer):
     )
 
 
+def tiny_vllm_config(tokenizer, tied: bool = False):
+    """The tiny Llama with a head size vLLM's CPU attention takes (32; the tiny model's is 16): hidden size 128,
+    4 heads, 2 KV heads; `tied`: the LM head shares the embedding."""
+    config = tiny_llama_config(tokenizer)
+    config.hidden_size, config.intermediate_size, config.head_dim = 128, 256, 32
+    config.tie_word_embeddings = tied
+    return config
+
+
+def _build_tiny_vllm(tied: bool):
+    def build(target: Path) -> None:
+        tokenizer = build_tiny_tokenizer()
+        model = _random_causal_lm(tiny_vllm_config(tokenizer, tied), TINY_SEED)
+        model.save_pretrained(target)
+        tokenizer.save_pretrained(target)
+
+    return build
+
+
 def _random_causal_lm(config, seed: int):
     """A causal LM with weights drawn from ``seed``; the global RNG state is left untouched."""
     import torch
@@ -293,6 +312,8 @@ _SPECIAL_MODELS: dict[str, tuple[str, Callable[[Path], None]]] = {
     # The "-v1" suffix names the recipe: change it when a builder changes, and old caches are ignored.
     OFFLINE_DEFAULT_MODEL: ("smollm2-135m-instruct-v1", _build_smollm2),
     TINY_MODEL: ("tiny-llama-v1", _build_tiny_llama),
+    "klppo:tiny-llama-vllm": ("tiny-llama-vllm-v1", _build_tiny_vllm(tied=False)),
+    "klppo:tiny-llama-vllm-tied": ("tiny-llama-vllm-tied-v1", _build_tiny_vllm(tied=True)),
 }
 
 

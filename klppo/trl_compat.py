@@ -464,7 +464,7 @@ class PPOTrainer(KLPPOTrainer):
         import pandas as pd
         from accelerate.utils import gather_object
 
-        from .ppo.sampling import truncate_at_stop
+        from .ppo.generation.sampling import truncate_at_stop
         from .ppo.steps import Sequences
 
         if self.eval_prompts is None:

@@ -160,7 +160,7 @@ def test_a_rollout_in_the_other_mode_is_caught(tiny_path, prompts, tmp_path, mon
     trainer.train()
     assert len(GRAPHS) == 1
     batch = trainer.prompt_batch(list(prompts["prompt"][:4]))
-    from klppo.ppo.rollout import RolloutSampler
+    from klppo.ppo.generation.hf import GenerateEngine as RolloutSampler
 
     original = RolloutSampler.sampling_form
 
@@ -208,7 +208,7 @@ def test_the_static_cache_is_as_long_as_the_longest_prompt(tiny_path, prompts, t
     torch.compiler.set_stance("default")
     wide = trainer.prompt_batch(["one two three four five six seven eight nine ten eleven twelve thirteen"] * 4)
     assert wide.input_ids.shape[1] == 24
-    with caplog.at_level("WARNING", logger="klppo.ppo.caches"):
+    with caplog.at_level("WARNING", logger="klppo.ppo.generation.static_cache"):
         rollout = trainer.rollout(wide)
     assert "grow to max_prompt_length + response_length = 29" in caplog.text
     assert caches.max_len == 29 and caches.caches[size].get_max_length() == 29

@@ -10,7 +10,7 @@ import torch
 
 from klppo.ppo.advantages import gae_advantages
 from klppo.ppo.losses import clipped_policy_loss, clipped_value_loss
-from klppo.ppo.sampling import ends_with_stop, truncate_at_stop
+from klppo.ppo.generation.sampling import ends_with_stop, truncate_at_stop
 
 F64 = torch.float64
 

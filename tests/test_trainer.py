@@ -538,7 +538,7 @@ def test_sample_categorical_draws_exactly_the_given_probabilities(monkeypatch):
     """Two-level inverse transform sampling: frequencies within 5 standard errors of the probabilities (a block size
     that does not divide the vocabulary), tokens of probability 0 never drawn, and a uniform draw that reaches the
     total by rounding still lands on the last token of positive probability."""
-    from klppo.ppo.sampling import sample_categorical
+    from klppo.ppo.generation.sampling import sample_categorical
 
     p = torch.tensor([0.0, 0.1, 0.0, 0.2, 0.3, 0.0, 0.05, 0.35, 0.0, 0.0])
     n = 200_000
@@ -565,7 +565,7 @@ def test_generation_samples_softmax_of_the_logits_over_temperature(tiny_model_an
     each decoding step are those of the drawn tokens, and the kept logits are the scaled ones."""
     from transformers import GenerationConfig
 
-    from klppo.ppo.sampling import generate_responses
+    from klppo.ppo.generation.sampling import generate_responses
 
     model, tokenizer = tiny_model_and_tokenizer
     enc = tokenizer(["The tiny model says"], return_tensors="pt")
@@ -600,7 +600,7 @@ def test_generation_samples_softmax_of_the_logits_over_temperature(tiny_model_an
 def test_exponential_race_draws_exactly_the_given_probabilities():
     """The race `argmax(w / E)`, E ~ Exp(1): frequencies within 5 standard errors of `w / sum(w)` for an
     unnormalised row, and a token of weight 0 never drawn."""
-    from klppo.ppo.sampling import sample_exponential_race
+    from klppo.ppo.generation.sampling import sample_exponential_race
 
     w = torch.tensor([0.0, 0.2, 0.0, 0.4, 0.6, 0.0, 0.1, 0.7])  # total 2
     p = (w / w.sum()).double()
@@ -618,7 +618,7 @@ def test_only_plain_temperature_sampling_is_accepted():
     reshapes the distribution is refused."""
     from transformers import GenerationConfig
 
-    from klppo.ppo.sampling import default_draw, plain_sampling_temperature
+    from klppo.ppo.generation.sampling import default_draw, plain_sampling_temperature
 
     plain = GenerationConfig(do_sample=True, temperature=0.7, top_k=0, top_p=1.0, max_new_tokens=4)
     assert plain_sampling_temperature(plain) == 0.7
@@ -631,7 +631,7 @@ def test_only_plain_temperature_sampling_is_accepted():
     # the rollout's own config sets those processors to neutral values, which the model's defaults do not replace
     from types import SimpleNamespace
 
-    from klppo.ppo.sampling import make_generation_config
+    from klppo.ppo.generation.sampling import make_generation_config
 
     tokenizer = SimpleNamespace(pad_token_id=3)
     ours = make_generation_config(SimpleNamespace(response_length=4, temperature=0.7), tokenizer, stop_token_id=2)
@@ -650,7 +650,7 @@ def test_the_rollouts_generation_config_makes_generate_warn_nothing(tiny_model_a
     every update of every run), and no processor beyond the sampler's."""
     from types import SimpleNamespace
 
-    from klppo.ppo.sampling import generate_responses, make_generation_config
+    from klppo.ppo.generation.sampling import generate_responses, make_generation_config
 
     model, tokenizer = tiny_model_and_tokenizer
     enc = tokenizer(["a", "b"], return_tensors="pt", padding=True)
@@ -666,7 +666,7 @@ def test_sampling_from_non_finite_logits_says_the_weights_diverged(tiny_model_an
     from transformers import GenerationConfig
 
     from klppo.ppo.health import TrainingDiverged
-    from klppo.ppo.sampling import generate_responses
+    from klppo.ppo.generation.sampling import generate_responses
 
     model, tokenizer = tiny_model_and_tokenizer
     with torch.no_grad():
@@ -723,7 +723,7 @@ def test_lora_layers_sharing_a_base_weight_sample_unmerged(tiny_path):
     from peft.tuners.lora import LoraLayer
 
     from klppo.models import load_causal_lm
-    from klppo.ppo.caches import merged_lora
+    from klppo.ppo.generation.static_cache import merged_lora
 
     model = peft.get_peft_model(load_causal_lm(tiny_path), peft.LoraConfig(r=4, target_modules=["q_proj"]))
     layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
@@ -1281,7 +1281,7 @@ def test_the_kv_cache_generation_decodes_into(tiny_path, prompts, tmp_path, capl
     the rollout's size. Without a max_prompt_length, "static" is refused and "auto" keeps the dynamic cache."""
     from peft import LoraConfig
 
-    from klppo.ppo.caches import supports_static_cache
+    from klppo.ppo.generation.static_cache import supports_static_cache
 
     auto = make_trainer(tiny_path, prompts, make_args(tmp_path, critic="shared"))
     assert auto.sampler.static_caches is None and auto.kl_plan.read_while_decoding

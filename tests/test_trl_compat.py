@@ -138,7 +138,7 @@ def test_trl_flags_without_stop_token_parse_with_trl_meaning(tmp_path, caplog, m
     from trl import ModelConfig, ScriptArguments
 
     from klppo.ppo import config as config_module
-    from klppo.ppo.sampling import sampling_setup
+    from klppo.ppo.generation.sampling import sampling_setup
 
     monkeypatch.setattr(config_module, "_WARNED", set())
     flags = ["--dataset_name", "d", "--output_dir", str(tmp_path), "--per_device_train_batch_size", "64",

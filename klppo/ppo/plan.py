@@ -105,11 +105,13 @@ class KLPlan:
 
 
 def make_kl_plan(args, policy: torch.nn.Module, mixed_precision: bool, vocab_size: int,
-                 compiled_decoding: bool = False) -> KLPlan:  # fmt: skip
+                 compiled_decoding: bool = False, decode_reads: bool = True) -> KLPlan:  # fmt: skip
     """The plan of a run from its `KLPPOConfig`, the policy (its weights' dtype), whether accelerate or the
     arguments set mixed precision and whether generation runs a compiled decoding step (a static cache: the scoring
     forward then gives the log-probs, which costs far less than reading them in every compiled step, where a shared
-    critic's read of the hidden states would split the compiled graph)."""
+    critic's read of the hidden states would split the compiled graph). `decode_reads` False: the generation engine
+    cannot read the trainer's log-probs, values or logits while decoding (vLLM: `GenerationEngine.reads_while_decoding`),
+    so scoring computes them all."""
     x = args.experimental
     estimator = get_kl_estimator_spec(args.kl_estimator)
     statistic = get_kl_estimator_spec(x.kl_statistic)
@@ -117,7 +119,7 @@ def make_kl_plan(args, policy: torch.nn.Module, mixed_precision: bool, vocab_siz
     # a rollout's response logits, float32, per process: decided from the configured size, so every process agrees
     logits_bytes = args.local_rollout_batch_size * args.response_length * vocab_size * 4
     fits = logits_bytes <= x.generation_logits_max_mb * 2**20
-    read = float32 and not compiled_decoding and not estimator.needs_logits and (fits or not statistic.needs_logits)
+    read = decode_reads and float32 and not compiled_decoding and not estimator.needs_logits and (fits or not statistic.needs_logits)
     places, grpo = args.kl_modes_applied, args.advantage_estimator == "grpo"
     return KLPlan(
         estimator=args.kl_estimator, statistic=x.kl_statistic, places=places,

@@ -91,7 +91,7 @@ def check_reference_resets(fsdp: bool, policy: nn.Module, ref_model: nn.Module |
     """`ref_reset_steps` needs a reference it can write: refused, naming the fix, under FSDP (its sharded reference;
     DeepSpeed is refused by the config), for a `ref_model` that does not have the policy's weights, and for LoRA
     layers that cannot merge into a base weight of their own."""
-    from .caches import mergeable_lora_layers
+    from .generation.static_cache import mergeable_lora_layers
 
     if fsdp:
         raise ValueError(

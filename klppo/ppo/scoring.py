@@ -21,7 +21,7 @@ from ..kl import estimate_kl, get_kl_estimator_spec
 from .plan import LOGGED_ESTIMATORS, KLPlan
 from .logprobs import ResponseLogits, position_ids_from_mask, read_response, response_positions
 from .value import _same_logits, last_hidden_states, lm_head_of
-from .sampling import Generation
+from .generation.sampling import Generation
 from .steps import Rollout, Sequences
 
 

@@ -70,6 +70,9 @@ class Sequences(_Selectable):
     response_mask: torch.Tensor  # [B, R], 1 on response tokens (up to and including the stop token)
     context_length: int  # P
     sampled_finite: bool = True  # False: the sampling policy's logits were not finite (the tokens mean nothing)
+    # [B, R] the sampled tokens' log-probs as an inexact engine (vLLM) computed them, 0 outside the mask; None when
+    # the engine samples with the trainer's own forward (`GenerationEngine.exact`)
+    sampling_logp: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -104,6 +107,10 @@ class Rollout(Sequences):
     kl_clamped: torch.Tensor  # [B, R] bool: tokens where a clamp bounded the estimate
     statistic_kl: torch.Tensor  # [B, R] the controller's estimator (`kl_statistic`)
     logged_kl: torch.Tensor  # [B, R, 3] k1, k2 and k3 (`LOGGED_ESTIMATORS`), each with the log-ratio clamp only
+    # [B, R] the truncated importance weights pi_trainer / pi_engine of an inexact engine's tokens (None: exact
+    # engine, or the correction is off); the policy loss, the KL statistic and the logged KL are weighted by them
+    is_weight: torch.Tensor | None = None
+    sampling_metrics: dict = field(default_factory=dict)  # the engine's drift and the correction's, reduced
 
 
 @dataclass

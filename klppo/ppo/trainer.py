@@ -3,7 +3,7 @@
 One PPO update (`ppo_update`), each step a public method that returns a typed result (`klppo.ppo.steps`):
 
 0. draw a batch of prompts (`_train`, the endless prompt loader)   `prompt_batch`       -> `PromptBatch`
-1. sample responses (`RolloutSampler`, `rollout.py`)               `rollout`
+1. sample responses (a `GenerationEngine`, `generation/`)         `rollout`
 2. truncate at the stop token, build masks                         `rollout`
 3. score: policy / reference log-probs, values, the KL             `rollout`            -> `Rollout` (`scoring.py`)
 4. rewards, missing-EOS penalty                                    `compute_rewards`    -> `Rewards`
@@ -34,6 +34,7 @@ import os
 import time
 from collections import defaultdict
 from contextlib import ExitStack, nullcontext
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -42,7 +43,6 @@ from transformers import PreTrainedTokenizerBase, Trainer, set_seed
 from transformers.trainer_callback import ProgressCallback
 from transformers.trainer import OPTIMIZER_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
-from trl.distributed import DistributedBackend
 
 from ..kl import (
     GlobalSums,
@@ -74,8 +74,9 @@ from .reference import (
 )
 from .rollback import snapshot_optimisation
 from .prompts import collate_prompts, endless_prompt_batches
-from .rollout import RolloutSampler
-from .sampling import DIVERGED_SAMPLING, eos_scored_as_any_token, truncate_at_stop
+from .generation import make_engine
+from .generation.correction import correct_rollout, weight_advantages
+from .generation.sampling import DIVERGED_SAMPLING, eos_scored_as_any_token
 from .safety import APPLIED, NONFINITE, StepChecks
 from .scoring import RolloutScorer
 from .state import RunState
@@ -162,7 +163,7 @@ class KLPPOTrainer(Trainer):
 
     def _build_update_parts(self, policy) -> None:
         """After Trainer's own setup: the progress bar, the frozen models prepared beside the policy, and the parts of
-        an update decided once: the sampler (`RolloutSampler`), the KL plan (`make_kl_plan`), the
+        an update decided once: the generation engine (`make_engine`), the KL plan (`make_kl_plan`), the
         scorer (`RolloutScorer`) and the state that lives across updates (`RunState`)."""
         args = self.args
         self.remove_callback(ProgressCallback)
@@ -173,10 +174,12 @@ class KLPPOTrainer(Trainer):
         self.ref_model = prepare_frozen_models(self.ref_model, self.reward_funcs, self.accelerator,
                                                deepspeed=self.is_deepspeed_enabled, fsdp=self.is_fsdp_enabled)  # fmt: skip
         engine = "deepspeed" if self.is_deepspeed_enabled else "fsdp" if self.is_fsdp_enabled else None
-        self.sampler = RolloutSampler(args, self.accelerator, self.processing_class, policy, engine,
-                                      self.checkpointing_kwargs, (self.train_dataset, self.eval_prompts))  # fmt: skip
+        # the generation engine (`klppo.ppo.generation`): the trainer asks it for sequences and syncs its weights
+        self.sampler = make_engine(args, self.accelerator, self.processing_class, policy, engine,
+                                   self.checkpointing_kwargs, (self.train_dataset, self.eval_prompts))  # fmt: skip
         self.kl_plan = make_kl_plan(args, policy, self._mixed_precision(), self._vocab_size(policy),
-                                    compiled_decoding=self.sampler.compiled)  # fmt: skip
+                                    compiled_decoding=self.sampler.compiled,
+                                    decode_reads=self.sampler.reads_while_decoding)  # fmt: skip
         self.scorer = RolloutScorer(
             self.kl_plan, self.accelerator, self.ref_model, self.use_adapter_reference, self.ref_adapter_name,
             args.temperature, self.sampler.suppressed_ids, args.rollout_forward_batch_size, args.critic_free,
@@ -345,6 +348,7 @@ class KLPPOTrainer(Trainer):
         trackers and destroys the process group. The unwrapped models (`trainer.model`) stay usable."""
         acc = self.accelerator
         acc.wait_for_everyone()
+        self.sampler.shutdown()  # a vLLM engine frees its memory and process groups
         self.model_wrapped = self.model
         self.optimizer = self.lr_scheduler = None
         acc.free_memory()
@@ -375,7 +379,8 @@ class KLPPOTrainer(Trainer):
         with timed(timings, "time/kl", acc):
             penalty = self.apply_kl(rollout, rewards)  # step 5
             controller = self.update_controller(rollout, rewards, penalty)  # step 6
-        metrics = {**rewards.metrics, **penalty.metrics, **controller, **(undone or {}), **initial}
+        metrics = {**rewards.metrics, **penalty.metrics, **controller, **(undone or {}), **initial,
+                   **getattr(rollout, "sampling_metrics", {})}
         if self.args.critic_warmup_steps:
             metrics["train/critic_warmup"] = float(self.critic_warming_up)
         if steps:
@@ -412,27 +417,22 @@ class KLPPOTrainer(Trainer):
         plan reads while decoding (the sampled tokens' log-probs, a shared critic's values, the logits a statistic
         reads) comes from generation; scoring runs the rest."""
         timings = timings if timings is not None else defaultdict(float)
-        acc = self.accelerator
-        input_ids, attention_mask = batch.input_ids.to(acc.device), batch.attention_mask.to(acc.device)
+        acc, engine = self.accelerator, self.sampler
+        batch = replace(batch, input_ids=batch.input_ids.to(acc.device), attention_mask=batch.attention_mask.to(acc.device))
+        if engine.holds_weights:  # the engine decodes from its own copy: the policy's weights now, every rollout
+            with timed(timings, "time/weight_sync", acc):
+                engine.sync_weights(self.model_wrapped)
         with ExitStack() as generation_context:
             with timed(timings, "time/generation", acc):
-                unwrapped = generation_context.enter_context(self.sampler.unwrapped(self.model_wrapped))
-                with root_unsharded(self.model_wrapped), self.sampler.sampling_form(unwrapped.policy):
-                    generated = self.sampler.generate(unwrapped, input_ids, attention_mask, self.kl_plan)
-            responses, response_mask = truncate_at_stop(generated.tokens, self.sampler.stop_token_id,
-                                                        self.processing_class.pad_token_id)  # fmt: skip
-            sequences = Sequences(
-                prompts=batch.prompts, extra=batch.extra, query_responses=torch.cat([input_ids, responses], dim=1),
-                attention_mask=torch.cat([attention_mask, response_mask], dim=1), responses=responses,
-                response_mask=response_mask, context_length=input_ids.shape[1], sampled_finite=generated.finite,
-            )  # fmt: skip
-            # ZeRO-3: the weights gathered for generation serve the scoring passes too, one gather per rollout instead
-            # of one per layer and forward pass; elsewhere the scoring passes run through the wrapped model
-            model = unwrapped if DistributedBackend(acc).is_zero3 else self.model_wrapped
-            rollout = self.scorer.score(model, sequences, generated._replace(tokens=responses), timings)
+                # the model to score with: under ZeRO-3 the one gathered for generation (one gather per rollout)
+                model = generation_context.enter_context(engine.generating(self.model_wrapped))
+                sampled = engine.generate(batch, self.kl_plan)
+            rollout = self.scorer.score(model, sampled.sequences, sampled.generated, timings)
             with timed(timings, "time/generation", acc):  # ZeRO-3 partitions the weights again
                 generation_context.close()
-        return rollout
+        x = self.args.experimental  # an inexact engine's drift, measured and corrected (`generation/correction.py`)
+        return correct_rollout(rollout, x.vllm_importance_sampling_correction, x.vllm_importance_sampling_mode,
+                               x.vllm_importance_sampling_clip_max, acc)
 
     def score(self, sequences: Sequences, timings: dict | None = None) -> Rollout:
         """Step 3 alone: the `Rollout` of `sequences` from forward passes only (nothing read while decoding)."""
@@ -467,7 +467,8 @@ class KLPPOTrainer(Trainer):
     # ------------------------------------------------------------------ step 7: advantages
     def compute_advantages(self, rollout: Rollout, rewards: Rewards, penalty: KLPenalty) -> Advantages:
         """Step 7: advantages, returns and the KL loss term's weight (`klppo.ppo.update.compute_advantages`)."""
-        return update.compute_advantages(self.args, self.kl_plan, rollout, rewards, penalty, self.accelerator)
+        advantages = update.compute_advantages(self.args, self.kl_plan, rollout, rewards, penalty, self.accelerator)
+        return weight_advantages(advantages, rollout)  # an inexact engine's truncated importance weights
 
     # ------------------------------------------------------------------ step 8: optimisation
     def optimise(self, rollout: Rollout, advantages: Advantages, kl_reading: float | None = None) -> OptimiseResult:

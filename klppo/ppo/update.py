@@ -27,7 +27,7 @@ from .logprobs import position_ids_from_mask, read_response
 from .losses import clipped_policy_loss, clipped_value_loss, ppo_statistics
 from .plan import LOGGED_ESTIMATORS, KLPlan
 from .safety import guard_sample
-from .sampling import contains_token, ends_with_stop
+from .generation.sampling import contains_token, ends_with_stop
 from .steps import Advantages, KLPenalty, Rewards, Rollout, Sequences
 
 logger = logging.getLogger(__name__)

@@ -1,10 +1,12 @@
-"""Step 1 of an update, sampling: `RolloutSampler` turns a batch of prompts into sampled responses.
+"""The `generate` engine: `GenerateEngine` turns a batch of prompts into sampled responses with transformers'
+`generate` on the trainer's own model (the seam: `engine.py`).
 
 It holds what sampling keeps from one rollout to the next: the sampling configuration (stop token, suppressed ids,
 temperature), and with a static KV cache the caches themselves and the merged LoRA weights that the compiled
-decoding step reads (`klppo.ppo.caches`). Each rollout it takes the policy out of its engine (ZeRO-3 gathers the
+decoding step reads (`static_cache.py`). Each rollout it takes the policy out of its engine (ZeRO-3 gathers the
 weights, activation checkpointing is turned off around decoding), puts it in its sampling form (eval mode, the adapter
-merged) and decodes the whole batch in one `generate` call (`klppo.ppo.sampling.generate_responses`).
+merged) and decodes the whole batch in one `generate` call (`sampling.generate_responses`). Its sampling
+distribution is the trainer's own forward at the same weights: nothing to sync, nothing to correct.
 """
 
 from __future__ import annotations
@@ -16,16 +18,18 @@ import torch
 from trl.distributed import DistributedBackend
 from trl.models.utils import unwrap_model_for_generation
 
-from .caches import StaticCaches, merged_lora, supports_static_cache
-from .engines import restore_zero3_hooks, unwrap
-from .prompts import longest_prompt
+from ..engines import restore_zero3_hooks, root_unsharded, unwrap
+from ..prompts import longest_prompt
+from ..steps import PromptBatch
+from .engine import GenerationEngine, Sampled
 from .sampling import Generation, contiguous_lm_head_input, generate_responses, sampling_setup
+from .static_cache import StaticCaches, merged_lora, supports_static_cache
 
 logger = logging.getLogger(__name__)
 
 
-class RolloutSampler:
-    """Samples a rollout's responses as the run's configuration and the KL plan say.
+class GenerateEngine(GenerationEngine):
+    """Samples a rollout's responses with `generate`, as the run's configuration and the KL plan say.
 
     Args:
         args: the run's `KLPPOConfig`.
@@ -38,13 +42,17 @@ class RolloutSampler:
             as their longest prompt allows (`klppo.ppo.prompts.longest_prompt`); none: `max_prompt_length`.
 
     Attributes:
-        stop_token_id, suppressed_ids, generation_config: the sampling setup (`klppo.ppo.sampling.sampling_setup`).
+        stop_token_id, suppressed_ids, generation_config: the sampling setup (`klppo.ppo.generation.sampling.sampling_setup`).
         static_caches: the static KV caches (`cache_implementation`), or None for transformers' dynamic cache.
     """
+
+    name = "generate"
 
     def __init__(self, args, accelerator, tokenizer, policy, engine: str | None, checkpointing_kwargs=None,
                  prompt_sets=()):  # fmt: skip
         self.args, self.accelerator, self.engine = args, accelerator, engine
+        self.pad_token_id = tokenizer.pad_token_id
+        self._unwrapped = self._wrapped = None  # the actor-critic to decode with, inside `generating`
         self.checkpointing_kwargs = checkpointing_kwargs
         self.stop_token_id, self.suppressed_ids, self.generation_config = sampling_setup(
             args, tokenizer, getattr(policy, "generation_config", None)
@@ -129,7 +137,28 @@ class RolloutSampler:
             for module, training in modes.items():
                 module.training = training
 
-    def generate(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, plan) -> Generation:
+    @contextmanager
+    def generating(self, model_wrapped):
+        """Around one rollout: the actor-critic unwrapped for decoding (`unwrapped`); yields the model to score
+        with: under ZeRO-3 the unwrapped one, whose weights gathered for generation serve the scoring passes too
+        (one gather per rollout instead of one per layer and forward pass), elsewhere the wrapped model."""
+        with self.unwrapped(model_wrapped) as unwrapped:
+            self._unwrapped, self._wrapped = unwrapped, model_wrapped
+            try:
+                yield unwrapped if DistributedBackend(self.accelerator).is_zero3 else model_wrapped
+            finally:
+                self._unwrapped = self._wrapped = None
+
+    def generate(self, batch: PromptBatch, plan) -> Sampled:
+        """One batch of prompts through `generate` (inside `generating`): the sequences, and what was read while
+        decoding (the trainer's own log-probs: no `sampling_logp`)."""
+        unwrapped = self._unwrapped
+        with root_unsharded(self._wrapped), self.sampling_form(unwrapped.policy):
+            generated = self.decode(unwrapped, batch.input_ids, batch.attention_mask, plan)
+        sequences = self.sequences(batch, generated.tokens, self.pad_token_id, generated.finite)
+        return Sampled(sequences, generated._replace(tokens=sequences.responses))
+
+    def decode(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, plan) -> Generation:
         """Responses of `model` (the unwrapped actor-critic, in its sampling form) to left-padded prompts, reading
         while decoding what `plan` says (`KLPlan.read_while_decoding`, `keep_generation_logits`). With a static
         cache, a batch smaller than the rollout's (an evaluation's, the last prompts) is padded to its size with

@@ -1,0 +1,94 @@
+"""Correcting an engine's drift: truncated importance sampling between the engine that sampled and the trainer.
+
+An inexact engine (vLLM) samples from `mu`, its own numerics at its copy of the weights; the trainer scores the same
+tokens with its own forward, `pi_old`. PPO's ratio `pi / pi_old` assumes the tokens came from `pi_old`; they came
+from `mu`. As TRL's `vllm_importance_sampling_*` does (truncated importance sampling, Yao et al. 2025, "Your
+efficient RL framework secretly brings you off-policy RL training"), each token's policy loss is weighted by
+
+    w = min(pi_old / mu, clip_max)        per token                       (`token_truncate`)
+    w = min(prod_t pi_old / mu, clip_max) per sequence, on all its tokens  (`sequence_truncate`)
+
+The ratios are weighed into the advantages (`weight_advantages`): PPO's clipped loss is linear in the advantage and
+`w > 0`, so `max(-wA r, -wA clip(r)) = w max(-A r, -A clip(r))`, the per-token policy loss times `w` exactly. The KL
+penalty in the reward reaches the gradient through those same advantages, so it is corrected with them. The KL
+statistic the controller and the guard read (`statistic_kl`) and the logged `kl/k1..k3` are the trainer's log-ratios
+weighted by the same `w` (their expectation under `pi_old` instead of `mu`). Every reading is of the trainer's
+log-probs, never the engine's: the engine's enter only through `w`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+IS_MODES = ("token_truncate", "sequence_truncate")
+
+
+def importance_weights(logp: torch.Tensor, sampling_logp: torch.Tensor, mask: torch.Tensor, mode: str,
+                       clip_max: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`(w, ratio, capped)`: the truncated weights `[B, R]` (1 outside `mask`), the untruncated ratios `[B, R]`
+    and a bool `[B, R]` of the tokens the cap touched, from the trainer's `logp` and the engine's `sampling_logp`."""
+    keep = mask.bool()
+    diff = torch.where(keep, logp.double() - sampling_logp.double(), 0.0)
+    if mode == "token_truncate":
+        log_ratio = diff
+    elif mode == "sequence_truncate":
+        log_ratio = diff.sum(dim=1, keepdim=True).expand_as(diff)
+    else:
+        raise ValueError(f"vllm_importance_sampling_mode must be one of {', '.join(IS_MODES)}, got {mode!r}")
+    ratio = log_ratio.exp()
+    capped = (ratio > clip_max) & keep
+    w = torch.where(keep, ratio.clamp(max=clip_max), 1.0)
+    return w.to(logp.dtype), ratio, capped
+
+
+def _global(value: torch.Tensor, op: str, accelerator) -> float:
+    """`value` (a 0-dim tensor) reduced over all ranks by `op` (`sum`, `max`, `min`)."""
+    if accelerator is not None and accelerator.num_processes > 1:
+        import torch.distributed as dist
+
+        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        value = value.double().to(accelerator.device).clone()
+        dist.all_reduce(value, op=ops[op])
+    return float(value)
+
+
+def correct_rollout(rollout, enabled: bool, mode: str, clip_max: float, accelerator=None):
+    """The rollout of an inexact engine (`sampling_logp` set) with the engine's drift measured and, when `enabled`,
+    corrected: `is_weight` set, `statistic_kl` and `logged_kl` weighted by it. `sampling_metrics` holds, reduced
+    over all ranks: `sampling/logp_diff_mean` and `_max` (|trainer - engine| per token, nats),
+    `sampling/is_ratio_mean`, `_min`, `_max` (the untruncated ratios) and `sampling/is_capped_frac` (the tokens the
+    cap touched). A rollout of an exact engine is returned as it is."""
+    if getattr(rollout, "sampling_logp", None) is None:
+        return rollout
+    keep = rollout.response_mask.bool()
+    w, ratio, capped = importance_weights(rollout.logp, rollout.sampling_logp, rollout.response_mask, mode, clip_max)
+    diff = (rollout.logp.double() - rollout.sampling_logp.double()).abs()
+    n = _global(keep.sum().double(), "sum", accelerator)
+    big, inf = torch.tensor(float("inf"), dtype=torch.float64), torch.tensor(float("-inf"), dtype=torch.float64)
+    kept = lambda x, fill: torch.where(keep, x, fill.to(x.device))  # noqa: E731
+    metrics = {
+        "sampling/logp_diff_mean": _global((diff * keep).sum(), "sum", accelerator) / max(n, 1.0),
+        "sampling/logp_diff_max": _global(kept(diff, inf).max(), "max", accelerator),
+        "sampling/is_ratio_mean": _global((ratio * keep).sum(), "sum", accelerator) / max(n, 1.0),
+        "sampling/is_ratio_min": _global(kept(ratio, big).min(), "min", accelerator),
+        "sampling/is_ratio_max": _global(kept(ratio, inf).max(), "max", accelerator),
+        "sampling/is_capped_frac": _global(capped.sum().double(), "sum", accelerator) / max(n, 1.0),
+    }
+    if not enabled:
+        return replace(rollout, sampling_metrics=metrics)
+    zero = torch.zeros((), dtype=rollout.statistic_kl.dtype, device=w.device)
+    return replace(
+        rollout, is_weight=w, sampling_metrics=metrics,
+        statistic_kl=torch.where(keep, rollout.statistic_kl * w.to(rollout.statistic_kl.dtype), zero),
+        logged_kl=rollout.logged_kl * w.to(rollout.logged_kl.dtype).unsqueeze(-1),
+    )  # fmt: skip
+
+
+def weight_advantages(advantages, rollout):
+    """`advantages` with each token's advantage times its truncated importance weight (the per-token policy loss
+    times the weight: see the module's docstring); unchanged without weights."""
+    if getattr(rollout, "is_weight", None) is None:
+        return advantages
+    return replace(advantages, advantages=advantages.advantages * rollout.is_weight.to(advantages.advantages.dtype))

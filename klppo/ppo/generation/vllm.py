@@ -1,0 +1,262 @@
+"""The vLLM engine: one vLLM engine colocated in each training process (TRL's colocate mode), behind the seam.
+
+Started as TRL 1.16's `trl.generation.vllm_generation.VLLMGeneration` starts it in colocate mode (the rank's own
+environment variables, `distributed_executor_backend="external_launcher"`, a seed per rank, processed log-probs so
+that temperature scaling and masking are in them), with what klppo needs beside it:
+
+- the engine is built from the policy's config and tokenizer with dummy weights (`load_format="dummy"`), then
+  synced: whatever the policy was loaded from (a hub name, a GGUF, a LoRA adapter), the engine decodes the trainer's
+  weights, never a checkpoint on disk;
+- the sync works on a CPU as on a GPU: `reload_weights`' steps (vLLM repacks each linear weight for its kernels
+  after loading; TRL's `model.load_weights` leaves the packed copies stale on a CPU), the tied LM head repacked from
+  the new embedding, every weight vLLM holds checked as loaded (a sync that misses one raises), a LoRA adapter
+  merged into copies of the base weights first, the prefix cache reset after;
+- klppo's sampling semantics: plain temperature sampling (no top-k / top-p, the model's generation config ignored),
+  the run's stop token, suppressed ids masked (`allowed_token_ids`, whose masking the processed log-probs include),
+  at most `response_length` tokens, one uniform seed per sequence drawn from torch's generator (seeded runs repeat);
+- on a CPU the KV cache is sized from the run's batch and lengths (left alone, vLLM asks for 92% of the host's
+  memory and refuses to start).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+
+import torch
+
+from ..engines import unwrap
+from ..prompts import longest_prompt
+from ..steps import PromptBatch
+from .engine import GenerationEngine, Sampled
+from .sampling import Generation, sampling_setup
+from .static_cache import merged_lora, mergeable_lora_layers
+
+logger = logging.getLogger(__name__)
+
+KV_CACHE_FLOOR_MB = 64
+
+
+def _is_peft(model) -> bool:
+    return hasattr(model, "get_base_model") and hasattr(model, "peft_config")
+
+
+def _reload(worker, weights: list, repack_tied_head: bool) -> list[str]:
+    """Run in the engine's worker (`LLM.collective_rpc`): load `weights` (checkpoint names and format) in place, as
+    vLLM's `reload_weights` does, repack a tied LM head on a CPU, and return the names of vLLM's parameters that
+    no weight reached."""
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
+
+    runner = worker.model_runner
+    model = runner.get_model()
+    expected = {name for name, _ in model.named_parameters()}
+    initialize_layerwise_reload(model)
+    loaded = model.load_weights(iter(weights))
+    finalize_layerwise_reload(model, runner.vllm_config.model_config)
+    if repack_tied_head:  # the tied head's packed copy is of the old embedding (its own weight loads nothing)
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+        dispatch_cpu_unquantized_gemm(model.lm_head, remove_weight=False)
+    for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+        if hasattr(runner, reset):
+            getattr(runner, reset)()
+    return sorted(expected - set(loaded or ()))
+
+
+class VLLMEngine(GenerationEngine):
+    """A colocated vLLM engine (see the module's docstring).
+
+    Args:
+        args: the run's `KLPPOConfig`.
+        accelerator: the trainer's accelerator (rank, device).
+        tokenizer: the policy's tokenizer.
+        policy: the policy (a PEFT model or not), before distributed wrapping.
+        engine: `"deepspeed"`, `"fsdp"` or None (sharded weights are not synced yet: refused).
+        prompt_sets: the datasets whose prompts the run decodes (the engine's longest sequence).
+    """
+
+    name = "vllm"
+    exact = False
+    reads_while_decoding = False
+    holds_weights = True
+
+    def __init__(self, args, accelerator, tokenizer, policy, engine: str | None, prompt_sets=()):
+        if engine is not None:
+            raise ValueError(
+                f"use_vllm with {engine}: klppo syncs the weights of an unsharded policy only (DeepSpeed ZeRO and FSDP "
+                "shard them); train without the sharded engine, or decode with generate (use_vllm: false)."
+            )
+        from vllm import LLM
+
+        self.args, self.accelerator, self.tokenizer = args, accelerator, tokenizer
+        self.pad_token_id = tokenizer.pad_token_id
+        self.stop_token_id, self.suppressed_ids, _ = sampling_setup(args, tokenizer, getattr(policy, "generation_config", None))
+        base = policy.get_base_model() if _is_peft(policy) else policy
+        self.config = base.config
+        self.tied = bool(getattr(self.config, "tie_word_embeddings", False))
+        if args.experimental.vllm_max_model_length is not None:
+            self.max_model_len = int(args.experimental.vllm_max_model_length)
+        else:
+            width = args.max_prompt_length
+            if width is not None and any(dataset is not None for dataset in prompt_sets):
+                width = longest_prompt(prompt_sets, tokenizer, args.max_prompt_length)
+            if width is None:
+                width = int(getattr(self.config, "max_position_embeddings", 2048)) - args.response_length
+            self.max_model_len = int(width) + int(args.response_length)
+        self.max_num_seqs = max(1, int(args.local_rollout_batch_size))
+        dtype = next(p.dtype for p in base.parameters() if p.is_floating_point())
+        self.on_cpu = accelerator.device.type == "cpu"
+        # the engine's directory: the config and the tokenizer only; the weights come from the trainer (`sync_weights`)
+        self._dir = tempfile.TemporaryDirectory(prefix="klppo-vllm-")
+        self.config.save_pretrained(self._dir.name)
+        tokenizer.save_pretrained(self._dir.name)
+        kwargs = {}
+        if self.on_cpu:
+            kwargs["kv_cache_memory_bytes"] = int(self.kv_cache_mb() * 2**20)
+            kwargs["enforce_eager"] = True
+        else:
+            kwargs["gpu_memory_utilization"] = args.experimental.vllm_gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = args.experimental.vllm_enable_sleep_mode
+        # vLLM needs the rank's environment in the process that runs it (TRL's colocate mode sets the same)
+        os.environ.setdefault("RANK", str(accelerator.process_index))
+        os.environ.setdefault("LOCAL_RANK", str(accelerator.local_process_index))
+        os.environ.setdefault("WORLD_SIZE", str(accelerator.num_processes))
+        from trl.trainer.utils import ensure_master_addr_port
+
+        ensure_master_addr_port()
+        # the engine initialises torch.distributed when no launcher did (gloo, world size 1): it then owns it
+        self._owns_process_group = not torch.distributed.is_initialized()
+        start = time.perf_counter()
+        self.llm = LLM(
+            model=self._dir.name, tokenizer=self._dir.name, load_format="dummy", dtype=dtype,
+            tensor_parallel_size=1, max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=max(4096, self.max_model_len), enable_prefix_caching=True,
+            distributed_executor_backend="external_launcher", seed=accelerator.process_index,
+            logprobs_mode="processed_logprobs", generation_config="vllm", **kwargs,
+        )  # fmt: skip
+        self.start_seconds = time.perf_counter() - start
+        logger.info("vLLM engine started in %.1f s (max_model_len %d, %d sequences%s).", self.start_seconds,
+                    self.max_model_len, self.max_num_seqs,
+                    f", KV cache {self.kv_cache_mb():.0f} MiB" if self.on_cpu else "")  # fmt: skip
+        self._synced_once = False
+        self.sync_seconds: list[float] = []
+
+    def kv_cache_mb(self) -> float:
+        """The KV cache on a CPU, MiB: `vllm_kv_cache_mb`, or every sequence of the local batch at the engine's
+        longest length (K and V, every layer), with a floor."""
+        if self.args.experimental.vllm_kv_cache_mb is not None:
+            return float(self.args.experimental.vllm_kv_cache_mb)
+        c = self.config
+        heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        per_token = 2 * c.num_hidden_layers * heads * head_dim * 4  # float32 bytes, an upper bound for bf16
+        need = per_token * self.max_model_len * self.max_num_seqs * 1.25 / 2**20
+        return max(float(KV_CACHE_FLOOR_MB), need)
+
+    # ------------------------------------------------------------------ weights
+    def _named_weights(self, policy) -> list[tuple[str, torch.Tensor]]:
+        """The policy's weights under their checkpoint names, a LoRA adapter merged (inside `merged_lora`)."""
+        if _is_peft(policy):
+            prefix = getattr(policy, "prefix", "lora_")
+            out = []
+            for name, param in policy.get_base_model().named_parameters():
+                if prefix in name or "original_module" in name:
+                    continue
+                name = name.replace(".base_layer.", ".").replace("modules_to_save.default.", "")
+                out.append((name, param.data))
+            return out
+        return [(name, param.data) for name, param in policy.named_parameters()]
+
+    @torch.no_grad()
+    def sync_weights(self, model_wrapped) -> dict[str, float]:
+        """Load the policy's current weights into the engine (a LoRA adapter merged), then reset its prefix cache.
+        Raises when no weight was loaded or some weight of the engine was not."""
+        start = time.perf_counter()
+        policy = unwrap(self.accelerator, model_wrapped).policy
+        if _is_peft(policy) and mergeable_lora_layers(policy) is None and any(
+            "lora_" in name for name, _ in policy.named_parameters()
+        ):  # fmt: skip
+            raise RuntimeError(
+                "use_vllm: this LoRA adapter cannot be merged into copies of its base weights (a quantized base, a "
+                "LoRA variant, or a target shared with another weight such as tied embeddings), so the engine would "
+                "decode the base model without it. Target plain linear layers only, or decode with generate."
+            )
+        with merged_lora(policy):
+            weights = self._named_weights(policy)
+            if not weights:
+                raise RuntimeError("use_vllm: the weight sync found no weight to load into the engine.")
+            missing = self.llm.collective_rpc(_reload, args=(weights, self.on_cpu and self.tied))[0]
+        if missing:
+            raise RuntimeError(
+                f"use_vllm: the weight sync left {len(missing)} of the engine's weights as they were ({', '.join(missing[:5])}"
+                f"{', ...' if len(missing) > 5 else ''}): the engine would decode another model than the trainer's. "
+                "Its parameter names do not match the policy's (an architecture vLLM maps differently)."
+            )
+        self.llm.reset_prefix_cache()
+        self._synced_once = True
+        seconds = time.perf_counter() - start
+        self.sync_seconds.append(seconds)
+        return {"time/weight_sync": seconds}
+
+    # ------------------------------------------------------------------ sampling
+    def sampling_params(self, seed: int):
+        from vllm import SamplingParams
+
+        kwargs = dict(
+            n=1, temperature=float(self.args.temperature), top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
+            max_tokens=int(self.args.response_length), min_tokens=0, logprobs=0, ignore_eos=True, detokenize=False,
+            skip_special_tokens=False, seed=int(seed),
+        )  # fmt: skip
+        if self.stop_token_id is not None:
+            kwargs["stop_token_ids"] = [int(self.stop_token_id)]
+        if self.suppressed_ids is not None and len(self.suppressed_ids):
+            vocab = int(self.config.vocab_size)
+            banned = set(self.suppressed_ids.tolist())
+            kwargs["allowed_token_ids"] = [i for i in range(vocab) if i not in banned]
+        return SamplingParams(**kwargs)
+
+    def generate(self, batch: PromptBatch, plan) -> Sampled:
+        """One batch of prompts through the engine: responses, their masks and the engine's processed log-probs."""
+        if not self._synced_once:
+            raise RuntimeError("use_vllm: the engine decodes before its first weight sync (its weights are dummies).")
+        rows = batch.input_ids.shape[0]
+        prompts = [{"prompt_token_ids": ids[mask.bool()].tolist()}
+                   for ids, mask in zip(batch.input_ids.cpu(), batch.attention_mask.cpu())]  # fmt: skip
+        seeds = torch.randint(0, 2**31 - 1, (rows,)).tolist()  # torch's stream: seeded runs repeat
+        params = [self.sampling_params(seed) for seed in seeds]
+        outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=False)
+        width = max(1, max(len(out.outputs[0].token_ids) for out in outputs))
+        tokens = torch.full((rows, width), self.pad_token_id, dtype=torch.long)
+        logp = torch.zeros((rows, width), dtype=torch.float32)
+        for i, out in enumerate(outputs):
+            completion = out.outputs[0]
+            ids = list(completion.token_ids)
+            tokens[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            logp[i, : len(ids)] = torch.tensor([step[t].logprob for step, t in zip(completion.logprobs, ids)])
+        finite = bool(torch.isfinite(logp).all())
+        device = batch.input_ids.device
+        tokens, logp = tokens.to(device), logp.to(device)
+        sequences = self.sequences(batch, tokens, self.pad_token_id, finite, sampling_logp=logp)
+        return Sampled(sequences, Generation(sequences.responses, finite=finite))
+
+    def shutdown(self) -> None:
+        """Free the engine, its process groups, and torch.distributed when the engine started it (a later trainer
+        in the same process then starts from a clean state: accelerate would otherwise take the engine's group for a
+        distributed launch)."""
+        import gc
+
+        if getattr(self, "llm", None) is None:
+            return
+        self.llm = None
+        gc.collect()
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+        destroy_model_parallel()
+        if self._owns_process_group:
+            destroy_distributed_environment()
+        self._dir.cleanup()

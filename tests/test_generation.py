@@ -1,0 +1,157 @@
+"""The generation seam (`klppo.ppo.generation`): an engine whose sampling distribution drifts from the trainer's,
+corrected by truncated importance sampling; the correction's arithmetic; the vLLM fields refused where they cannot
+work. The vLLM engine's own tests are in `tests/test_vllm.py` (their own pytest pass, `-m vllm`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from klppo.ppo.generation.correction import correct_rollout, importance_weights
+from klppo.ppo.generation.engine import Sampled
+from klppo.ppo.generation.hf import GenerateEngine
+from klppo.ppo.generation.sampling import Generation
+from klppo.testing import klppo_config
+from klppo.testing.bandit import bandit_trainer, kl, one_token_state, tilted
+
+BETA = 0.5
+
+
+@pytest.fixture(scope="module")
+def tiny_path():
+    from klppo.models import TINY_MODEL, resolve_model_path
+
+    return resolve_model_path(TINY_MODEL)
+
+
+class DriftingEngine(GenerateEngine):
+    """The `generate` engine made inexact on purpose: it samples at `temperature * factor` and reports that
+    distribution's log-probs as its own (`sampling_logp`), as an engine with other numerics would."""
+
+    exact = False
+    reads_while_decoding = False
+
+    def __init__(self, base: GenerateEngine, factor: float):
+        self.__dict__.update(base.__dict__)
+        self.generation_config = replace_temperature(base.generation_config, base.args.temperature * factor)
+
+    def generate(self, batch, plan):
+        sampled = super().generate(batch, replace(plan, read_while_decoding=True, keep_generation_logits=False))
+        seq = sampled.sequences
+        seq = replace(seq, sampling_logp=torch.where(seq.response_mask.bool(), sampled.generated.logp, 0.0))
+        return Sampled(seq, Generation(seq.responses, finite=sampled.generated.finite))
+
+
+def replace_temperature(config, temperature):
+    import copy
+
+    config = copy.deepcopy(config)
+    config.temperature = temperature
+    return config
+
+
+def drifted_bandit(tiny_path, tmp_path, factor: float, correction: bool, **overrides):
+    trainer = bandit_trainer(tiny_path, tmp_path, kl_mode="reward", kl_estimator="k1",
+                             experimental={"vllm_importance_sampling_correction": correction}, **overrides)  # fmt: skip
+    trainer.sampler = DriftingEngine(trainer.sampler, factor)
+    return trainer
+
+
+def kl_readings(trainer, prompts: int = 2048) -> tuple[float, float, float]:
+    """`(corrected, plain, exact)`: on one rollout of `prompts` copies of the bandit's prompt, the KL statistic the
+    trainer reads (k1 weighted by the truncated ratios), the same k1 unweighted, and KL(pi || ref) in closed form."""
+    from klppo.testing.bandit import PROMPT
+
+    rollout = trainer.rollout(trainer.prompt_batch([PROMPT] * prompts))
+    keep = rollout.response_mask.bool()
+    corrected = float(rollout.statistic_kl[keep].mean())
+    plain = float(rollout.log_ratio[keep].mean())
+    state = one_token_state(trainer)
+    return corrected, plain, kl(state["logp"], state["ref"])
+
+
+@pytest.mark.numerics
+@pytest.mark.slow
+def test_a_drifting_engine_is_measured_and_its_kl_reading_corrected(tiny_path, tmp_path):
+    """An engine that samples at a temperature above the trainer's (`DriftingEngine`, built on generate): the rollout
+    is scored with the trainer's forward, the drift is logged on every rollout, and the KL the controller reads is
+    the trainer's k1 weighted by min(pi / mu, 3). After 40 updates of the one-token bandit on a 5% drift (the policy
+    away from the reference), one rollout from the engine 30% off: the plain reading E_mu[log pi / ref] misses
+    KL(pi || ref) (closed form) by more than 0.05 nats, the corrected one by less than half that miss (2048 samples:
+    the importance-weighted mean is the noisier one)."""
+    trainer = drifted_bandit(tiny_path, tmp_path, 1.05, True, max_steps=40)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "sampling/is_ratio_mean" in h]
+    assert len(logs) == 40 and all(h["sampling/logp_diff_max"] > 1e-3 for h in logs)  # it drifted on every rollout
+    trainer.sampler.generation_config.temperature = trainer.args.temperature * 1.3
+    corrected, plain, exact = kl_readings(trainer)
+    assert abs(plain - exact) > 0.05, (corrected, plain, exact)
+    assert abs(corrected - exact) < 0.5 * abs(plain - exact), (corrected, plain, exact)
+
+
+def test_importance_weights_truncate_per_token_and_per_sequence():
+    logp = torch.log(torch.tensor([[0.5, 0.2, 0.9], [0.1, 0.1, 0.1]]))
+    mu = torch.log(torch.tensor([[0.1, 0.4, 0.9], [0.1, 0.2, 0.5]]))
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    w, ratio, capped = importance_weights(logp, mu, mask, "token_truncate", 3.0)
+    assert torch.allclose(w, torch.tensor([[3.0, 0.5, 1.0], [1.0, 0.5, 1.0]]))  # 5 capped at 3; 1 off the mask
+    assert capped.tolist() == [[True, False, False], [False, False, False]]
+    w, ratio, capped = importance_weights(logp, mu, mask, "sequence_truncate", 3.0)
+    assert torch.allclose(w[0], torch.full((3,), 2.5)) and torch.allclose(w[1], torch.tensor([0.5, 0.5, 1.0]))
+    assert torch.allclose(ratio[1, :2], torch.tensor([0.5, 0.5], dtype=torch.float64))
+    with pytest.raises(ValueError, match="token_truncate"):
+        importance_weights(logp, mu, mask, "token_mask", 3.0)
+
+
+def test_the_correction_weights_the_statistic_and_logs_the_drift():
+    """The KL statistic and the logged KL are the trainer's, weighted by the truncated ratios; the drift metrics
+    are the trainer's log-probs against the engine's; an exact engine's rollout is left as it is."""
+    from types import SimpleNamespace
+
+    logp = torch.log(torch.tensor([[0.5, 0.2]]))
+    rollout = SimpleNamespace(
+        logp=logp, sampling_logp=torch.log(torch.tensor([[0.25, 0.4]])), response_mask=torch.ones(1, 2),
+        statistic_kl=torch.tensor([[1.0, 1.0]]), logged_kl=torch.ones(1, 2, 3),
+    )  # fmt: skip
+    import dataclasses
+
+    @dataclasses.dataclass
+    class R:
+        logp: torch.Tensor
+        sampling_logp: torch.Tensor
+        response_mask: torch.Tensor
+        statistic_kl: torch.Tensor
+        logged_kl: torch.Tensor
+        is_weight: torch.Tensor | None = None
+        sampling_metrics: dict = dataclasses.field(default_factory=dict)
+
+    out = correct_rollout(R(**vars(rollout)), True, "token_truncate", 3.0)
+    assert torch.allclose(out.is_weight, torch.tensor([[2.0, 0.5]]))
+    assert torch.allclose(out.statistic_kl, torch.tensor([[2.0, 0.5]]))
+    assert torch.allclose(out.logged_kl[..., 1], torch.tensor([[2.0, 0.5]]))
+    m = out.sampling_metrics
+    assert m["sampling/logp_diff_max"] == pytest.approx(math.log(2)) and m["sampling/is_ratio_min"] == pytest.approx(0.5)
+    assert m["sampling/is_ratio_max"] == pytest.approx(2.0) and m["sampling/is_capped_frac"] == 0
+    off = correct_rollout(R(**vars(rollout)), False, "token_truncate", 3.0)
+    assert off.is_weight is None and torch.equal(off.statistic_kl, rollout.statistic_kl) and off.sampling_metrics
+    exact = R(**{**vars(rollout), "sampling_logp": None})
+    assert correct_rollout(exact, True, "token_truncate", 3.0) is exact
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_use_vllm_without_vllm_is_refused_with_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="setup.sh vllm"):
+        klppo_config(output_dir=str(tmp_path), use_vllm=True)
+
+
+def test_vllm_fields_that_cannot_work_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="one engine per training process"):
+        klppo_config(output_dir=str(tmp_path), use_vllm=True, experimental={"vllm_tensor_parallel_size": 2})
+    with pytest.raises(ValueError, match="colocate"):
+        klppo_config(output_dir=str(tmp_path), experimental={"vllm_mode": "server"})
+    with pytest.raises(ValueError, match="token_truncate"):
+        klppo_config(output_dir=str(tmp_path), experimental={"vllm_importance_sampling_mode": "sequence_mask"})

@@ -1,0 +1,174 @@
+"""Rollouts through vLLM (`use_vllm`), in `.venv-vllm` (`bash scripts/setup.sh vllm`): the engine decodes the
+trainer's weights after every update (tied and untied embeddings, LoRA and full fine-tuning), the known-answer
+bandit trained on its rollouts lands on its optimum, and an engine made to drift lands only with the correction.
+Marked `vllm`: the README's test command runs them in their own pass; elsewhere they skip.
+
+One engine per test process at a time (vLLM's CPU backend sizes its KV cache from the run: a few hundred MiB)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from klppo.models import resolve_model_path  # noqa: E402
+from klppo.testing.bandit import bandit_trainer, kl, one_token_state, tilted  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+BETA = 0.5
+
+
+def release(trainer):
+    """The engine freed and accelerate's state reset: the next test's trainer starts as in a fresh process."""
+    from accelerate.state import AcceleratorState
+
+    trainer.sampler.shutdown()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    gc.collect()
+
+
+def vllm_trainer(name: str, tmp_path, peft_config=None, **overrides):
+    """`bandit_trainer`'s setup on a tiny vLLM-compatible model, with a LoRA adapter when `peft_config` is given."""
+    from klppo import KLPPOTrainer
+
+    trainer = bandit_trainer(resolve_model_path(name), tmp_path, **overrides) if peft_config is None else None
+    if trainer is not None:
+        return trainer
+    from datasets import Dataset
+
+    from klppo.testing import klppo_config
+    from klppo.testing.bandit import PROMPT, two_token_reward
+
+    base = dict(output_dir=str(tmp_path / "bandit"), per_device_train_batch_size=16, num_ppo_epochs=1,
+                lr_scheduler_type="constant", kl_coef=0.5, critic="shared", lam=1.0, report_to="none",
+                save_strategy="no", eval_strategy="no", logging_steps=1, seed=0, disable_tqdm=True, use_cpu=True,
+                num_sample_generations=0, temperature=1.0)  # fmt: skip
+    base.update(overrides)
+    prompts = Dataset.from_dict({"prompt": [PROMPT] * base["per_device_train_batch_size"]})
+    return KLPPOTrainer(model=resolve_model_path(name), args=klppo_config(**base), train_dataset=prompts,
+                        reward_funcs=two_token_reward, peft_config=peft_config)  # fmt: skip
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_the_engine_decodes_the_trainers_weights_after_every_update(tmp_path, tied, lora):
+    """After 3 updates (a sync before each rollout), the engine's processed log-probs of the tokens it sampled
+    equal the trainer's forward at the same weights in float32 (a few 1e-6; the bound 1e-4), while the same tokens
+    under the initial weights (the reference) are far off: the engine holds the updated weights, not the first."""
+    name = "klppo:tiny-llama-vllm" + ("-tied" if tied else "")
+    peft_config = None
+    if lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"])
+    trainer = vllm_trainer(name, tmp_path, peft_config, response_length=4, max_steps=3, use_vllm=True,
+                           per_device_train_batch_size=16, rollout_forward_batch_size=16, learning_rate=1e-2,
+                           stop_token="eos")  # fmt: skip
+    trainer.train()
+    syncs = [h["time/weight_sync"] for h in trainer.state.log_history if "time/weight_sync" in h]
+    assert len(syncs) == 3
+    rollout = trainer.rollout(trainer.prompt_batch(["The day was"] * 16))
+    keep = rollout.response_mask.bool()
+    agree = float((rollout.logp - rollout.sampling_logp).abs()[keep].max())
+    moved = float((rollout.ref_logp - rollout.sampling_logp).abs()[keep].max())
+    assert agree < 1e-4, agree
+    assert moved > 100 * max(agree, 1e-5), (moved, agree)
+    release(trainer)
+
+
+def test_a_tied_head_left_packed_from_the_old_embedding_is_caught(tmp_path, monkeypatch):
+    """Negative control of the test above: on a CPU vLLM keeps a packed copy of a tied LM head, made from the
+    embedding at load time; a sync that does not repack it leaves the engine's head at the first weights, and the
+    engine's log-probs then miss the trainer's by far more than the bound."""
+    from klppo.ppo.generation import vllm as engine_module
+
+    original = engine_module._reload
+    monkeypatch.setattr(engine_module, "_reload", lambda worker, weights, repack: original(worker, weights, False))
+    trainer = bandit_trainer(resolve_model_path("klppo:tiny-llama-vllm-tied"), tmp_path, response_length=4,
+                             max_steps=3, use_vllm=True, per_device_train_batch_size=16, rollout_forward_batch_size=16,
+                             learning_rate=1e-2, stop_token="eos")  # fmt: skip
+    trainer.train()
+    rollout = trainer.rollout(trainer.prompt_batch(["The day was"] * 16))
+    keep = rollout.response_mask.bool()
+    assert float((rollout.logp - rollout.sampling_logp).abs()[keep].max()) > 1e-2
+    release(trainer)
+
+
+def one_token_bandit(tmp_path, **overrides):
+    return bandit_trainer(resolve_model_path("klppo:tiny-llama-vllm"), tmp_path, kl_mode="reward", kl_estimator="k1",
+                          use_vllm=True, **overrides)  # fmt: skip
+
+
+@pytest.mark.numerics
+def test_the_bandit_trained_on_vllm_rollouts_lands_on_the_optimum(tmp_path):
+    """The one-token bandit (reward 1 for token ids divisible by 4, k1 in the reward) on vLLM's rollouts lands on
+    pi* = ref exp(r / beta) / Z within the generate engine's bound (test_convergence: KL(pi || pi*) < 0.02)."""
+    trainer = one_token_bandit(tmp_path)
+    start = one_token_state(trainer)
+    opt = tilted(start["ref"], start["reward"], BETA)
+    assert kl(start["logp"], opt) > 0.1
+    trainer.train()
+    end = one_token_state(trainer)
+    assert kl(end["logp"], tilted(end["ref"], end["reward"], BETA)) < 0.02
+    release(trainer)
+
+
+@pytest.mark.numerics
+def test_a_drifting_vllm_engine_is_measured_and_its_kl_reading_corrected(tmp_path, monkeypatch):
+    """The engine made to sample at a temperature 5% above the trainer's for 40 updates of the one-token bandit,
+    then 30% above for one rollout: the drift is logged on every rollout; the plain KL reading misses KL(pi || ref)
+    by more than 0.05 nats, the corrected one (what the controller reads) by less than half that (the same
+    test on generate: `tests/test_generation.py`)."""
+    from klppo.ppo.generation.vllm import VLLMEngine
+
+    original, drift = VLLMEngine.sampling_params, {"factor": 1.05}
+
+    def drifted(self, seed):
+        params = original(self, seed)
+        params.temperature = self.args.temperature * drift["factor"]
+        return params
+
+    monkeypatch.setattr(VLLMEngine, "sampling_params", drifted)
+    trainer = one_token_bandit(tmp_path, max_steps=40)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "sampling/logp_diff_max" in h]
+    assert len(logs) == 40 and all(h["sampling/logp_diff_max"] > 1e-3 for h in logs)
+    drift["factor"] = 1.3
+    from test_generation import kl_readings
+
+    corrected, plain, exact = kl_readings(trainer)
+    assert abs(plain - exact) > 0.05, (corrected, plain, exact)
+    assert abs(corrected - exact) < 0.5 * abs(plain - exact), (corrected, plain, exact)
+    release(trainer)
+
+
+def test_two_cpu_ranks_each_decode_with_their_own_engine(tmp_path):
+    """torchrun, 2 CPU ranks: each rank's engine decodes its trainer's weights after 3 updates (its log-probs
+    equal its forward's), both ranks synced before every rollout and hold the same coefficient, and their
+    responses differ (each engine draws its own stream)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from test_trainer_distributed import free_port
+
+    resolve_model_path("klppo:tiny-llama-vllm")  # built once here, not by both ranks at once
+    worker = os.path.join(os.path.dirname(__file__), "vllm_ranks_worker.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):  # a test before set them
+        env.pop(name, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           worker, str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["world"] for r in ranks] == [2, 2]
+    for r in ranks:
+        assert r["gap"] < 1e-4 and r["moved"] > 100 * max(r["gap"], 1e-5), r
+        assert r["syncs"] == 3
+    assert ranks[0]["coef"] == ranks[1]["coef"]
+    assert ranks[0]["responses"] != ranks[1]["responses"]
