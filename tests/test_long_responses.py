@@ -245,7 +245,7 @@ def test_a_head_the_model_transforms_is_read_as_the_model_gives_it(unknown, capl
     responses = ids[:, -5:]
     with torch.no_grad():
         own = model(ids, attention_mask=mask, logits_to_keep=response_positions(5, 9, "cpu")).logits
-    assert own.abs().max() < 2.0 and own.abs().max() > 1.5
+    assert own.abs().max() <= 2.0 and (own.abs() > 1.5).any()  # past the cap, where capping changes them
     with caplog.at_level(logging.WARNING):
         reads, _ = actor(ids, attention_mask=mask, response_length=5, compute_values=False,
                          read=lambda source: read_response(source, responses, 1.0, None, 40 * 2 * 4 / 2**20))  # fmt: skip

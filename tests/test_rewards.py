@@ -62,7 +62,7 @@ def test_builtin_and_callable_specs():
     assert load_reward_funcs("klppo:sentiment") == ([positive_sentiment_reward], [1.0])
     with pytest.raises(ValueError, match="one weight per reward function"):
         load_reward_funcs(["klppo:sentiment", mine], weights=[1.0])
-    with pytest.raises(ValueError, match="valid built-ins are \\['klppo:long-words', 'klppo:sentiment'\\]"):
+    with pytest.raises(ValueError, match="valid built-ins are \\['klppo:list-items', 'klppo:long-words', 'klppo:sentiment'\\]"):
         load_reward_funcs("klppo:toxicity")
 
 
