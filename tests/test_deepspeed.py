@@ -152,6 +152,7 @@ def test_zero3_reads_the_lm_head_in_blocks_as_in_one(tiny_model_path, tmp_path):
         out = tmp_path / name
         train_tiny(config, out, tmp_path, "--use_peft", "true", "--lora_r", "4", "--lora_target_modules", "q_proj",
                    "v_proj", "--learning_rate", "0.01", "--kl_mode", "both", "--kl_estimator", "full",
+                   "--reward_funcs", os.path.join(ROOT, "tests", "dist_trainer_worker.py") + ":token_reward",
                    "--experimental", json.dumps({"logits_block_mb": budget}))  # fmt: skip
         from safetensors.torch import load_file
 
