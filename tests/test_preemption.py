@@ -254,11 +254,12 @@ def test_sigterm_to_one_rank_alone_stops_every_rank_after_the_same_update(tmp_pa
     done = run_as_scheduler(torchrun(reward_file, out), tmp_path, "stop", timeout=300,
                             KLPPO_TEST_SIGTERM_AT=str(SIGTERM_AT), KLPPO_TEST_SIGTERM_RANK="1")  # fmt: skip
     check_ranks_stopped(done, out, tmp_path, "stop")
-    # the agent, not signalled itself, reports each rank's exit status: 143 for the first rank; the second exits 143
-    # too, unless the agent, seeing the first one gone, ended it first (SIGTERM, -15, once train() has returned)
+    # the agent, not signalled itself, reports each rank's exit status: 143 for the rank that exits first; the other
+    # exits 143 too, unless the agent, seeing the first one gone, ended it first (SIGTERM, -15, once train() has
+    # returned); which rank exits first depends on the machine's load
     statuses = dict(re.findall(r"rank\s*: (\d) \(local_rank: \d\)\s*exitcode\s*: (-?\d+)", done.stderr))
-    assert statuses.get("0") == str(EXIT_STOPPED), done.stderr[-6000:]
-    assert statuses.get("1") in (str(EXIT_STOPPED), "-15"), done.stderr[-6000:]
+    assert set(statuses) <= {"0", "1"} and str(EXIT_STOPPED) in statuses.values(), done.stderr[-6000:]
+    assert all(s in (str(EXIT_STOPPED), "-15") for s in statuses.values()), done.stderr[-6000:]
 
 
 @pytest.mark.slow
