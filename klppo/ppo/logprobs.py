@@ -58,11 +58,6 @@ def mask_suppressed(scaled_logits: torch.Tensor, suppressed: torch.Tensor | None
     return fill(-1, suppressed.to(scaled_logits.device), torch.finfo(scaled_logits.dtype).min)
 
 
-def response_logprobs(scaled_logits: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
-    """Log-probs of `responses [B, R]` under `scaled_logits [B, R, V]` (memory-light log-softmax + gather)."""
-    return selective_log_softmax(scaled_logits, responses)
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Reading the LM head in blocks of positions
 #
