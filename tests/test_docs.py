@@ -5,7 +5,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
 # where commands are shown: the documents, the results' READMEs (their summary.md files record past invocations
 # as they ran), the configs' comments and the lab's docstrings and scripts
 COMMAND_SOURCES = [
