@@ -16,11 +16,11 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .ppo.callbacks import maybe_offline_wandb
-from .ppo.checkpoint import ResumeMismatch
-from .ppo.health import TrainingDiverged
-from .ppo.lock import OutputDirInUse, OutputDirLock
-from .ppo.preemption import EXIT_STOPPED
+from .ppo.run.callbacks import maybe_offline_wandb
+from .ppo.run.checkpoint import ResumeMismatch
+from .ppo.safety.nonfinite import TrainingDiverged
+from .ppo.run.lock import OutputDirInUse, OutputDirLock
+from .ppo.run.preemption import EXIT_STOPPED
 from .rewards import RewardFunctionError, load_reward_funcs
 from .utils import none_from_text, write_json
 

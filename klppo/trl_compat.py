@@ -465,7 +465,7 @@ class PPOTrainer(KLPPOTrainer):
         from accelerate.utils import gather_object
 
         from .ppo.generation.sampling import truncate_at_stop
-        from .ppo.steps import Sequences
+        from .ppo.results import Sequences
 
         if self.eval_prompts is None:
             return None

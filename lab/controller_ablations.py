@@ -58,7 +58,7 @@ mean tracking error on seed 3, and it never bound on the default task.)
 from __future__ import annotations
 
 from klppo.kl.controllers import EquilibriumKLController, TrackingKLController, register_kl_controller
-from klppo.ppo.guard import LOWER, KLGuard, register_kl_guard
+from klppo.ppo.safety.kl_guard import LOWER, KLGuard, register_kl_guard
 
 
 class _ConstantGain(EquilibriumKLController):

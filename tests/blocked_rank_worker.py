@@ -12,7 +12,7 @@ import sys
 
 import torch.distributed as dist
 
-from klppo.ppo.preemption import StopRequest
+from klppo.ppo.run.preemption import StopRequest
 
 if __name__ == "__main__":
     rank, port, grace = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])

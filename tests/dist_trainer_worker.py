@@ -29,7 +29,7 @@ from datasets import Dataset
 
 from klppo import KLPPOTrainer
 from klppo.models import TINY_MODEL, resolve_model_path
-from klppo.ppo.engines import is_fsdp2
+from klppo.ppo.distributed import is_fsdp2
 from klppo.testing import klppo_config
 
 

@@ -182,8 +182,8 @@ def _run(out_path: str) -> None:
     from torch.distributed.tensor import DTensor
 
     from klppo.models import tiny_model_and_tokenizer
-    from klppo.ppo.engines import load_full_weights, root_unsharded
-    from klppo.ppo.value import ActorCritic, ValueHead
+    from klppo.ppo.distributed import load_full_weights, root_unsharded
+    from klppo.ppo.actor_critic import ActorCritic, ValueHead
 
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", MASTER_PORT=os.environ.get("MASTER_PORT", "29591"))
     dist.init_process_group("gloo")

@@ -578,8 +578,8 @@ def test_a_guard_whose_check_predates_change_sq_is_called_without_it():
     the four arguments it had before is still called, with those four."""
     import torch
 
-    from klppo.ppo.guard import KLGuard
-    from klppo.ppo.safety import GuardSample, StepChecks
+    from klppo.ppo.safety.kl_guard import KLGuard
+    from klppo.ppo.safety.step_checks import GuardSample, StepChecks
 
     calls = []
 

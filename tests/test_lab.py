@@ -10,7 +10,7 @@ import math
 import pytest
 
 from klppo import KLPPOConfig
-from klppo.ppo.guard import LOWER, UPPER, KLGuard, build_kl_guard, kl_guards
+from klppo.ppo.safety.kl_guard import LOWER, UPPER, KLGuard, build_kl_guard, kl_guards
 from lab import controller_grid, default_resets, default_task_lr, frontier, import_plugin
 from lab.grpo_kl_control import summarize as grpo_summary
 
@@ -24,7 +24,7 @@ def registries_as_they_were():
     import sys
 
     from klppo.kl import kl_controllers, unregister_kl_controller
-    from klppo.ppo.guard import unregister_kl_guard
+    from klppo.ppo.safety.kl_guard import unregister_kl_guard
 
     controllers, guards = set(kl_controllers()), set(kl_guards())
     yield

@@ -15,11 +15,16 @@ from trl.trainer.utils import selective_log_softmax
 from klppo import KLPPOTrainer
 from klppo.kl import full_kl
 from klppo.models import TINY_MODEL, resolve_model_path
-from klppo.ppo.logprobs import (
-    ResponseLogits, block_positions, position_ids_from_mask, read_response, response_logits, response_positions,
+from klppo.ppo.scoring.logprobs import (
+    ResponseLogits,
+    block_positions,
+    position_ids_from_mask,
+    read_response,
+    response_logits,
+    response_positions,
 )  # fmt: skip
-from klppo.ppo.steps import Advantages
-from klppo.ppo.value import ActorCritic, ValueHead
+from klppo.ppo.results import Advantages
+from klppo.ppo.actor_critic import ActorCritic, ValueHead
 from klppo.testing import klppo_config
 
 pytestmark = pytest.mark.numerics

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from klppo.ppo.checkpoint import CHECKPOINT_FILES
-from klppo.ppo.preemption import DUPLICATE_WINDOW_S, EXIT_STOPPED, StopRequest, shutdown_grace_s
+from klppo.ppo.run.checkpoint import CHECKPOINT_FILES
+from klppo.ppo.run.preemption import DUPLICATE_WINDOW_S, EXIT_STOPPED, StopRequest, shutdown_grace_s
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -348,7 +348,7 @@ def test_the_watcher_ends_the_process_at_a_second_sigterm_or_at_the_grace_period
     exits = []
 
     monkeypatch.setattr(StopRequest, "_exit", staticmethod(exits.append))
-    monkeypatch.setattr("klppo.ppo.preemption.DUPLICATE_WINDOW_S", 1.0)
+    monkeypatch.setattr("klppo.ppo.run.preemption.DUPLICATE_WINDOW_S", 1.0)
     before = signal.getsignal(signal.SIGTERM)
 
     def signalled(request, wait):

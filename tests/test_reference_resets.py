@@ -188,7 +188,7 @@ def test_the_drift_monitor_follows_the_target_in_force_after_a_resume_and_a_rese
     target, instead of the checkpoint's streak at the old one, and a reference reset builds it at the new one too."""
     from klppo import KLPPOConfig
     from klppo.ppo.plan import make_kl_plan
-    from klppo.ppo.state import RunState
+    from klppo.ppo.run.state import RunState
 
     def run_state(target, patience=5):
         args = KLPPOConfig(output_dir=str(tmp_path), report_to="none", kl_target=target, use_cpu=True,

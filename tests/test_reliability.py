@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from klppo.ppo.checkpoint import CHECKPOINT_FILES, STAGING_DIR
+from klppo.ppo.run.checkpoint import CHECKPOINT_FILES, STAGING_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -89,12 +89,12 @@ def test_killed_at_random_moments_then_resumed_from_the_latest(tmp_path):
 def test_a_second_run_on_the_same_output_dir_stops_at_once(tmp_path):
     """A live process holding the folder's lock stops a second run at once, naming its pid; once that process has
     ended (killed, not released), the lock is free; the same process may take it again inside its own hold."""
-    from klppo.ppo.lock import LOCK_NAME, OWNER_NAME, OutputDirInUse, OutputDirLock
+    from klppo.ppo.run.lock import LOCK_NAME, OWNER_NAME, OutputDirInUse, OutputDirLock
 
     out = tmp_path / "out"
     out.mkdir()
     holder = (
-        "import sys, time; from klppo.ppo.lock import OutputDirLock\n"
+        "import sys, time; from klppo.ppo.run.lock import OutputDirLock\n"
         "with OutputDirLock(sys.argv[1]):\n    print('held', flush=True); time.sleep(60)"
     )
     other = subprocess.Popen([sys.executable, "-c", holder, str(out)], stdout=subprocess.PIPE, text=True)

@@ -32,7 +32,7 @@ def args(tmp_path, **overrides):
 
 @pytest.fixture
 def no_wandb_credentials(tmp_path, monkeypatch):
-    import klppo.ppo.callbacks as callbacks
+    import klppo.ppo.run.callbacks as callbacks
 
     monkeypatch.setenv("WANDB_MODE", "")  # so that the test's end restores the variable as it was
     monkeypatch.delenv("WANDB_MODE")
@@ -72,7 +72,7 @@ def test_the_trl_compatible_trainer_leaves_the_callers_tokenizer_alone(tiny_path
 def test_the_rollback_decision_is_made_once_and_read_without_communication(tiny_path, tmp_path, monkeypatch):
     """`decide_rollback_on_all_ranks` (a collective, which the constructor calls) decides; `rollback_updates` only
     reads the decision."""
-    import klppo.ppo.safety as safety
+    import klppo.ppo.safety.nonfinite as safety
 
     calls = []
     reduce = safety.all_reduce_sum

@@ -279,7 +279,7 @@ def test_wandb_without_credentials_logs_every_update_offline(tmp_path, monkeypat
     evaluation's and the completions table; the wandb run is finished when the script returns."""
     import wandb
 
-    import klppo.ppo.callbacks as callbacks
+    import klppo.ppo.run.callbacks as callbacks
     from klppo.cli import cli
 
     monkeypatch.setenv("WANDB_MODE", "")  # so that the test's end restores the variable as it was

@@ -14,7 +14,7 @@ from datasets import Dataset
 from klppo import KLPPOConfig, KLPPOTrainer
 from klppo.kl import kl_estimators
 from klppo.models import TINY_MODEL, resolve_model_path
-from klppo.ppo.steps import Advantages
+from klppo.ppo.results import Advantages
 from klppo.ppo.update import kl_loss_baseline
 from klppo.testing import klppo_config
 
@@ -467,7 +467,7 @@ def test_without_stop_token_eos_is_suppressed_unless_missing_eos_penalty_scores_
     and exactly the responses that contain no EOS anywhere lose the penalty. The policy makes EOS likely (about
     0.2 per token)."""
     from klppo.models import load_tokenizer
-    from klppo.ppo.logprobs import position_ids_from_mask
+    from klppo.ppo.scoring.logprobs import position_ids_from_mask
 
     tokenizer = load_tokenizer(tiny_path)
     eos = tokenizer.eos_token_id
@@ -665,7 +665,7 @@ def test_the_rollouts_generation_config_makes_generate_warn_nothing(tiny_model_a
 def test_sampling_from_non_finite_logits_says_the_weights_diverged(tiny_model_and_tokenizer):
     from transformers import GenerationConfig
 
-    from klppo.ppo.health import TrainingDiverged
+    from klppo.ppo.safety.nonfinite import TrainingDiverged
     from klppo.ppo.generation.sampling import generate_responses
 
     model, tokenizer = tiny_model_and_tokenizer
@@ -893,7 +893,7 @@ def test_an_update_that_leaves_overflowing_logits_is_undone_by_the_next_rollout(
     pass looks for that after each update: the next rollout's own forwards find it, the update is undone from its
     copy and the rollout sampled again from the policy before it. Only the end of training checks with a forward of
     its own (one micro-batch), before anything samples from or saves the policy."""
-    import klppo.ppo.safety as safety_module
+    import klppo.ppo.safety.nonfinite as safety_module
 
     args = make_args(tmp_path, max_steps=3, nonfinite_rollback=True, max_nonfinite_updates=5)
     trainer = make_trainer(tiny_path, prompts, args)
@@ -926,7 +926,7 @@ def test_rollback_is_on_by_default_with_lora_and_off_for_full_fine_tuning(tiny_p
     the shared critic).
     Without it, an update whose steps leave a policy with non-finite logits stops training, saying how many of its
     steps were applied and how to fix the run, and nothing is saved from then on."""
-    from klppo.ppo.health import TrainingDiverged
+    from klppo.ppo.safety.nonfinite import TrainingDiverged
 
     from peft import LoraConfig
 
@@ -985,7 +985,7 @@ def test_the_guards_low_side_ends_an_update_that_pulls_the_kl_below_its_bound(ti
     of at least 1% of the reading, far above rounding, measured on the host that runs the test, whatever its kernels
     (the guarded run repeats the probe's computation exactly). (A fixed 10% margin
     between two different statistics, `k2` in the probe and `full` in the guarded run, was crossed on an AVX2 host.)"""
-    from klppo.ppo.guard import KLGuard, register_kl_guard, unregister_kl_guard
+    from klppo.ppo.safety.kl_guard import KLGuard, register_kl_guard, unregister_kl_guard
 
     events = []
 
@@ -1199,7 +1199,7 @@ def test_a_resumed_run_continues_the_tracking_controller_exactly(tiny_path, prom
     trend history, hold / armed flags, beta), the same armed state of the guard's low side and the same per-update
     log as the run that was never interrupted. Each trainer's guard has its low bound at a tenth of the target
     (a `KLGuard` whose `lower_at` is 0.1 in place of the default one), which update 2's reading reaches."""
-    from klppo.ppo.guard import KLGuard
+    from klppo.ppo.safety.kl_guard import KLGuard
 
     class TenthLowBound(KLGuard):
         lower_at = 0.1
@@ -1310,7 +1310,7 @@ def test_updates_with_a_skipped_step_count_as_a_streak_without_rollback(tiny_pat
     """Full fine-tuning (no undo copy), two mini-batches per update, the second one's loss non-finite: every update
     applies one step and skips one. The next rollout finds the policy finite, but that does not end the streak of
     skipped updates: the second such update in a row stops training, as `max_nonfinite_updates=2` says."""
-    from klppo.ppo.health import TrainingDiverged
+    from klppo.ppo.safety.nonfinite import TrainingDiverged
 
     args = make_args(tmp_path, max_steps=4, num_mini_batches=2, gradient_accumulation_steps=1, max_nonfinite_updates=2)
     trainer = make_trainer(tiny_path, prompts, args)

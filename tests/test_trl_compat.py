@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from klppo import KLPPOConfig, KLPPOTrainer, PPOConfig, PPOTrainer
 from klppo.models import TINY_MODEL, load_causal_lm, load_tokenizer, resolve_model_path
 from klppo.ppo.prompts import collate_prompts
-from klppo.ppo.value import CriticModel
+from klppo.ppo.actor_critic import CriticModel
 from klppo.rewards import RewardModelFunction, load_reward_funcs
 from klppo.trl_compat import TRL_METRIC_NAMES
 

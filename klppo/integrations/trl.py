@@ -67,7 +67,7 @@ from trl.models.utils import disable_gradient_checkpointing
 from ..kl import build_kl_controller
 from ..kl.config import KLControlConfig
 from ..ppo.advantages import advantage_slope
-from ..ppo.checkpoint import CONTROLLER_STATE_NAME, latest_checkpoint  # the same file as klppo's own checkpoints
+from ..ppo.run.checkpoint import CONTROLLER_STATE_NAME, latest_checkpoint  # the same file as klppo's own checkpoints
 from ..ppo.config import warn_once
 
 logger = logging.getLogger(__name__)

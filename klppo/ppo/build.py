@@ -13,7 +13,7 @@ from trl.trainer.utils import disable_dropout_in_model
 
 from ..models import ensure_pad_token, load_causal_lm, load_tokenizer
 from .config import KLPPOConfig
-from .value import ActorCritic, CriticModel, ValueHead, hidden_size_of
+from .actor_critic import ActorCritic, CriticModel, ValueHead, hidden_size_of
 
 logger = logging.getLogger(__name__)
 

@@ -73,7 +73,7 @@ EXPERIMENTAL_DOC = r"""
             (`num_mini_batches * num_ppo_epochs > 1`). Logged as `kl/guard_fired` and `kl/guard_low_fired`. Unset,
             it is on with the `equilibrium` and `tracking` controllers (klppo's defaults whenever `kl_target` is
             set) and off with every other controller, so that they behave as published. Needs `kl_target`. A
-            string names a guard registered with `klppo.ppo.guard.register_kl_guard` (`"default"` is klppo's).
+            string names a guard registered with `klppo.ppo.safety.kl_guard.register_kl_guard` (`"default"` is klppo's).
         kl_loss_scale (`str`, *optional*, defaults to `"advantage_std"`):
             How the loss-mode coefficient relates to `kl_coef`. With whitened advantages the policy-gradient
             term is divided by the advantages' standard deviation `s`, so adding `beta * KL` to the loss
@@ -143,7 +143,7 @@ EXPERIMENTAL_DOC = r"""
         health_patience (`int`, *optional*, defaults to `3`):
             Warn, naming the fix, when `policy/approxkl` (> 0.02), `policy/clipfrac` (> 0.2), `policy/entropy`
             (< half its first value) or `val/clipfrac` (> 0.5) stays outside its healthy range for this many
-            consecutive updates (`klppo.ppo.health`).
+            consecutive updates (`klppo.ppo.safety.health`).
         max_nonfinite_updates (`int`, *optional*, defaults to `3`):
             Updates with a non-finite loss or KL are skipped; this many in a row abort training.
         generation_compile_config (`dict` or `None`, *optional*, defaults to `None`):
@@ -592,7 +592,7 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
 
     def _validate_experimental(self) -> None:
         """Check the experimental settings, naming the valid values and the fix."""
-        from .guard import kl_guards
+        from .safety.kl_guard import kl_guards
 
         x = self.experimental
         if x.kl_statistic not in kl_estimators():

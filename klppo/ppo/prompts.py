@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ..rewards.text import is_conversational
-from .steps import PromptBatch
+from .results import PromptBatch
 
 logger = logging.getLogger(__name__)
 

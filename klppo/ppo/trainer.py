@@ -1,11 +1,11 @@
 """`KLPPOTrainer`: PPO for causal LMs with KL control, on transformers' `Trainer` and accelerate.
 
-One PPO update (`ppo_update`), each step a public method that returns a typed result (`klppo.ppo.steps`):
+One PPO update (`ppo_update`), each step a public method that returns a typed result (`klppo.ppo.results`):
 
 0. draw a batch of prompts (`_train`, the endless prompt loader)   `prompt_batch`       -> `PromptBatch`
 1. sample responses (a `GenerationEngine`, `generation/`)         `rollout`
 2. truncate at the stop token, build masks                         `rollout`
-3. score: policy / reference log-probs, values, the KL             `rollout`            -> `Rollout` (`scoring.py`)
+3. score: policy / reference log-probs, values, the KL             `rollout`            -> `Rollout` (`scoring/`)
 4. rewards, missing-EOS penalty                                    `compute_rewards`    -> `Rewards`
 5. the KL: every estimator logged; in reward mode the configured   `apply_kl`           -> `KLPenalty`
    one charged to each token's reward
@@ -13,7 +13,7 @@ One PPO update (`ppo_update`), each step a public method that returns a typed re
 7. advantages (GAE, or critic-free RLOO / GRPO), whitening         `compute_advantages` -> `Advantages`
 8. PPO epochs over mini-batches; each micro-batch's loss           `optimise`           -> `OptimiseResult`
    (`micro_batch_loss`), and beside it the step's checks
-   (`StepChecks`, `safety.py`: non-finite loss, the KL guard)
+   (`StepChecks`, `safety/step_checks.py`: non-finite loss, the KL guard)
 9. log, evaluate, checkpoint                                       `_train` -> `_log_evaluate_save`
 
 Steps 4-7 and step 8's loss are functions of what they read, in `update.py`; step 8's loop over epochs and
@@ -22,7 +22,7 @@ trainer, which owns the optimizer and the run's state. Every KL decision they fo
 it acts, the statistic and its unit, the loss term's weight and baseline, the guard, the target) is decided once
 when the trainer is built (`self.kl_plan`, `plan.py`). What an update leaves for the next ones (the controller, the
 guard, the monitors, the update no rollout has checked yet, the reference resets and the reference before the
-first) is one object, `self.run` (`RunState`, `state.py`), saved in every checkpoint. Every statistic is reduced
+first) is one object, `self.run` (`RunState`, `run/state.py`), saved in every checkpoint. Every statistic is reduced
 across ranks as `(sum, count)` (`klppo.kl.GlobalSums`), so each rank logs, and the controller sees, the same global
 value.
 """
@@ -48,7 +48,7 @@ from ..kl import (
     GlobalSums,
     reduce_sum_count,
 )
-from . import checkpoint as ckpt
+from .run import checkpoint as ckpt
 from .build import (
     load_rewards,
     as_prompt_dataset,
@@ -58,30 +58,30 @@ from .build import (
     load_policy_and_tokenizer,
     prepare_frozen_models,
 )
-from .callbacks import KLProgressCallback, now, offline_wandb, timed
+from .run.callbacks import KLProgressCallback, now, offline_wandb, timed
 from .config import KLPPOConfig
-from .engines import backward, destroy_process_group_at_exit, is_fsdp2, optimizer_step, root_unsharded, unwrap
-from .guard import LOWER, UPPER, reset_momentum
-from .health import TrainingDiverged, rollout_outputs_finite
+from .distributed import backward, destroy_process_group_at_exit, is_fsdp2, optimizer_step, root_unsharded, unwrap
+from .safety.kl_guard import LOWER, UPPER, reset_momentum
+from .safety.nonfinite import TrainingDiverged, rollout_outputs_finite
 from .plan import make_kl_plan
-from .preemption import StopRequest
-from .reference import (
+from .run.preemption import StopRequest
+from .run.reference_resets import (
     check_reference_resets,
     clear_optimizer_state,
     kl_to_initial,
     reference_tensors,
     reset_reference,
 )
-from .rollback import snapshot_optimisation
+from .safety.rollback import snapshot_optimisation
 from .prompts import collate_prompts, endless_prompt_batches
 from .generation import make_engine
 from .generation.correction import correct_rollout, weight_advantages
 from .generation.sampling import DIVERGED_SAMPLING, eos_scored_as_any_token
-from .safety import APPLIED, NONFINITE, StepChecks
-from .scoring import RolloutScorer
-from .state import RunState
+from .safety.step_checks import APPLIED, NONFINITE, StepChecks
+from .scoring.scorer import RolloutScorer
+from .run.state import RunState
 from . import update
-from .steps import Advantages, KLPenalty, OptimiseResult, PromptBatch, Rewards, Rollout, Sequences
+from .results import Advantages, KLPenalty, OptimiseResult, PromptBatch, Rewards, Rollout, Sequences
 
 logger = logging.getLogger(__name__)
 
@@ -232,7 +232,7 @@ class KLPPOTrainer(Trainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
         """Run the PPO updates. One run per `output_dir`: a second run on the same folder stops at once
         (`OutputDirInUse`). `resume_from_checkpoint`: a checkpoint folder, or True for the latest complete one."""
-        from .lock import OutputDirLock
+        from .run.lock import OutputDirLock
 
         if self.state.global_step and not resume_from_checkpoint:
             raise RuntimeError(
@@ -475,7 +475,7 @@ class KLPPOTrainer(Trainer):
         """Step 8: `num_ppo_epochs` passes over shuffled mini-batches. A mini-batch accumulates gradients over
         micro-batches (`klppo.ppo.update.micro_batch_loss`); before the last one's backward pass (under DeepSpeed,
         the accumulation boundary that reduces the gradients), the step's checks (`StepChecks`: a non-finite loss,
-        the KL guard `klppo.ppo.guard.KLGuard`) decide, the same on every rank, whether its gradients are kept; then
+        the KL guard `klppo.ppo.safety.kl_guard.KLGuard`) decide, the same on every rank, whether its gradients are kept; then
         one optimizer step (`_end_step`). A non-finite step ends the update when updates are rolled back (`rollback_updates`); the
         guard ends it once the KL to the reference leaves its bounds. `kl_reading` (the rollout's controller
         statistic, `KLPenalty.reading`) is where the guard's estimate starts."""
@@ -563,7 +563,7 @@ class KLPPOTrainer(Trainer):
         return reference_tensors(policy, self.ref_model, self.ref_adapter_name, self.use_adapter_reference)
 
     def reset_reference(self) -> None:
-        """Make the reference the current policy (`klppo.ppo.reference`): the last update's policy is checked first
+        """Make the reference the current policy (`klppo.ppo.run.reference_resets`): the last update's policy is checked first
         (it can no longer be undone once the reference holds it), the reference's tensors before the first reset are
         kept for `kl/initial`, the optimizer's state is cleared (`ref_reset_optimizer`) and the KL controller, the
         guard's low side and the drift monitor start again from a KL of 0 (`RunState.reference_reset`)."""
@@ -580,7 +580,7 @@ class KLPPOTrainer(Trainer):
                         self.state.global_step)  # fmt: skip
 
     def _kl_to_initial(self, rollout: Rollout, timings: dict) -> dict[str, float]:
-        """`kl/initial`: the KL to the reference before the first reset (`klppo.ppo.reference.kl_to_initial`)."""
+        """`kl/initial`: the KL to the reference before the first reset (`klppo.ppo.run.reference_resets.kl_to_initial`)."""
         with timed(timings, "time/score_initial", self.accelerator):
             return kl_to_initial(rollout, lambda part: self.scorer.reference_logprobs(self.model_wrapped, part),
                                  self._reference_tensors(), self.run.initial_reference, self.kl_plan,
@@ -631,7 +631,7 @@ class KLPPOTrainer(Trainer):
             ckpt.save_model_files(output_dir, unwrapped, state_dict, self.processing_class, self.args, merged=merged)
 
     def _save_checkpoint(self, model, trial) -> None:
-        """Write `checkpoint-N` atomically (`klppo.ppo.checkpoint.staged`): every file, Trainer's and klppo's (the
+        """Write `checkpoint-N` atomically (`klppo.ppo.run.checkpoint.staged`): every file, Trainer's and klppo's (the
         run's state, the reference after a reset), goes into a staging folder renamed into place when complete."""
         self._settle_last_update()
         if not self.run.safety.weights_finite(unwrap(self.accelerator, self.model_wrapped)):
@@ -659,7 +659,7 @@ class KLPPOTrainer(Trainer):
         return {**self.run.state_dict(), "settings": ckpt.resume_settings(self.args)}
 
     def latest_checkpoint(self) -> str | None:
-        """The newest complete klppo checkpoint in `output_dir`, or None (`klppo.ppo.checkpoint.latest_checkpoint`)."""
+        """The newest complete klppo checkpoint in `output_dir`, or None (`klppo.ppo.run.checkpoint.latest_checkpoint`)."""
         return ckpt.latest_checkpoint(self.args.output_dir)
 
     def _resume(self, checkpoint: str) -> None:

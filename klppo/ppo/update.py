@@ -1,5 +1,5 @@
 """The steps of one PPO update after the rollout, as functions of what they read, each returning a typed result
-(`klppo.ppo.steps`). `KLPPOTrainer.ppo_update` calls them in order:
+(`klppo.ppo.results`). `KLPPOTrainer.ppo_update` calls them in order:
 
 4. `compute_rewards`: the reward functions' scores, and the missing-EOS penalty       -> `Rewards`
 5. `kl_penalty`: every estimator logged; the configured one in the per-token rewards   -> `KLPenalty`
@@ -23,12 +23,12 @@ from ..kl.reduce import explained_variance, global_masked_whiten, unit_count
 from ..rewards import combine_rewards
 from .advantages import advantage_slope, gae_advantages, sequence_advantages
 from .config import KL_LOSS_MIN_ADVANTAGE_STD
-from .logprobs import position_ids_from_mask, read_response
+from .scoring.logprobs import position_ids_from_mask, read_response
 from .losses import clipped_policy_loss, clipped_value_loss, ppo_statistics
 from .plan import LOGGED_ESTIMATORS, KLPlan
-from .safety import guard_sample
+from .safety.step_checks import guard_sample
 from .generation.sampling import contains_token, ends_with_stop
-from .steps import Advantages, KLPenalty, Rewards, Rollout, Sequences
+from .results import Advantages, KLPenalty, Rewards, Rollout, Sequences
 
 logger = logging.getLogger(__name__)
 

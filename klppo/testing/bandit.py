@@ -91,7 +91,7 @@ def bandit_trainer(tiny_path, tmp_path, response_length: int = 1, modulus: int =
 def next_token_logprobs(trainer: KLPPOTrainer, model, prefixes: list[list[int]]) -> torch.Tensor:
     """`log softmax(logits / T)` of the next token after `PROMPT + prefix` for each prefix, with the
     suppressed ids masked out exactly as the trainer scores them. `[len(prefixes), V]`, float64."""
-    from klppo.ppo.logprobs import mask_suppressed
+    from klppo.ppo.scoring.logprobs import mask_suppressed
 
     tokenizer = trainer.processing_class
     prompt = tokenizer(PROMPT)["input_ids"]

@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..steps import PromptBatch, Sequences
+from ..results import PromptBatch, Sequences
 from .sampling import Generation, truncate_at_stop
 
 

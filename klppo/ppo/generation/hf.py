@@ -18,9 +18,9 @@ import torch
 from trl.distributed import DistributedBackend
 from trl.models.utils import unwrap_model_for_generation
 
-from ..engines import restore_zero3_hooks, root_unsharded, unwrap
+from ..distributed import restore_zero3_hooks, root_unsharded, unwrap
 from ..prompts import longest_prompt
-from ..steps import PromptBatch
+from ..results import PromptBatch
 from .engine import GenerationEngine, Sampled
 from .sampling import Generation, contiguous_lm_head_input, generate_responses, sampling_setup
 from .static_cache import StaticCaches, merged_lora, supports_static_cache

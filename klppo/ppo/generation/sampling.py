@@ -12,8 +12,8 @@ from typing import NamedTuple
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from ..health import TrainingDiverged
-from ..value import last_hidden_states
+from ..safety.nonfinite import TrainingDiverged
+from ..actor_critic import last_hidden_states
 
 
 DIVERGED_SAMPLING = (

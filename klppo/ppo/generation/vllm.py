@@ -27,9 +27,9 @@ import time
 
 import torch
 
-from ..engines import unwrap
+from ..distributed import unwrap
 from ..prompts import longest_prompt
-from ..steps import PromptBatch
+from ..results import PromptBatch
 from .engine import GenerationEngine, Sampled
 from .sampling import Generation, sampling_setup
 from .static_cache import merged_lora, mergeable_lora_layers

@@ -1,4 +1,5 @@
-"""What the engines (DDP, DeepSpeed, FSDP2) need from klppo's forward passes, backward passes and optimizer steps.
+"""What the distributed engines (DDP, DeepSpeed, FSDP2) need from klppo's forward passes, backward passes and
+optimizer steps.
 
 `backward` and `optimizer_step`: a mini-batch's last micro-batch is the accumulation boundary. DeepSpeed's engine is
 told it (its ZeRO-2/3 refuse `no_sync`), runs its own backward and step and clips the gradients itself
@@ -73,7 +74,7 @@ _UNSHARDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # root_unsh
 def root_unsharded(model: nn.Module):
     """Inside the block, the FSDP2 root's own parameters are whole, for forwards that do not enter through the
     root (a root forward in the block would reshard them on exit) and for its LM head run on hidden states
-    (`klppo.ppo.logprobs.read_response`). Nested blocks of one module unshard and reshard once, at the outermost.
+    (`klppo.ppo.scoring.logprobs.read_response`). Nested blocks of one module unshard and reshard once, at the outermost.
     A no-op for any other module."""
     if not is_fsdp2(model) or _UNSHARDED.get(model, 0) > 0:
         if is_fsdp2(model):

@@ -6,7 +6,7 @@ policy passes `kl_target` and this update has pushed it up, the mini-batch takes
 ends and the optimizer's momentum is cleared. Its low side mirrors it below the target, and acts only after a
 rollout's reading has once reached the target (before that, a low KL is the approach from the reference, not
 an overshoot). It judges what the update has changed, so an update's first optimizer step always goes ahead
-(`klppo.ppo.safety.StepChecks.verdict`).
+(`klppo.ppo.safety.step_checks.StepChecks.verdict`).
 """
 
 from __future__ import annotations

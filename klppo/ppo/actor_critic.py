@@ -42,8 +42,8 @@ def last_hidden_states(model: nn.Module, last_position: bool = False):
 
 def lm_head_of(model: nn.Module):
     """`model`'s LM head as a function of its last hidden states `[..., H] -> [..., V]`: its output embeddings, then
-    what its forward does to their output (`klppo.ppo.logprobs.head_transform`)."""
-    from .logprobs import head_transform
+    what its forward does to their output (`klppo.ppo.scoring.logprobs.head_transform`)."""
+    from .scoring.logprobs import head_transform
 
     head = model.get_output_embeddings()
     transform = head_transform(model.config)
@@ -200,7 +200,7 @@ class ActorCritic(nn.Module):
     critic trained alone).
 
     With `read`, the logits are never made at once: `forward` returns `(read(source), values)`, with `source` a
-    `klppo.ppo.logprobs.ResponseLogits` of the policy's last hidden states at the R predicting positions `[B, R, H]`
+    `klppo.ppo.scoring.logprobs.ResponseLogits` of the policy's last hidden states at the R predicting positions `[B, R, H]`
     and its LM head (`policy_head`), which the caller runs on blocks of positions (`read_response`). For a model
     whose logits `policy_head` does not reproduce (checked once, on the first such pass), `source` holds the
     model's own logits `[B, R, V]` instead.
@@ -250,7 +250,7 @@ class ActorCritic(nn.Module):
         self, input_ids, attention_mask=None, position_ids=None, compute_values: bool = True, response_length: int = 0,
         detach_value_input: bool | None = None, read=None,
     ):
-        from .logprobs import ResponseLogits, response_positions
+        from .scoring.logprobs import ResponseLogits, response_positions
 
         keep = response_positions(response_length, input_ids.shape[1], input_ids.device) if response_length else 0
         if read is not None and not response_length:
@@ -293,7 +293,7 @@ class ActorCritic(nn.Module):
     @property
     def policy_head(self):
         """The policy's LM head as a function of its last hidden states: `get_output_embeddings()` and what the
-        model's forward does to its output (`klppo.ppo.logprobs.head_transform`)."""
+        model's forward does to its output (`klppo.ppo.scoring.logprobs.head_transform`)."""
         return lm_head_of(self.policy)
 
     @property

@@ -15,14 +15,14 @@ from functools import partial
 import torch
 from trl.trainer.utils import use_adapter
 
-from .callbacks import timed
-from .engines import root_unsharded, unshard_again, unwrap
-from ..kl import estimate_kl, get_kl_estimator_spec
-from .plan import LOGGED_ESTIMATORS, KLPlan
+from ..run.callbacks import timed
+from ..distributed import root_unsharded, unshard_again, unwrap
+from ...kl import estimate_kl, get_kl_estimator_spec
+from ..plan import LOGGED_ESTIMATORS, KLPlan
 from .logprobs import ResponseLogits, position_ids_from_mask, read_response, response_positions
-from .value import _same_logits, last_hidden_states, lm_head_of
-from .generation.sampling import Generation
-from .steps import Rollout, Sequences
+from ..actor_critic import _same_logits, last_hidden_states, lm_head_of
+from ..generation.sampling import Generation
+from ..results import Rollout, Sequences
 
 
 class RolloutScorer:

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from ..utils import write_json
+from ...utils import write_json
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ def load_trainable_weights(checkpoint: str, actor_critic) -> dict:
 
 
 def save_reference(folder: str, current: dict, initial: dict) -> None:
-    """After a reference reset: the reference's tensors (`klppo.ppo.reference.reference_tensors`) as they are and as
+    """After a reference reset: the reference's tensors (`klppo.ppo.run.reference_resets.reference_tensors`) as they are and as
     they were before the first reset, in one file."""
     from safetensors.torch import save_file
 
@@ -220,7 +220,7 @@ def load_weights(checkpoint: str, model_wrapped, model, deepspeed: bool) -> None
     """Put a checkpoint's trainable weights back: under DeepSpeed from the engine's own checkpoint (sharded weights
     and optimizer state, exactly), else into `model` (under FSDP2 into the shards, where the optimizer's state
     maps: a forward before now may leave them whole)."""
-    from .engines import load_full_weights
+    from ..distributed import load_full_weights
 
     weights = load_trainable_weights(checkpoint, model)
     if deepspeed:

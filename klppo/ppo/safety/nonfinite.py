@@ -1,98 +1,118 @@
-"""Safety beside the loss: what decides, once per optimizer step, whether the step goes ahead.
+"""Non-finite values (NaN, inf) across updates.
 
-A mini-batch's loss is accumulated over micro-batches; at the accumulation boundary, before the last backward pass
-(under DeepSpeed that pass is the one that reduces the gradients and lets its engine step), `StepChecks` decides,
-the same on every rank with one collective, whether the step is taken:
+- `NonfiniteSkips` counts the updates skipped for them and ends training (`TrainingDiverged`) after too many in a row;
+- `UpdateSafety` undoes a skipped update from its copy (`rollback.py`) where updates are rolled back, and keeps an
+  update whose steps went through unsettled until forward passes that run anyway find its policy finite
+  (`rollout_outputs_finite`, `policy_outputs_finite`): finite weights can still give logits that overflow.
 
-- `"nonfinite"`: some rank saw a non-finite loss;
-- `"guard"` / `"guard_low"`: the KL guard (`klppo.ppo.guard.KLGuard`) found the KL to the reference pushed past its
-  bounds by this update;
-- None: the step goes ahead.
-
-Each micro-batch hands it its loss and a `GuardSample`: the KL at the current policy of the micro-batch's units
-(sequences or tokens, the controller statistic's unit) and the same units' KL at the rollout, as sums, so that the
-guard judges how far this update has moved the KL and how noisy that estimate is.
+Inside an update, a non-finite loss stops the optimizer step (`step_checks.py`).
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
+import logging
 from dataclasses import dataclass
 
 import torch
 
-from ..kl.reduce import all_reduce_sum, unit_count
-from .health import policy_outputs_finite, rollout_outputs_finite
+from ...kl.reduce import all_reduce_sum
 from .rollback import restore_optimisation
 
-APPLIED, NONFINITE = "applied", "nonfinite"  # a step's verdicts, beside the guard's (`klppo.ppo.guard`)
+logger = logging.getLogger(__name__)
 
 
-@dataclass
-class GuardSample:
-    """One micro-batch's reading for the KL guard, as sums over its units.
-
-    Attributes:
-        kl_now: the units' KL at the current policy (`k1` importance-weighted by `pi / pi_old`, per token, summed).
-        kl_rollout: the same units' KL at the rollout (`log pi_old - log ref`, summed).
-        change_sq: the sum over units of the squared change (`kl_now - kl_rollout` per unit), for its noise.
-        count: the number of units.
-    """
-
-    kl_now: torch.Tensor
-    kl_rollout: torch.Tensor
-    change_sq: torch.Tensor
-    count: torch.Tensor
+class TrainingDiverged(RuntimeError):
+    """Training stopped on non-finite values; the message says what diverged and how to fix the run."""
 
 
 @torch.no_grad()
-def guard_sample(log_ratio: torch.Tensor, old_log_ratio: torch.Tensor, rollout_log_ratio: torch.Tensor,
-                 mask: torch.Tensor, unit: str) -> GuardSample:  # fmt: skip
-    """The guard's reading of a micro-batch from its per-token log-ratios `[B, R]` at the current policy: to the
-    reference (`log_ratio`) and to the sampling policy (`old_log_ratio`), and the rollout's `log pi_old - log ref`.
-    A unit is a sequence (`unit="sequence"`: its tokens summed) or a token."""
-    mask = mask.double()
-    now = torch.exp(old_log_ratio.double()) * log_ratio.double() * mask  # the tokens were sampled by pi_old
-    before = rollout_log_ratio.double() * mask
-    if unit == "sequence":
-        now_units, before_units = now.sum(dim=1), before.sum(dim=1)
-    else:  # the masked positions are 0 in both, and add nothing to any sum (no indexing: no host sync)
-        now_units, before_units = now, before
-    change = now_units - before_units
-    return GuardSample(now_units.sum(), before_units.sum(), (change * change).sum(), unit_count(mask, unit))
+def policy_outputs_finite(model, sequences, accelerator, chunk: int, logits_block_mb: float = 256.0) -> bool:
+    """Whether the actor-critic `model` gives finite logits and values on `sequences` (a `Sequences` of this rank,
+    in forward passes of `chunk` rows, the LM head read in blocks of `logits_block_mb`), on every rank. An optimizer step can leave finite weights whose logits
+    overflow on some inputs (a learning rate far too high): the weights alone do not tell. Every rank runs the
+    forward passes (sharded models need all of them) and the verdicts are summed, so all ranks answer the same."""
+    from ..scoring.logprobs import position_ids_from_mask, read_response
+
+    bad = torch.zeros(1, dtype=torch.float64, device=accelerator.device)
+    for start in range(0, sequences.batch_size, chunk):
+        part = sequences.select(slice(start, start + chunk))
+        reads, values = model(
+            part.query_responses, attention_mask=part.attention_mask,
+            position_ids=position_ids_from_mask(part.attention_mask), response_length=part.responses.shape[1],
+            read=lambda source: read_response(source, part.responses, 1.0, None, logits_block_mb, finite=True),
+        )  # fmt: skip
+        bad += (~reads["finite"]).sum()
+        if values is not None:
+            bad += (~torch.isfinite(values)).sum()
+    return all_reduce_sum(bad, accelerator).item() == 0
 
 
-class StepChecks:
-    """The checks of one optimizer step, accumulated over its micro-batches (`add`) and decided at the boundary
-    (`verdict`) with one all-reduce and one host sync per step."""
-
-    def __init__(self, device):
-        # non-finite losses; the guard's sums: KL now, KL at the rollout, squared change, units
-        self.sums = torch.zeros(5, dtype=torch.float64, device=device)
-
-    def add(self, loss: torch.Tensor, sample: GuardSample) -> None:
-        self.sums[0] += (~torch.isfinite(loss.detach())).double()
-        self.sums[1:] += torch.stack([sample.kl_now, sample.kl_rollout, sample.change_sq, sample.count.double()])
-
-    def verdict(self, accelerator, guard, reading: float | None, applied: int) -> str | None:
-        """`"nonfinite"`, the guard's verdict (`"guard"` / `"guard_low"`), or None to take the step. The update's first
-        step always goes ahead as far as the guard is concerned (`applied` steps taken so far)."""
-        bad, kl_now, kl_rollout, change_sq, count = all_reduce_sum(self.sums, accelerator).tolist()
-        if bad:
-            return NONFINITE
-        if applied == 0:
-            return None
-        if not guard_reads_change_sq(type(guard)):  # a guard written before `change_sq` existed
-            return guard.check(kl_now, count, kl_rollout, reading)
-        return guard.check(kl_now, count, kl_rollout, reading, change_sq=change_sq)
+@torch.no_grad()
+def rollout_outputs_finite(rollout, accelerator) -> bool:
+    """Whether the policy gave finite outputs while a rollout was sampled and scored: its sampling logits
+    (`rollout.sampled_finite`), the response tokens' log-probs and the critic's values, on every rank."""
+    mask = rollout.response_mask.bool()
+    bad = torch.zeros(1, dtype=torch.float64, device=accelerator.device)
+    bad += float(not rollout.sampled_finite)
+    for x in (rollout.logp, rollout.values):
+        bad += (~torch.isfinite(x[mask])).sum()
+    return all_reduce_sum(bad, accelerator).item() == 0
 
 
-@functools.cache
-def guard_reads_change_sq(guard_class: type) -> bool:
-    """Whether `guard_class.check` takes `change_sq` (the squared change's sum, added for `low_significance`)."""
-    parameters = inspect.signature(guard_class.check).parameters
-    return "change_sq" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+class NonfiniteSkips:
+    """Counts updates skipped for NaN/inf and stops training after `max_in_a_row` of them in a row.
+
+    `record(step, what, outcome)` logs one skipped update (`what` held non-finite values, `outcome` says what
+    happened to the weights) and raises `TrainingDiverged` once too many follow each other; `reset()` after a
+    clean update; `stop(message)` ends training at once. `stopped` tells that it ended training: the
+    weights are then not to be saved.
+    """
+
+    def __init__(self, max_in_a_row: int = 3):
+        self.max_in_a_row = int(max_in_a_row)
+        self.skips = 0
+        self.consecutive = 0
+        self.stopped = False
+
+    def record(self, step: int, what: str, outcome: str, log: bool = True) -> dict[str, float]:
+        self.skips += 1
+        self.consecutive += 1
+        if log:
+            logger.warning(
+                "Skipped PPO update %d: non-finite values in %s (%d skipped so far); %s.", step, what, self.skips, outcome
+            )
+        if self.consecutive >= self.max_in_a_row:
+            self.stop(
+                f"{self.consecutive} PPO updates in a row had non-finite values in {what}; training "
+                "stopped (checkpoints already written are intact). Lower the learning rate, set "
+                "`kl_value_clamp`, check the reward functions for NaN/inf, or use bf16/fp32 instead of fp16."
+            )
+        return {"train/skipped_update": 1.0}
+
+    def stop(self, message: str) -> None:
+        """End training with `message` (raises `TrainingDiverged`)."""
+        self.stopped = True
+        raise TrainingDiverged(message)
+
+    def policy_diverged(self, step: int, applied_steps: int, args) -> None:
+        """End training: update `step`'s `applied_steps` optimizer steps left a policy with non-finite logits
+        (or critic values) and no copy to undo them; the message names the fixes in `args` (a `KLPPOConfig`)."""
+        self.stop(
+            f"The policy diverged at PPO update {step}: after {applied_steps} optimizer step(s) its logits (or the "
+            "critic's values) are not finite. Training stopped; no checkpoint holds these weights (those written "
+            f"before are intact). Lower learning_rate (now {args.learning_rate:g}) or max_grad_norm (now "
+            f"{args.max_grad_norm}), or set nonfinite_rollback: true to undo such an update and go on."
+        )
+
+    def reset(self) -> None:
+        self.consecutive = 0
+
+    def state_dict(self) -> dict:
+        return {"nonfinite_skips": self.skips, "consecutive_nonfinite": self.consecutive}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.skips = state.get("nonfinite_skips", 0)
+        self.consecutive = state.get("consecutive_nonfinite", 0)
 
 
 @dataclass
@@ -116,12 +136,12 @@ class Unsettled:
 
 
 class UpdateSafety:
-    """Non-finite values across updates: a skipped update is counted (`NonfiniteGuard`), undone from its copy when
+    """Non-finite values across updates: a skipped update is counted (`NonfiniteSkips`), undone from its copy when
     updates are rolled back (`rollback`), and an update whose steps went through stays unsettled until forward
     passes that run anyway (the next rollout's, or one over the last rollout before a save) find its policy finite.
 
     Args:
-        nonfinite: the run's `NonfiniteGuard` (`max_nonfinite_updates`).
+        nonfinite: the run's `NonfiniteSkips` (`max_nonfinite_updates`).
         accelerator: the trainer's accelerator.
         log: whether this process logs (the first one).
     """

@@ -91,7 +91,7 @@ def check_reference_resets(fsdp: bool, policy: nn.Module, ref_model: nn.Module |
     """`ref_reset_steps` needs a reference it can write: refused, naming the fix, under FSDP (its sharded reference;
     DeepSpeed is refused by the config), for a `ref_model` that does not have the policy's weights, and for LoRA
     layers that cannot merge into a base weight of their own."""
-    from .generation.static_cache import mergeable_lora_layers
+    from ..generation.static_cache import mergeable_lora_layers
 
     if fsdp:
         raise ValueError(
@@ -120,8 +120,8 @@ def kl_to_initial(rollout, reference_logprobs, tensors: dict, initial: dict, pla
     """`kl/initial`: the KL of the rollout's policy to the reference before the first reset (`k3` on the sampled
     tokens: unbiased and never negative; in the statistic's unit), from the reference (`reference_logprobs(part)`)
     with its first tensors (`initial`) swapped into `tensors`."""
-    from ..kl import GlobalSums, estimate_kl
-    from ..kl.reduce import unit_count
+    from ...kl import GlobalSums, estimate_kl
+    from ...kl.reduce import unit_count
 
     mask = rollout.response_mask
     total = torch.zeros((), dtype=torch.float64, device=mask.device)
