@@ -34,6 +34,7 @@ sys.path.insert(0, str(HERE))
 
 import bench  # noqa: E402  (this script's folder)
 import bench_assets  # noqa: E402
+import bench_report  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -137,7 +138,7 @@ def markdown(report: dict) -> str:
         f"{report.get('machine', {}).get('cpu_count')} CPUs, torch {report.get('machine', {}).get('torch')}.", "",
         f"{report['sequences']} sequences per update in {report['num_mini_batches']} mini-batches, one PPO epoch, workload b "
         "of `benchmarks/bench.py`, one fresh process per side and length.", "",
-        "| R | " + " | ".join(f"{bench.SIDE_NAMES[s]} (MB) | MB per token" for s in sides)
+        "| R | " + " | ".join(f"{bench_report.SIDE_NAMES[s]} (MB) | MB per token" for s in sides)
         + (" | klppo / peer |" if "peer" in sides else " |"),
         "| ---: | " + " | ".join("---: | ---:" for _ in sides) + (" | ---: |" if "peer" in sides else " |"),
     ]  # fmt: skip
@@ -166,7 +167,7 @@ def plot(report: dict, path: Path) -> None:
     for side in report["sides"]:
         xs = [p["response_length"] for p in report["points"] if "peak_mb" in p.get(side, {})]
         ys = [p[side]["peak_mb"] / 1024 for p in report["points"] if "peak_mb" in p.get(side, {})]
-        ax.plot(xs, ys, marker="o", label=bench.SIDE_NAMES[side])
+        ax.plot(xs, ys, marker="o", label=bench_report.SIDE_NAMES[side])
         failed = [p["response_length"] for p in report["points"] if "failed" in p.get(side, {})]
         if failed:
             ax.scatter(failed, [max(ys or [0])] * len(failed), marker="x", color="red", label=f"{side} failed")
