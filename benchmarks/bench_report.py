@@ -32,13 +32,15 @@ def workload_table(name: str, result: dict) -> list[str]:
     ]
     if k.get("decoding"):
         counts = "; ".join(
-            " ".join(f"{c['graphs']}/{c['cudagraph_recordings']}" for c in run) for run in k.get("compiles_per_update") or []
+            " ".join(f"{c['graphs']}/{c['cudagraph_recordings']}" for c in run)
+            for run in k.get("compiles_per_update") or []
             if run
         )
-        lines.append(f"- klppo decoding: {k['decoding']['cache']} KV cache"
-                     + (f", compiled ({k['decoding']['compile_config']})" if k["decoding"]["compile_config"] else "")
-                     + (f"; graphs compiled / CUDA graphs recorded in each update (warm-up first): {counts}"
-                        if counts else ""))  # fmt: skip
+        lines.append(
+            f"- klppo decoding: {k['decoding']['cache']} KV cache"
+            + (f", compiled ({k['decoding']['compile_config']})" if k["decoding"]["compile_config"] else "")
+            + (f"; graphs compiled / CUDA graphs recorded in each update (warm-up first): {counts}" if counts else "")
+        )
     if p:
         lines.append(f"- peer ({p['implementation']}): {p['layout']}")
     lines += ["", "| metric | klppo | peer | klppo / peer |", "| --- | ---: | ---: | ---: |"]
@@ -52,22 +54,50 @@ def workload_table(name: str, result: dict) -> list[str]:
         p and p["time_per_update_s"],
         ratio.get("time_ratio_klppo_over_peer"),
     )
-    row("tokens / s (batch x response_length / time)", k["tokens_per_s"], p and p["tokens_per_s"],
-        p and k["tokens_per_s"] / p["tokens_per_s"])  # fmt: skip
+    row(
+        "tokens / s (batch x response_length / time)",
+        k["tokens_per_s"],
+        p and p["tokens_per_s"],
+        p and k["tokens_per_s"] / p["tokens_per_s"],
+    )
     if k.get("first_update_s") is not None:
-        row("first update (s; a warm-up update, not in the median)", k["first_update_s"],
-            p and p.get("first_update_s"), ratio.get("first_update_ratio_klppo_over_peer"))  # fmt: skip
-        row("all updates of a run, the first included (s)",
-            k.get("all_updates_s"), p and p.get("all_updates_s"), ratio_of(k.get("all_updates_s"), p and p.get("all_updates_s")))
-        row("setup: load the models, build the trainer (s)", k.get("setup_s"), p and p.get("setup_s"),
-            ratio.get("setup_ratio_klppo_over_peer"))  # fmt: skip
-        row("whole process, imports included (s)", k.get("process_s"), p and p.get("process_s"),
-            ratio_of(k.get("process_s"), p and p.get("process_s")))  # fmt: skip
+        row(
+            "first update (s; a warm-up update, not in the median)",
+            k["first_update_s"],
+            p and p.get("first_update_s"),
+            ratio.get("first_update_ratio_klppo_over_peer"),
+        )
+        row(
+            "all updates of a run, the first included (s)",
+            k.get("all_updates_s"),
+            p and p.get("all_updates_s"),
+            ratio_of(k.get("all_updates_s"), p and p.get("all_updates_s")),
+        )
+        row(
+            "setup: load the models, build the trainer (s)",
+            k.get("setup_s"),
+            p and p.get("setup_s"),
+            ratio.get("setup_ratio_klppo_over_peer"),
+        )
+        row(
+            "whole process, imports included (s)",
+            k.get("process_s"),
+            p and p.get("process_s"),
+            ratio_of(k.get("process_s"), p and p.get("process_s")),
+        )
     if k.get("cuda_peak_allocated_mb") is not None:
-        row("GPU peak allocated (MB, torch.cuda.max_memory_allocated)", k["cuda_peak_allocated_mb"],
-            p and p.get("cuda_peak_allocated_mb"), ratio.get("cuda_peak_allocated_ratio_klppo_over_peer"))  # fmt: skip
-        row("GPU peak reserved (MB, torch.cuda.max_memory_reserved)", k["cuda_peak_reserved_mb"],
-            p and p.get("cuda_peak_reserved_mb"), ratio.get("cuda_peak_reserved_ratio_klppo_over_peer"))  # fmt: skip
+        row(
+            "GPU peak allocated (MB, torch.cuda.max_memory_allocated)",
+            k["cuda_peak_allocated_mb"],
+            p and p.get("cuda_peak_allocated_mb"),
+            ratio.get("cuda_peak_allocated_ratio_klppo_over_peer"),
+        )
+        row(
+            "GPU peak reserved (MB, torch.cuda.max_memory_reserved)",
+            k["cuda_peak_reserved_mb"],
+            p and p.get("cuda_peak_reserved_mb"),
+            ratio.get("cuda_peak_reserved_ratio_klppo_over_peer"),
+        )
     row("peak RSS (MB, median)", k["peak_rss_mb"], p and p["peak_rss_mb"], ratio.get("peak_rss_ratio_klppo_over_peer"))
     row(
         "peak RSS above the process after imports (MB): models + training",
@@ -89,18 +119,31 @@ def workload_table(name: str, result: dict) -> list[str]:
     lines += ["", "| phase (median s) | klppo | peer |", "| --- | ---: | ---: |"]
     for label, klppo_key, peer_key in PHASE_ROWS:
         lines.append(f"| {label} | {fmt(k['phases_s'].get(klppo_key))} | {fmt(p and p['phases_s'].get(peer_key))} |")
-    lines.append(f"| other (update minus the phases above) | {fmt(k['phases_s']['time/other'])} | "
-                 f"{fmt(p and p['phases_s']['time/other'])} |")  # fmt: skip
-    lines.append(f"| whole update (wall, between step ends) | {fmt(k['time_per_update_s'])} | "
-                 f"{fmt(p and p['time_per_update_s'])} |")  # fmt: skip
+    lines.append(
+        f"| other (update minus the phases above) | {fmt(k['phases_s']['time/other'])} | "
+        f"{fmt(p and p['phases_s']['time/other'])} |"
+    )
+    lines.append(
+        f"| whole update (wall, between step ends) | {fmt(k['time_per_update_s'])} | "
+        f"{fmt(p and p['time_per_update_s'])} |"
+    )
     lines.append("")
     if "profile" in result:
         lines += profile_table(result["profile"])
     return lines
 
 
-PROFILE_ROWS = ["generation", "score_policy", "score_value", "score_ref", "reward", "kl", "advantages",
-                "rollback_snapshot", "optimise"]  # fmt: skip
+PROFILE_ROWS = [
+    "generation",
+    "score_policy",
+    "score_value",
+    "score_ref",
+    "reward",
+    "kl",
+    "advantages",
+    "rollback_snapshot",
+    "optimise",
+]
 
 
 OPTIMISE_PARTS = ["forward", "backward", "clip_grad_norm", "optimizer_step"]
@@ -109,8 +152,13 @@ OPTIMISE_PARTS = ["forward", "backward", "clip_grad_norm", "optimizer_step"]
 def profile_table(profile: dict) -> list[str]:
     """Where each second of klppo's update goes, from one `torch.profiler` run (CPU time per update)."""
     ranges = {k.removeprefix("klppo/"): v for k, v in profile["ranges_s"].items()}
-    lines = [f"Where klppo's update goes (one profiled run, {profile['updates']} updates; CPU seconds per update; "
-             "the profiler adds some overhead of its own):", "", "| range | s per update |", "| --- | ---: |"]  # fmt: skip
+    lines = [
+        f"Where klppo's update goes (one profiled run, {profile['updates']} updates; CPU seconds per update; "
+        "the profiler adds some overhead of its own):",
+        "",
+        "| range | s per update |",
+        "| --- | ---: |",
+    ]
     for name in PROFILE_ROWS:
         if name in ranges:
             lines.append(f"| {name} | {fmt(ranges[name])} |")
@@ -119,8 +167,12 @@ def profile_table(profile: dict) -> list[str]:
                 lines.append(f"| - {part} | {fmt(ranges.get(part, 0.0))} |")
             rest = ranges.get("optimise", 0.0) - sum(ranges.get(part, 0.0) for part in OPTIMISE_PARTS)
             lines.append(f"| - rest of the PPO epochs (batching, statistics) | {fmt(rest)} |")
-    lines += ["", "Operators with the most self CPU time (s per update): "
-              + ", ".join(f"`{k}` {fmt(v)}" for k, v in profile["top_ops_self_s"].items()), ""]  # fmt: skip
+    lines += [
+        "",
+        "Operators with the most self CPU time (s per update): "
+        + ", ".join(f"`{k}` {fmt(v)}" for k, v in profile["top_ops_self_s"].items()),
+        "",
+    ]
     return lines
 
 
@@ -153,19 +205,26 @@ def markdown(report: dict) -> str:
         "",
         (
             f"Settings: model `{report['model_path']}`"
-            + (f" (random weights, {bench_assets.SHAPE_TITLES[report['model_shape']]})" if report.get("model_shape") else "")
+            + (
+                f" (random weights, {bench_assets.SHAPE_TITLES[report['model_shape']]})"
+                if report.get("model_shape")
+                else ""
+            )
             + f"; {s['batch_size']} prompts per update, "
             f"{s['response_length']} response tokens, 2 PPO epochs, 1 mini-batch, temperature 0.7, "
             f"{s.get('dtype', 'float32')} on {s.get('device', 'cpu')}; "
             f"{s['warmup']} warm-up + {s['updates']} measured updates per run, {s['repeats']} alternating "
             f"repeat(s) per side, each run a fresh process with {s['threads_per_run']} torch thread(s). Figures "
             "are medians over all measured updates (time) or runs (memory). "
-            + ("Update boundaries wait for the GPU on both sides; the phases are host time without waiting, so a "
-               "phase's kernels can be counted in a later one." if s.get("device") == "cuda" else
-               "Shared machine: compare ratios, not absolute times.")
+            + (
+                "Update boundaries wait for the GPU on both sides; the phases are host time without waiting, so a "
+                "phase's kernels can be counted in a later one."
+                if s.get("device") == "cuda"
+                else "Shared machine: compare ratios, not absolute times."
+            )
         ),
         "",
-    ]  # fmt: skip
+    ]
     versions = side_versions(report)
     if versions:
         lines += ["Versions: " + "; ".join(versions) + ".", ""]
@@ -251,12 +310,20 @@ NOTES = [
 def print_table(report: dict) -> None:
     s, m = report["settings"], report["machine"]
     where = f"GPU {m['cuda']}" if s.get("device") == "cuda" and m.get("cuda") else f"{m['cpu_count']} CPUs"
-    print(f"\nklppo vs TRL 1.12 PPO on {report['model']}, {s.get('dtype', 'float32')}, {s['batch_size']} prompts x "
-          f"{s['response_length']} tokens ({where})")  # fmt: skip
-    gpu = any(r.get("cuda_peak_allocated_mb") is not None for w in report["workloads"].values()
-              for r in (w.get("klppo"), w.get("peer")) if r)  # fmt: skip
-    header = (f"{'workload':<9}{'side':<7}{'s/update':>10}{'tok/s':>9}{'1st upd s':>11}{'setup s':>9}"
-              f"{'peak RSS MB':>13}" + (f"{'GPU alloc MB':>14}{'GPU rsrv MB':>13}" if gpu else "") + f"{'KL share':>10}")  # fmt: skip
+    print(
+        f"\nklppo vs TRL 1.12 PPO on {report['model']}, {s.get('dtype', 'float32')}, {s['batch_size']} prompts x "
+        f"{s['response_length']} tokens ({where})"
+    )
+    gpu = any(
+        r.get("cuda_peak_allocated_mb") is not None
+        for w in report["workloads"].values()
+        for r in (w.get("klppo"), w.get("peer"))
+        if r
+    )
+    header = (
+        f"{'workload':<9}{'side':<7}{'s/update':>10}{'tok/s':>9}{'1st upd s':>11}{'setup s':>9}"
+        f"{'peak RSS MB':>13}" + (f"{'GPU alloc MB':>14}{'GPU rsrv MB':>13}" if gpu else "") + f"{'KL share':>10}"
+    )
     print(header)
     print("-" * len(header))
 
@@ -272,14 +339,20 @@ def print_table(report: dict) -> None:
             print(
                 f"{name:<9}{side:<7}{r['time_per_update_s']:>10.3f}{r['tokens_per_s']:>9.1f}"
                 f"{num(r.get('first_update_s'), 11, '.3f')}{num(r.get('setup_s'), 9, '.2f')}{r['peak_rss_mb']:>13.0f}"
-                + (f"{num(r.get('cuda_peak_allocated_mb'), 14, '.0f')}{num(r.get('cuda_peak_reserved_mb'), 13, '.0f')}"
-                   if gpu else "")
+                + (
+                    f"{num(r.get('cuda_peak_allocated_mb'), 14, '.0f')}{num(r.get('cuda_peak_reserved_mb'), 13, '.0f')}"
+                    if gpu
+                    else ""
+                )
                 + f"{share:>10.3f}"
-            )  # fmt: skip
+            )
         if "ratios" in result:
             q = result["ratios"]
-            memory = (f"GPU peak allocated klppo/peer {fmt(q.get('cuda_peak_allocated_ratio_klppo_over_peer'))}"
-                      if gpu else f"peak RSS klppo/peer {q['peak_rss_ratio_klppo_over_peer']:.3f}")  # fmt: skip
+            memory = (
+                f"GPU peak allocated klppo/peer {fmt(q.get('cuda_peak_allocated_ratio_klppo_over_peer'))}"
+                if gpu
+                else f"peak RSS klppo/peer {q['peak_rss_ratio_klppo_over_peer']:.3f}"
+            )
             print(
                 f"{name:<9}ratios: time klppo/peer {q['time_ratio_klppo_over_peer']:.3f}, throughput "
                 f"klppo/peer {q['throughput_ratio_peer_time_over_klppo_time']:.3f}, {memory}"
@@ -305,19 +378,26 @@ def write_report(report: dict, stem: Path, quiet: bool = False) -> None:
 def growth_markdown(report: dict) -> str:
     m, sides = report["machine"], report["sides"]
     lines = [
-        f"# How cost grows with the work: {' vs '.join(SIDE_NAMES[x] for x in sides)}, workload b ({report['model']})", "",
-        f"Command: `{report['command']}` (klppo at `{report['klppo_revision']}`)", "",
+        f"# How cost grows with the work: {' vs '.join(SIDE_NAMES[x] for x in sides)}, workload b ({report['model']})",
+        "",
+        f"Command: `{report['command']}` (klppo at `{report['klppo_revision']}`)",
+        "",
         f"Machine: {m['cpu_count']} CPUs ({m['processor']}), torch {m['torch']}. Per point: {report['warmup']} "
         f"warm-up + {report['updates']} measured update(s) per run, {report['repeats']} alternating repeat(s) per side, "
         f"fresh processes with {report['threads_per_run']} thread(s); medians. Workload b as in `smollm2.md`: klppo's "
         "LoRA policy with a shared value head and the sentiment function"
         + ("; the peer's LoRA policy with separate value and reward models" if "peer" in sides else "")
-        + ". 2 PPO epochs, 1 mini-batch.", "",
+        + ". 2 PPO epochs, 1 mini-batch.",
+        "",
         "| prompts x tokens | klppo s/update | "
         + ("peer s/update | throughput ratio | per repeat | " if "peer" in sides else "")
-        + "klppo generation | klppo PPO epochs | klppo peak RSS MB | " + ("peer peak RSS MB | RSS ratio |" if "peer" in sides else ""),
-        "| --- | ---: | " + ("---: | ---: | ---: | " if "peer" in sides else "") + "---: | ---: | ---: | " + ("---: | ---: |" if "peer" in sides else ""),
-    ]  # fmt: skip
+        + "klppo generation | klppo PPO epochs | klppo peak RSS MB | "
+        + ("peer peak RSS MB | RSS ratio |" if "peer" in sides else ""),
+        "| --- | ---: | "
+        + ("---: | ---: | ---: | " if "peer" in sides else "")
+        + "---: | ---: | ---: | "
+        + ("---: | ---: |" if "peer" in sides else ""),
+    ]
     for p in report["points"]:
         k = p["klppo"]
         row = f"| {p['batch_size']} x {p['response_length']} | {fmt(k['time_per_update_s'])} | "
@@ -352,8 +432,13 @@ def growth_plot(report: dict, path: Path) -> None:
         batches = sorted({p["batch_size"] for p in report["points"]})
         for batch, marker in zip(batches, "osD^v<>p*h"):
             line = sorted((p for p in report["points"] if p["batch_size"] == batch), key=lambda p: p["response_length"])
-            ax.plot([p["batch_size"] * p["response_length"] for p in line], [p[side]["time_per_update_s"] for p in line],
-                    marker=marker, color=colour, label=f"{side}, {batch} prompts")  # fmt: skip
+            ax.plot(
+                [p["batch_size"] * p["response_length"] for p in line],
+                [p[side]["time_per_update_s"] for p in line],
+                marker=marker,
+                color=colour,
+                label=f"{side}, {batch} prompts",
+            )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("sampled tokens per update (prompts x response length)")
@@ -367,9 +452,18 @@ def growth_plot(report: dict, path: Path) -> None:
 
 
 SUMMARY_COLUMNS = [
-    "model", "dtype", "workload", "klppo s/update", "peer s/update", "throughput klppo/peer",
-    "klppo 1st update s", "peer 1st update s", "klppo peak MB", "peer peak MB", "memory klppo/peer",
-]  # fmt: skip
+    "model",
+    "dtype",
+    "workload",
+    "klppo s/update",
+    "peer s/update",
+    "throughput klppo/peer",
+    "klppo 1st update s",
+    "peer 1st update s",
+    "klppo peak MB",
+    "peer peak MB",
+    "memory klppo/peer",
+]
 
 
 def combine(paths: list[Path], out_dir: Path) -> dict:
@@ -380,12 +474,19 @@ def combine(paths: list[Path], out_dir: Path) -> dict:
     first = reports[0] if reports else {}
     if first:
         m, s = first["machine"], first["settings"]
-        where = f"GPU {m['cuda']} ({m.get('cuda_memory_gb', '?')} GiB)" if s.get("device") == "cuda" else f"{m['cpu_count']} CPUs"
-        lines += [f"{where}, torch {m['torch']}; {s['batch_size']} prompts x {s['response_length']} new tokens per "
-                  f"update, 2 PPO epochs, 1 mini-batch, no stop token; {s['warmup']} warm-up + {s['updates']} "
-                  f"measured update(s) per run, {s['repeats']} run(s) per side, sides alternating. Peak memory: "
-                  + ("torch's peak GPU allocation per process." if s.get("device") == "cuda" else "peak RSS.")
-                  + " Workload a: four separate models on both sides; b: each side's most economical layout.", ""]  # fmt: skip
+        where = (
+            f"GPU {m['cuda']} ({m.get('cuda_memory_gb', '?')} GiB)"
+            if s.get("device") == "cuda"
+            else f"{m['cpu_count']} CPUs"
+        )
+        lines += [
+            f"{where}, torch {m['torch']}; {s['batch_size']} prompts x {s['response_length']} new tokens per "
+            f"update, 2 PPO epochs, 1 mini-batch, no stop token; {s['warmup']} warm-up + {s['updates']} "
+            f"measured update(s) per run, {s['repeats']} run(s) per side, sides alternating. Peak memory: "
+            + ("torch's peak GPU allocation per process." if s.get("device") == "cuda" else "peak RSS.")
+            + " Workload a: four separate models on both sides; b: each side's most economical layout.",
+            "",
+        ]
         versions = side_versions(first)
         if versions:
             lines += ["Versions: " + "; ".join(versions) + ".", ""]
@@ -397,17 +498,26 @@ def combine(paths: list[Path], out_dir: Path) -> dict:
             gpu = k.get("cuda_peak_allocated_mb") is not None
             memory = "cuda_peak_allocated_mb" if gpu else "peak_rss_mb"
             row = {
-                "model": report["model"], "dtype": report["settings"].get("dtype", "float32"), "workload": name,
-                "klppo s/update": k["time_per_update_s"], "peer s/update": p and p["time_per_update_s"],
+                "model": report["model"],
+                "dtype": report["settings"].get("dtype", "float32"),
+                "workload": name,
+                "klppo s/update": k["time_per_update_s"],
+                "peer s/update": p and p["time_per_update_s"],
                 "throughput klppo/peer": p and p["time_per_update_s"] / k["time_per_update_s"],
-                "klppo 1st update s": k.get("first_update_s"), "peer 1st update s": p and p.get("first_update_s"),
-                "klppo peak MB": k.get(memory), "peer peak MB": p and p.get(memory),
-                "memory klppo/peer": ratio_of(k.get(memory), p and p.get(memory)), "report": path.name,
-            }  # fmt: skip
+                "klppo 1st update s": k.get("first_update_s"),
+                "peer 1st update s": p and p.get("first_update_s"),
+                "klppo peak MB": k.get(memory),
+                "peer peak MB": p and p.get(memory),
+                "memory klppo/peer": ratio_of(k.get(memory), p and p.get(memory)),
+                "report": path.name,
+            }
             rows.append(row)
             lines.append("| " + " | ".join(fmt(row[c]) for c in SUMMARY_COLUMNS) + " |")
-    lines += [""] + [f"Failed: `{path.name}` workload {name} (the error is in its .md)."
-                     for path, report in zip(paths, reports) for name in report.get("failures", {})]  # fmt: skip
+    lines += [""] + [
+        f"Failed: `{path.name}` workload {name} (the error is in its .md)."
+        for path, report in zip(paths, reports)
+        for name in report.get("failures", {})
+    ]
     lines += ["", "Reports: " + ", ".join(f"`{p.name}`" for p in paths) + ".", ""]
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "summary.md").write_text("\n".join(lines))
@@ -423,7 +533,7 @@ def render(path: Path) -> dict:
         report["points"] = [
             {"batch_size": p["batch_size"], "response_length": p["response_length"], **summarise_workload(p["runs"])}
             for p in report["points"]
-        ]  # fmt: skip
+        ]
         report["slopes"] = growth_slopes(report["points"], report["sides"])
         path.write_text(json.dumps(report, indent=1) + "\n")
         path.with_suffix(".md").write_text(growth_markdown(report))

@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 import statistics
 
-
 PHASE_ROWS = [
     ("generation", "time/generation", "time/generation"),
     ("score: policy log-probs", "time/score_policy", "time/score_policy"),
@@ -95,11 +94,13 @@ def compare(klppo: dict, peer: dict) -> dict:
         "peak_rss_ratio_klppo_over_peer": klppo["peak_rss_mb"] / peer["peak_rss_mb"],
         "peak_rss_above_start_ratio_klppo_over_peer": klppo["peak_rss_above_start_mb"]
         / peer["peak_rss_above_start_mb"],
-        "cuda_peak_allocated_ratio_klppo_over_peer": ratio_of(klppo.get("cuda_peak_allocated_mb"),
-                                                            peer.get("cuda_peak_allocated_mb")),
-        "cuda_peak_reserved_ratio_klppo_over_peer": ratio_of(klppo.get("cuda_peak_reserved_mb"),
-                                                           peer.get("cuda_peak_reserved_mb")),
-    }  # fmt: skip
+        "cuda_peak_allocated_ratio_klppo_over_peer": ratio_of(
+            klppo.get("cuda_peak_allocated_mb"), peer.get("cuda_peak_allocated_mb")
+        ),
+        "cuda_peak_reserved_ratio_klppo_over_peer": ratio_of(
+            klppo.get("cuda_peak_reserved_mb"), peer.get("cuda_peak_reserved_mb")
+        ),
+    }
 
 
 def summarise_workload(runs: dict[str, list[dict]]) -> dict:
@@ -123,7 +124,10 @@ def growth_slopes(points: list[dict], sides: list[str]) -> dict:
     """Log-log slopes of time per update (and of klppo's generation and PPO epochs) against response length at
     the smallest batch, and against the batch at the shortest length: 1 = linear, 2 = quadratic."""
     out = {}
-    for axis, fixed, vary in (("response_length", "batch_size", "response_length"), ("batch_size", "response_length", "batch_size")):
+    for axis, fixed, vary in (
+        ("response_length", "batch_size", "response_length"),
+        ("batch_size", "response_length", "batch_size"),
+    ):
         base = min(p[fixed] for p in points)
         line = sorted((p for p in points if p[fixed] == base), key=lambda p: p[vary])
         if len(line) < 2:

@@ -61,8 +61,9 @@ def _same_logits(ours: torch.Tensor, theirs: torch.Tensor, model: nn.Module) -> 
         logging.getLogger(__name__).warning(
             "The LM head of %s on its last hidden states does not give the model's own logits (its forward transforms "
             "them in a way klppo does not know), so its logits are made for every response position at once: memory "
-            "then grows with batch x response length x vocabulary.", type(model).__name__,
-        )  # fmt: skip
+            "then grows with batch x response length x vocabulary.",
+            type(model).__name__,
+        )
     return same
 
 
@@ -140,7 +141,9 @@ class CriticModel(nn.Module):
         if state_dict is None:
             state_dict = self.state_dict()
         backbone_sd = {k[len("backbone.") :]: v for k, v in state_dict.items() if k.startswith("backbone.")}
-        head_sd = {k[len("head.") :]: v.detach().cpu().contiguous() for k, v in state_dict.items() if k.startswith("head.")}
+        head_sd = {
+            k[len("head.") :]: v.detach().cpu().contiguous() for k, v in state_dict.items() if k.startswith("head.")
+        }
         self.backbone.save_pretrained(save_directory, state_dict=backbone_sd, **kwargs)
         save_file(head_sd, os.path.join(save_directory, self.HEAD_FILE))
         with open(os.path.join(save_directory, "value_head.json"), "w") as f:
@@ -247,8 +250,14 @@ class ActorCritic(nn.Module):
         return sorted(blocks)
 
     def forward(
-        self, input_ids, attention_mask=None, position_ids=None, compute_values: bool = True, response_length: int = 0,
-        detach_value_input: bool | None = None, read=None,
+        self,
+        input_ids,
+        attention_mask=None,
+        position_ids=None,
+        compute_values: bool = True,
+        response_length: int = 0,
+        detach_value_input: bool | None = None,
+        read=None,
     ):
         from .scoring.logprobs import ResponseLogits, response_positions
 
@@ -286,8 +295,13 @@ class ActorCritic(nn.Module):
                 self.head_reads_hidden = _same_logits(head(states[:, -1:].detach()), out.logits.detach(), self.policy)
             if self.head_reads_hidden:
                 return _not_views(read(ResponseLogits.from_hidden(states, head, vocab))), values
-            out = self.policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                              use_cache=False, logits_to_keep=positions)  # fmt: skip
+            out = self.policy(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=False,
+                logits_to_keep=positions,
+            )
         return _not_views(read(ResponseLogits.from_logits(out.logits))), values
 
     @property

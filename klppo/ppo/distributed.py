@@ -23,7 +23,6 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-
 _UNWRAPPED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -139,7 +138,9 @@ def destroy_process_group_at_exit() -> None:
     atexit.register(destroy)
 
 
-def backward(accelerator, model_wrapped, loss: torch.Tensor, boundary: bool, deepspeed: bool, discard: bool = False) -> None:
+def backward(
+    accelerator, model_wrapped, loss: torch.Tensor, boundary: bool, deepspeed: bool, discard: bool = False
+) -> None:
     """Backward pass of one micro-batch's loss. The loss is this rank's share of the mini-batch's global mean, and
     data parallelism averages gradients over ranks, hence the factor `num_processes`. Under DeepSpeed the engine is
     told where the accumulation boundary is (accelerate would make every micro-batch one) and must not rescale by
@@ -153,8 +154,9 @@ def backward(accelerator, model_wrapped, loss: torch.Tensor, boundary: bool, dee
     model_wrapped.backward(loss * math.nan if discard else loss, scale_wrt_gas=False)
 
 
-def optimizer_step(accelerator, model_wrapped, optimizer, scheduler, max_grad_norm: float | None,
-                   deepspeed: bool) -> float | None:  # fmt: skip
+def optimizer_step(
+    accelerator, model_wrapped, optimizer, scheduler, max_grad_norm: float | None, deepspeed: bool
+) -> float | None:
     """Clip the gradients and take the optimizer step (and the scheduler's) unless their norm is not finite. Returns
     the gradient norm before clipping (None when it is not measured). DeepSpeed's engine clips
     (`gradient_clipping`) and skips non-finite gradients itself."""

@@ -204,8 +204,9 @@ def coefficient_for_target(ref_logp: torch.Tensor, reward: torch.Tensor, target:
     return math.exp(0.5 * (lo + hi))
 
 
-def grpo_coefficient_for_target(ref_logp: torch.Tensor, reward: torch.Tensor, target: float, group: int,
-                                forward: bool) -> float:  # fmt: skip
+def grpo_coefficient_for_target(
+    ref_logp: torch.Tensor, reward: torch.Tensor, target: float, group: int, forward: bool
+) -> float:
     """GRPO's beta* for a KL in the loss on a 0/1 reward: its group normalisation makes the policy gradient that of
     `E[Delta_G(q) * r]`, so its fixed point at beta is the optimum at `beta / Delta_G(q)` (the forward-KL one for
     `k3`, the tilt for `k2`), q the fixed point's own reward probability. The optimum with KL `target` has a

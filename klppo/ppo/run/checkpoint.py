@@ -53,7 +53,8 @@ def latest_checkpoint(output_dir: str, required: tuple[str, ...] = CHECKPOINT_FI
     found = sorted(
         (int(m.group(1)), entry)
         for entry in os.listdir(output_dir)
-        if (m := re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)", entry)) and os.path.isdir(os.path.join(output_dir, entry))
+        if (m := re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)", entry))
+        and os.path.isdir(os.path.join(output_dir, entry))
     )
     for _, entry in reversed(found):
         folder = os.path.join(output_dir, entry)
@@ -211,8 +212,12 @@ def staged(run_dir: str, name: str, args, accelerator, best_model_checkpoint=Non
             shutil.rmtree(final)
         os.replace(folder, final)
         shutil.rmtree(staging_root, ignore_errors=True)
-        rotate_checkpoints(output_dir=run_dir, save_total_limit=args.save_total_limit,
-                           best_model_checkpoint=best_model_checkpoint, use_mtime=True)  # fmt: skip
+        rotate_checkpoints(
+            output_dir=run_dir,
+            save_total_limit=args.save_total_limit,
+            best_model_checkpoint=best_model_checkpoint,
+            use_mtime=True,
+        )
     accelerator.wait_for_everyone()
 
 

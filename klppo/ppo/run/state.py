@@ -40,9 +40,14 @@ class RunState:
         """A run's state before its first update, from its `KLPPOConfig` (the controller's fields, the health
         monitor's patience, `max_nonfinite_updates`) and its `KLPlan` (the guard, the drift monitor)."""
         drift = KLDriftMonitor(plan.target, patience=plan.drift_patience) if plan.target else None
-        return cls(build_kl_controller(args), build_kl_guard(plan.guard, plan.target), drift,
-                   PPOHealthMonitor(patience=args.experimental.health_patience),
-                   UpdateSafety(NonfiniteSkips(args.experimental.max_nonfinite_updates), accelerator, log), plan)  # fmt: skip
+        return cls(
+            build_kl_controller(args),
+            build_kl_guard(plan.guard, plan.target),
+            drift,
+            PPOHealthMonitor(patience=args.experimental.health_patience),
+            UpdateSafety(NonfiniteSkips(args.experimental.max_nonfinite_updates), accelerator, log),
+            plan,
+        )
 
     def reference_reset(self, reference: dict[str, torch.Tensor]) -> None:
         """The reference (its trainable tensors, `reference`) becomes the policy: they are kept for `kl/initial` if

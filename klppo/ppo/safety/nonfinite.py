@@ -37,10 +37,12 @@ def policy_outputs_finite(model, sequences, accelerator, chunk: int, logits_bloc
     for start in range(0, sequences.batch_size, chunk):
         part = sequences.select(slice(start, start + chunk))
         reads, values = model(
-            part.query_responses, attention_mask=part.attention_mask,
-            position_ids=position_ids_from_mask(part.attention_mask), response_length=part.responses.shape[1],
+            part.query_responses,
+            attention_mask=part.attention_mask,
+            position_ids=position_ids_from_mask(part.attention_mask),
+            response_length=part.responses.shape[1],
             read=lambda source: read_response(source, part.responses, 1.0, None, logits_block_mb, finite=True),
-        )  # fmt: skip
+        )
         bad += (~reads["finite"]).sum()
         if values is not None:
             bad += (~torch.isfinite(values)).sum()
@@ -79,7 +81,11 @@ class NonfiniteSkips:
         self.consecutive += 1
         if log:
             logger.warning(
-                "Skipped PPO update %d: non-finite values in %s (%d skipped so far); %s.", step, what, self.skips, outcome
+                "Skipped PPO update %d: non-finite values in %s (%d skipped so far); %s.",
+                step,
+                what,
+                self.skips,
+                outcome,
             )
         if self.consecutive >= self.max_in_a_row:
             self.stop(
@@ -128,11 +134,18 @@ class Unsettled:
     forward_checked: bool = False
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "applied": self.applied, "clean": self.clean, "forward_checked": self.forward_checked}
+        return {
+            "step": self.step,
+            "applied": self.applied,
+            "clean": self.clean,
+            "forward_checked": self.forward_checked,
+        }
 
     @classmethod
     def from_state(cls, state: dict) -> "Unsettled":
-        return cls(int(state["step"]), int(state["applied"]), None, bool(state["clean"]), bool(state["forward_checked"]))
+        return cls(
+            int(state["step"]), int(state["applied"]), None, bool(state["clean"]), bool(state["forward_checked"])
+        )
 
 
 class UpdateSafety:
@@ -211,8 +224,13 @@ class UpdateSafety:
         else:
             if unsettled.forward_checked or self.checked_rows is None:  # checked, or resumed: the rollout will
                 return None
-            finite = policy_outputs_finite(model_wrapped, self.checked_rows, self.accelerator,
-                                           args.rollout_forward_batch_size, args.experimental.logits_block_mb)  # fmt: skip
+            finite = policy_outputs_finite(
+                model_wrapped,
+                self.checked_rows,
+                self.accelerator,
+                args.rollout_forward_batch_size,
+                args.experimental.logits_block_mb,
+            )
             unsettled.forward_checked = finite
         if finite:
             return None
@@ -221,8 +239,12 @@ class UpdateSafety:
             self.nonfinite.policy_diverged(unsettled.step, unsettled.applied, args)  # raises
             return None
         restore_optimisation(unsettled.snapshot, model, optimizer, scheduler)
-        return self.record(unsettled.step, f"the policy's logits or values after update {unsettled.step}",
-                           "the weights and optimizer state were restored to the start of that update", optimizer)
+        return self.record(
+            unsettled.step,
+            f"the policy's logits or values after update {unsettled.step}",
+            "the weights and optimizer state were restored to the start of that update",
+            optimizer,
+        )
 
     def weights_finite(self, model) -> bool:
         """Whether every trainable weight of `model` is finite and training was not stopped on a diverged policy
@@ -231,15 +253,22 @@ class UpdateSafety:
         if self.nonfinite.stopped:
             return False
         # this rank's shard: ZeRO-3's `ds_tensor`, FSDP2's local tensor, else the whole weight
-        shards = [p.to_local() if hasattr(p, "to_local") else getattr(p, "ds_tensor", p)
-                  for p in model.parameters() if p.requires_grad]  # fmt: skip
-        bad = torch.tensor(float(not all(bool(torch.isfinite(t).all()) for t in shards)), device=self.accelerator.device)
+        shards = [
+            p.to_local() if hasattr(p, "to_local") else getattr(p, "ds_tensor", p)
+            for p in model.parameters()
+            if p.requires_grad
+        ]
+        bad = torch.tensor(
+            float(not all(bool(torch.isfinite(t).all()) for t in shards)), device=self.accelerator.device
+        )
         return all_reduce_sum(bad, self.accelerator).item() == 0
 
     def state_dict(self) -> dict:
         # the last update, if no rollout has checked it yet: a resumed run checks it at its first rollout too
-        return {**self.nonfinite.state_dict(),
-                "unsettled": None if self.unsettled is None else self.unsettled.state_dict()}  # fmt: skip
+        return {
+            **self.nonfinite.state_dict(),
+            "unsettled": None if self.unsettled is None else self.unsettled.state_dict(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.nonfinite.load_state_dict(state)

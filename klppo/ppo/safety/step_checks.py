@@ -45,8 +45,9 @@ class GuardSample:
 
 
 @torch.no_grad()
-def guard_sample(log_ratio: torch.Tensor, old_log_ratio: torch.Tensor, rollout_log_ratio: torch.Tensor,
-                 mask: torch.Tensor, unit: str) -> GuardSample:  # fmt: skip
+def guard_sample(
+    log_ratio: torch.Tensor, old_log_ratio: torch.Tensor, rollout_log_ratio: torch.Tensor, mask: torch.Tensor, unit: str
+) -> GuardSample:
     """The guard's reading of a micro-batch from its per-token log-ratios `[B, R]` at the current policy: to the
     reference (`log_ratio`) and to the sampling policy (`old_log_ratio`), and the rollout's `log pi_old - log ref`.
     A unit is a sequence (`unit="sequence"`: its tokens summed) or a token."""
