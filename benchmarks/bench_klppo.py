@@ -29,7 +29,8 @@ import tempfile
 import time
 
 import torch
-from compile_counts import CompileCounter, per_step
+from transformers import TrainerCallback
+
 from bench_workload import (  # this script's folder is on sys.path
     add_workload_arguments,
     emit,
@@ -45,7 +46,7 @@ from bench_workload import (  # this script's folder is on sys.path
     versions,
     workload_settings,
 )
-from transformers import TrainerCallback
+from compile_counts import CompileCounter, per_step
 
 
 def train(args) -> dict:
@@ -94,15 +95,20 @@ def train(args) -> dict:
         "workload": args.workload,
         "layout": layout,
         **timing_record(args, per_update, "time/update_wall", setup_s),
-        "decoding": {"cache": "static" if trainer.sampler.static_caches is not None else "dynamic",
-                     "compile_config": str(trainer.sampler.generation_config.compile_config)
-                     if trainer.sampler.static_caches is not None else None},
+        "decoding": {
+            "cache": "static" if trainer.sampler.static_caches is not None else "dynamic",
+            "compile_config": str(trainer.sampler.generation_config.compile_config)
+            if trainer.sampler.static_caches is not None
+            else None,
+        },
         "compiles_per_update": compiles.per_update(),
         "kl_share": statistics.median(u.get("time/kl", 0.0) / u["time/update"] for u in measured),
         "generated_length": [h.get("objective/response_length") for h in logs],
         **memory_record(args, rss_start, rss_setup),
         "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
-        "settings": workload_settings(args, lora=args.workload == "b", kl_estimator="k1", kl_controller="fixed", critic=critic),
+        "settings": workload_settings(
+            args, lora=args.workload == "b", kl_estimator="k1", kl_controller="fixed", critic=critic
+        ),
         "versions": versions(),
     }
 
@@ -194,17 +200,36 @@ def build_trainer(args, tokenizer):
         kwargs = {"reward_funcs": positive_sentiment_reward, "peft_config": lora_config(args)}
         critic = "shared"
     config = KLPPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="klppo-bench-"), per_device_train_batch_size=args.batch_size,
-        gradient_accumulation_steps=1, num_mini_batches=args.num_mini_batches, num_ppo_epochs=args.num_ppo_epochs,
-        response_length=args.response_length, temperature=args.temperature, learning_rate=args.learning_rate,
-        kl_coef=args.kl_coef, kl_estimator="k1", kl_controller="fixed", critic=critic,
-        max_steps=args.warmup + args.updates, stop_token=None, missing_eos_penalty=None, logging_steps=1,
-        save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True, num_sample_generations=0,
-        use_cpu=args.device == "cpu", bf16=args.dtype == "bfloat16", seed=args.seed,
+        output_dir=tempfile.mkdtemp(prefix="klppo-bench-"),
+        per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=1,
+        num_mini_batches=args.num_mini_batches,
+        num_ppo_epochs=args.num_ppo_epochs,
+        response_length=args.response_length,
+        temperature=args.temperature,
+        learning_rate=args.learning_rate,
+        kl_coef=args.kl_coef,
+        kl_estimator="k1",
+        kl_controller="fixed",
+        critic=critic,
+        max_steps=args.warmup + args.updates,
+        stop_token=None,
+        missing_eos_penalty=None,
+        logging_steps=1,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        num_sample_generations=0,
+        use_cpu=args.device == "cpu",
+        bf16=args.dtype == "bfloat16",
+        seed=args.seed,
         **(json.loads(args.config) if getattr(args, "config", None) else {}),
-    )  # fmt: skip
+    )
     dataset = Dataset.from_dict({"prompt": repeated_prompts(args)})
-    trainer = KLPPOTrainer(model=load_causal_lm(args), args=config, processing_class=tokenizer, train_dataset=dataset, **kwargs)
+    trainer = KLPPOTrainer(
+        model=load_causal_lm(args), args=config, processing_class=tokenizer, train_dataset=dataset, **kwargs
+    )
     return trainer, critic
 
 
@@ -214,8 +239,11 @@ def parse_args(argv=None):
     run = jobs.add_parser("train", help="time PPO updates of KLPPOTrainer")
     add_workload_arguments(run)
     run.add_argument("--profile", action="store_true", help="torch.profiler over the measured updates")
-    run.add_argument("--config", default=None,
-                     help="JSON: KLPPOConfig keywords for this side, e.g. '{\"cache_implementation\": \"dynamic\"}'")
+    run.add_argument(
+        "--config",
+        default=None,
+        help='JSON: KLPPOConfig keywords for this side, e.g. \'{"cache_implementation": "dynamic"}\'',
+    )
     return parser.parse_args(argv)
 
 

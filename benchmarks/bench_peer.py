@@ -54,6 +54,7 @@ import time
 from collections import defaultdict
 
 import torch
+
 from bench_workload import (  # this script's folder is on sys.path
     add_workload_arguments,
     emit,
@@ -237,13 +238,28 @@ def build_trainer(args, tokenizer, clock: PhaseClock):
     dataset = Dataset.from_dict({"input_ids": [tokenizer(p)["input_ids"] for p in prompts]})
     reward_model = load_scalar_head(args, tokenizer.pad_token_id)
     config = PPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="klppo-bench-peer-"), per_device_train_batch_size=args.batch_size,
-        gradient_accumulation_steps=1, num_mini_batches=args.num_mini_batches, num_ppo_epochs=args.num_ppo_epochs,
-        response_length=args.response_length, temperature=args.temperature, learning_rate=args.learning_rate,
-        kl_coef=args.kl_coef, total_episodes=len(prompts), stop_token=None, missing_eos_penalty=None,
-        num_sample_generations=0, bf16=args.dtype == "bfloat16", fp16=False, logging_steps=1, save_strategy="no",
-        report_to=[], disable_tqdm=True, use_cpu=args.device == "cpu", seed=args.seed,
-    )  # fmt: skip
+        output_dir=tempfile.mkdtemp(prefix="klppo-bench-peer-"),
+        per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=1,
+        num_mini_batches=args.num_mini_batches,
+        num_ppo_epochs=args.num_ppo_epochs,
+        response_length=args.response_length,
+        temperature=args.temperature,
+        learning_rate=args.learning_rate,
+        kl_coef=args.kl_coef,
+        total_episodes=len(prompts),
+        stop_token=None,
+        missing_eos_penalty=None,
+        num_sample_generations=0,
+        bf16=args.dtype == "bfloat16",
+        fp16=False,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        use_cpu=args.device == "cpu",
+        seed=args.seed,
+    )
     install_timers(ppo_module, clock, reward_model)
 
     class UpdateClock(TrainerCallback):
@@ -254,11 +270,17 @@ def build_trainer(args, tokenizer, clock: PhaseClock):
             clock.end_update()
 
     trainer = PPOTrainer(
-        args=config, processing_class=tokenizer, model=load_causal_lm(args),
-        ref_model=load_causal_lm(args) if args.workload == "a" else None, reward_model=reward_model,
-        value_model=load_scalar_head(args, tokenizer.pad_token_id), train_dataset=dataset, eval_dataset=dataset,
-        callbacks=[UpdateClock()], peft_config=lora_config(args) if args.workload == "b" else None,
-    )  # fmt: skip
+        args=config,
+        processing_class=tokenizer,
+        model=load_causal_lm(args),
+        ref_model=load_causal_lm(args) if args.workload == "a" else None,
+        reward_model=reward_model,
+        value_model=load_scalar_head(args, tokenizer.pad_token_id),
+        train_dataset=dataset,
+        eval_dataset=dataset,
+        callbacks=[UpdateClock()],
+        peft_config=lora_config(args) if args.workload == "b" else None,
+    )
     log_call = trainer.log
 
     def timed_log(logs, *a, **k):

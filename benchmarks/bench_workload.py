@@ -24,8 +24,12 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--lora-r", type=int, default=16)
     parser.add_argument("--lora-alpha", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", choices=list(DTYPES), default="float32",
-                        help="dtype every model is loaded in; bfloat16 also sets the trainer's `bf16` flag")
+    parser.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        default="float32",
+        help="dtype every model is loaded in; bfloat16 also sets the trainer's `bf16` flag",
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     parser.add_argument("--out", default=None, help="also write the JSON here")
     return parser
@@ -109,9 +113,12 @@ def lora_config(args):
     from peft import LoraConfig
 
     return LoraConfig(
-        r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], task_type="CAUSAL_LM",
-    )  # fmt: skip
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=0.0,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        task_type="CAUSAL_LM",
+    )
 
 
 def versions() -> dict:

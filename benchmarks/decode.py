@@ -54,12 +54,18 @@ def parse_args(argv=None):
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--calls", type=int, default=5, help="generate calls per variant (the first compiles)")
     parser.add_argument("--variants", default="plain,klppo", help=f"comma-separated, from {', '.join(VARIANTS)}")
-    parser.add_argument("--compile-config", default=None,
-                        help="JSON: transformers' CompileConfig fields (default: klppo's generation_compile_config default)")
+    parser.add_argument(
+        "--compile-config",
+        default=None,
+        help="JSON: transformers' CompileConfig fields (default: klppo's generation_compile_config default)",
+    )
     parser.add_argument("--force-compile", action="store_true", help="compile on a CPU too")
-    parser.add_argument("--profile", action="store_true",
-                        help="one more call of each variant under torch.profiler: the operators with the most host "
-                        "time and device time")  # fmt: skip
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="one more call of each variant under torch.profiler: the operators with the most host "
+        "time and device time",
+    )
     parser.add_argument("--out", default=None, help="write decode.json and decode.md into this folder")
     args = parser.parse_args(argv)
     if args.device is None:
@@ -138,10 +144,18 @@ def run_plain(args, path, tokenizer, settings) -> dict:
     @torch.no_grad()
     def call():
         model.generate(
-            **batch, do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0,
-            max_new_tokens=args.response_length, min_new_tokens=args.response_length, eos_token_id=[],
-            pad_token_id=tokenizer.pad_token_id, cache_implementation="static", compile_config=config,
-        )  # fmt: skip
+            **batch,
+            do_sample=True,
+            temperature=args.temperature,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=args.response_length,
+            min_new_tokens=args.response_length,
+            eos_token_id=[],
+            pad_token_id=tokenizer.pad_token_id,
+            cache_implementation="static",
+            compile_config=config,
+        )
 
     return {**time_calls(args, call), **profiled(args, call)}
 
@@ -160,8 +174,10 @@ def profiled(args, call) -> dict:
         synchronize(args)
     events = prof.key_averages()
     host = sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]
-    top = {"host_self_s": {e.key: e.self_cpu_time_total / 1e6 for e in host},
-           "host_total_s": sum(e.self_cpu_time_total for e in events) / 1e6}  # fmt: skip
+    top = {
+        "host_self_s": {e.key: e.self_cpu_time_total / 1e6 for e in host},
+        "host_total_s": sum(e.self_cpu_time_total for e in events) / 1e6,
+    }
     if args.device == "cuda":
         device_time = lambda e: getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))  # noqa: E731
         gpu = sorted(events, key=lambda e: -device_time(e))[:12]
@@ -181,18 +197,41 @@ def run_klppo(args, path, tokenizer, settings, merged: bool, vllm: bool = False)
     from klppo.rewards.sentiment import positive_sentiment_reward
 
     config = KLPPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="klppo-decode-"), per_device_train_batch_size=args.batch_size,
-        response_length=args.response_length, temperature=args.temperature, stop_token=None, critic="shared",
-        kl_estimator="k1", kl_controller="fixed", report_to="none", disable_tqdm=True, save_strategy="no",
-        eval_strategy="no", num_sample_generations=0, use_cpu=args.device == "cpu", bf16=args.dtype == "bfloat16",
-        cache_implementation="dynamic" if vllm else "static", use_vllm=vllm,
+        output_dir=tempfile.mkdtemp(prefix="klppo-decode-"),
+        per_device_train_batch_size=args.batch_size,
+        response_length=args.response_length,
+        temperature=args.temperature,
+        stop_token=None,
+        critic="shared",
+        kl_estimator="k1",
+        kl_controller="fixed",
+        report_to="none",
+        disable_tqdm=True,
+        save_strategy="no",
+        eval_strategy="no",
+        num_sample_generations=0,
+        use_cpu=args.device == "cpu",
+        bf16=args.dtype == "bfloat16",
+        cache_implementation="dynamic" if vllm else "static",
+        use_vllm=vllm,
         experimental={"merge_adapter_for_generation": merged, "generation_compile_config": settings},
-    )  # fmt: skip
+    )
     prompts = Dataset.from_dict({"prompt": bench_assets.load_prompts(args.batch_size)})
-    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                      task_type="CAUSAL_LM")  # fmt: skip
-    trainer = KLPPOTrainer(model=load_model(args, path), args=config, processing_class=tokenizer,
-                           reward_funcs=positive_sentiment_reward, train_dataset=prompts, peft_config=lora)  # fmt: skip
+    lora = LoraConfig(
+        r=16,
+        lora_alpha=32,
+        lora_dropout=0.0,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        task_type="CAUSAL_LM",
+    )
+    trainer = KLPPOTrainer(
+        model=load_model(args, path),
+        args=config,
+        processing_class=tokenizer,
+        reward_funcs=positive_sentiment_reward,
+        train_dataset=prompts,
+        peft_config=lora,
+    )
     if args.force_compile and not vllm:
         trainer.sampler.generation_config.compile_config._compile_all_devices = True
     trainer.setup_optimisation(1)
@@ -237,8 +276,11 @@ def render(report: dict) -> str:
         lines += ["", f"klppo's generation / plain `generate`, after warm-up: {ratio:.2f}x."]
     engine = report["variants"].get("vllm")
     if engine:
-        lines += ["", f"vllm: engine started in {engine['engine_start_s']:.1f} s; weight sync per call "
-                  f"{statistics.median(engine['weight_sync_s']):.3f} s (median), not in its generation figures."]
+        lines += [
+            "",
+            f"vllm: engine started in {engine['engine_start_s']:.1f} s; weight sync per call "
+            f"{statistics.median(engine['weight_sync_s']):.3f} s (median), not in its generation figures.",
+        ]
         if klppo:
             ratio = engine["steady_generation_s"] / klppo["steady_generation_s"]
             lines += [f"vllm's generation / klppo's (`generate`), after warm-up: {ratio:.2f}x."]
@@ -247,10 +289,17 @@ def render(report: dict) -> str:
         prof = r.get("profile")
         if not prof:
             continue
-        lines += ["", f"### {name}: one call under torch.profiler", "",
-                  f"Host time, all operators: {prof['host_total_s']:.3f} s"
-                  + (f"; device time, all kernels: {prof['device_total_s']:.3f} s" if "device_total_s" in prof else "")
-                  + ".", "", "| operator | self host s | | operator | self device s |", "| --- | ---: | --- | --- | ---: |"]
+        lines += [
+            "",
+            f"### {name}: one call under torch.profiler",
+            "",
+            f"Host time, all operators: {prof['host_total_s']:.3f} s"
+            + (f"; device time, all kernels: {prof['device_total_s']:.3f} s" if "device_total_s" in prof else "")
+            + ".",
+            "",
+            "| operator | self host s | | operator | self device s |",
+            "| --- | ---: | --- | --- | ---: |",
+        ]
         host = list(prof["host_self_s"].items())
         dev = list(prof.get("device_self_s", {}).items())
         for i in range(len(host)):
@@ -269,7 +318,9 @@ def main(argv=None):
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
-    path = bench_assets.random_model(args.model_shape, bench_assets.SHAPE_STORAGE_DTYPE, args.assets, device=args.device)
+    path = bench_assets.random_model(
+        args.model_shape, bench_assets.SHAPE_STORAGE_DTYPE, args.assets, device=args.device
+    )
     tokenizer = load_tokenizer(path)
     settings = compile_settings(args)
     variants = {}
@@ -278,16 +329,23 @@ def main(argv=None):
         if name == "plain":
             variants[name] = run_plain(args, path, tokenizer, settings)
         else:
-            variants[name] = run_klppo(args, path, tokenizer, settings, merged=name != "klppo-unmerged",
-                                       vllm=name == "vllm")  # fmt: skip
+            variants[name] = run_klppo(
+                args, path, tokenizer, settings, merged=name != "klppo-unmerged", vllm=name == "vllm"
+            )
         print(f"[decode] {name}: {json.dumps({k: v for k, v in variants[name].items() if k != 'counts'})}", flush=True)
     machine = torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     report = {
         "machine": machine,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-        "settings": {"model_shape": args.model_shape, "dtype": args.dtype, "batch_size": args.batch_size,
-                     "response_length": args.response_length, "calls": args.calls,
-                     "compile": {k: str(v) for k, v in settings.items()}, "device": args.device},  # fmt: skip
+        "settings": {
+            "model_shape": args.model_shape,
+            "dtype": args.dtype,
+            "batch_size": args.batch_size,
+            "response_length": args.response_length,
+            "calls": args.calls,
+            "compile": {k: str(v) for k, v in settings.items()},
+            "device": args.device,
+        },
         "variants": variants,
     }
     text = render(report)

@@ -96,8 +96,10 @@ def check_reward(reward_model, tokenizer, prompts: list[str]) -> None:
     queries = [tokenizer(p)["input_ids"] for p in prompts[:4]]
     responses = [tokenizer(" what a wonderful, lovely day")["input_ids"], tokenizer(" this is awful")["input_ids"]] * 2
     width = max(map(len, queries))
-    rows = [[tokenizer.pad_token_id] * (width - len(q)) + q + r[:5] + [tokenizer.pad_token_id] * (5 - len(r[:5]))
-            for q, r in zip(queries, responses)]  # fmt: skip
+    rows = [
+        [tokenizer.pad_token_id] * (width - len(q)) + q + r[:5] + [tokenizer.pad_token_id] * (5 - len(r[:5]))
+        for q, r in zip(queries, responses)
+    ]
     reward_model.context_length = width
     _, scores, _ = get_reward(reward_model, torch.tensor(rows), tokenizer.pad_token_id, width)
     expected = [reward_model.analyzer.polarity_scores(t)["compound"] for t in reward_model.texts(torch.tensor(rows))]
@@ -128,25 +130,49 @@ def main(argv=None):
     value_model = AutoModelForSequenceClassification.from_pretrained(args.model_path, num_labels=1, dtype=torch.float32)
     value_model.config.pad_token_id = tokenizer.pad_token_id
     lora = LoraConfig(
-        r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
+        r=16,
+        lora_alpha=32,
+        lora_dropout=0.0,
+        task_type="CAUSAL_LM",
         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj", "gate_proj"],
-    )  # fmt: skip
+    )
     # TRL's rollout batch is per_device_train_batch_size * gradient_accumulation_steps, split into
     # num_mini_batches: 32 sequences per update in mini-batches of 8, as klppo's 8 x 4.
     config = PPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="klppo-learn-peer-"), per_device_train_batch_size=32,
-        gradient_accumulation_steps=1, num_mini_batches=4, num_ppo_epochs=1, response_length=12, temperature=1.0,
-        learning_rate=args.learning_rate, lr_scheduler_type="constant", kl_coef=args.kl_coef,
-        total_episodes=32 * args.updates, stop_token=None, missing_eos_penalty=None, num_sample_generations=0,
-        local_rollout_forward_batch_size=32, bf16=False, fp16=False, logging_steps=1, save_strategy="no",
-        report_to=[], disable_tqdm=True, seed=args.seed,
-    )  # fmt: skip
+        output_dir=tempfile.mkdtemp(prefix="klppo-learn-peer-"),
+        per_device_train_batch_size=32,
+        gradient_accumulation_steps=1,
+        num_mini_batches=4,
+        num_ppo_epochs=1,
+        response_length=12,
+        temperature=1.0,
+        learning_rate=args.learning_rate,
+        lr_scheduler_type="constant",
+        kl_coef=args.kl_coef,
+        total_episodes=32 * args.updates,
+        stop_token=None,
+        missing_eos_penalty=None,
+        num_sample_generations=0,
+        local_rollout_forward_batch_size=32,
+        bf16=False,
+        fp16=False,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        seed=args.seed,
+    )
     trainer = PPOTrainer(
-        args=config, processing_class=tokenizer,
-        model=AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32), ref_model=None,
-        reward_model=reward_model, value_model=value_model, train_dataset=dataset, eval_dataset=dataset,
+        args=config,
+        processing_class=tokenizer,
+        model=AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32),
+        ref_model=None,
+        reward_model=reward_model,
+        value_model=value_model,
+        train_dataset=dataset,
+        eval_dataset=dataset,
         peft_config=lora,
-    )  # fmt: skip
+    )
     trainer.train()
     record = {
         "side": "peer",

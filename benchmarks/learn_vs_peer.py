@@ -54,21 +54,39 @@ def run_command(side: str, lr: float, seed: int, runs: Path) -> list[str]:
     name = run_name(side, lr, seed)
     if side == "klppo":
         return [
-            sys.executable, str(ROOT / "scripts" / "train.py"), "--config", str(ROOT / "configs" / "default.yaml"),
-            "--output_dir", str(runs / name), "--seed", str(seed), "--learning_rate", str(lr), "--report_to", "none",
-        ]  # fmt: skip
+            sys.executable,
+            str(ROOT / "scripts" / "train.py"),
+            "--config",
+            str(ROOT / "configs" / "default.yaml"),
+            "--output_dir",
+            str(runs / name),
+            "--seed",
+            str(seed),
+            "--learning_rate",
+            str(lr),
+            "--report_to",
+            "none",
+        ]
     import bench_assets  # this script's folder is on sys.path
-
     from klppo.data import offline_prompts
 
     prompts = runs / "prompts.json"
     if not prompts.exists():  # the default job's training prompts, as plain strings
         prompts.write_text(json.dumps(offline_prompts("train"), indent=0))
     return [
-        str(bench_assets.ensure_peer_venv()), str(ROOT / "benchmarks" / "learn_peer.py"),
-        "--model-path", bench_assets.resolve_model("smollm2"), "--prompts", str(prompts),
-        "--learning-rate", str(lr), "--seed", str(seed), "--out", str(runs / f"{name}.json"),
-    ]  # fmt: skip
+        str(bench_assets.ensure_peer_venv()),
+        str(ROOT / "benchmarks" / "learn_peer.py"),
+        "--model-path",
+        bench_assets.resolve_model("smollm2"),
+        "--prompts",
+        str(prompts),
+        "--learning-rate",
+        str(lr),
+        "--seed",
+        str(seed),
+        "--out",
+        str(runs / f"{name}.json"),
+    ]
 
 
 def is_done(side: str, lr: float, seed: int, runs: Path) -> bool:
@@ -88,7 +106,9 @@ def run_jobs(jobs: list[tuple[str, float, int]], runs: Path, parallel: int) -> N
                 continue
             log = open(runs / f"{run_name(*job)}.log", "w")
             print(f"start {run_name(*job)}", flush=True)
-            active.append((subprocess.Popen(run_command(*job, runs), stdout=log, stderr=subprocess.STDOUT, env=env), job))
+            active.append(
+                (subprocess.Popen(run_command(*job, runs), stdout=log, stderr=subprocess.STDOUT, env=env), job)
+            )
         time.sleep(5)
         for proc, job in list(active):
             if proc.poll() is not None:
@@ -102,7 +122,10 @@ def run(args) -> None:
     sweep_seed = args.seeds[0]
     sweep = [("klppo", lr, sweep_seed) for lr in args.klppo_lrs] + [("peer", lr, sweep_seed) for lr in args.peer_lrs]
     run_jobs(sweep, runs, args.parallel)
-    best = {side: best_rate(runs, side, lrs, sweep_seed) for side, lrs in (("klppo", args.klppo_lrs), ("peer", args.peer_lrs))}
+    best = {
+        side: best_rate(runs, side, lrs, sweep_seed)
+        for side, lrs in (("klppo", args.klppo_lrs), ("peer", args.peer_lrs))
+    }
     run_jobs([(side, lr, s) for side, lr in best.items() for s in args.seeds[1:]], runs, args.parallel)
 
 
@@ -112,10 +135,20 @@ def load_curve(runs: Path, side: str, lr: float, seed: int) -> dict[str, list[fl
     name = run_name(side, lr, seed)
     if side == "klppo":
         path = runs / name / "trainer_state.json"
-        keys = {"reward": "objective/scores", "kl": "kl/value", "approxkl": "policy/approxkl", "clipfrac": "policy/clipfrac"}
+        keys = {
+            "reward": "objective/scores",
+            "kl": "kl/value",
+            "approxkl": "policy/approxkl",
+            "clipfrac": "policy/clipfrac",
+        }
     else:
         path = runs / f"{name}.json"
-        keys = {"reward": "objective/scores", "kl": "objective/kl", "approxkl": "policy/approxkl_avg", "clipfrac": "policy/clipfrac_avg"}
+        keys = {
+            "reward": "objective/scores",
+            "kl": "objective/kl",
+            "approxkl": "policy/approxkl_avg",
+            "clipfrac": "policy/clipfrac_avg",
+        }
     if not path.exists():
         return None
     history = json.loads(path.read_text())["log_history"]
@@ -153,7 +186,11 @@ def best_rate(runs: Path, side: str, lrs: list[float], seed: int) -> float:
 
 
 def mean_std(values: list[float]) -> dict[str, float]:
-    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0, "n": len(values)}
+    return {
+        "mean": statistics.fmean(values),
+        "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+        "n": len(values),
+    }
 
 
 def analyse(args) -> dict:
@@ -161,16 +198,23 @@ def analyse(args) -> dict:
     sweep_seed = args.seeds[0]
     result = {"sweep_seed": sweep_seed, "sweep": {}, "best_lr": {}, "seeds": {}}
     for side, lrs in (("klppo", args.klppo_lrs), ("peer", args.peer_lrs)):
-        result["sweep"][side] = {f"{lr:g}": run_figures(c) for lr in lrs if (c := load_curve(runs, side, lr, sweep_seed))}
+        result["sweep"][side] = {
+            f"{lr:g}": run_figures(c) for lr in lrs if (c := load_curve(runs, side, lr, sweep_seed))
+        }
         lr = best_rate(runs, side, lrs, sweep_seed)
         result["best_lr"][side] = lr
         result["seeds"][side] = {s: run_figures(c) for s in args.seeds if (c := load_curve(runs, side, lr, s))}
     paired = sorted(set(result["seeds"]["klppo"]) & set(result["seeds"]["peer"]))
-    ratios = [result["seeds"]["klppo"][s]["slope_per_1000"] / result["seeds"]["peer"][s]["slope_per_1000"] for s in paired]
+    ratios = [
+        result["seeds"]["klppo"][s]["slope_per_1000"] / result["seeds"]["peer"][s]["slope_per_1000"] for s in paired
+    ]
     result["ratio_per_seed"] = dict(zip(paired, ratios))
     for side in ("klppo", "peer"):
         figures = list(result["seeds"][side].values())
-        result[f"{side}_summary"] = {k: mean_std([f[k] for f in figures]) for k in ("slope_per_1000", "kl_last", "reward_first", "reward_last", "approxkl_max", "clipfrac_max")}
+        result[f"{side}_summary"] = {
+            k: mean_std([f[k] for f in figures])
+            for k in ("slope_per_1000", "kl_last", "reward_first", "reward_last", "approxkl_max", "clipfrac_max")
+        }
     result["ratio"] = mean_std(ratios) if ratios else None
     return result
 
@@ -201,12 +245,18 @@ def summary_markdown(result: dict) -> str:
                 f"| {side} | {lr} | {f['slope_per_1000']:+.3f} | {f['reward_first']:+.3f} -> {f['reward_last']:+.3f} | "
                 f"{f['kl_last']:.2f} | {f['approxkl_max']:.4f} | {f['clipfrac_max']:.3f} |"
             )
-    lines += ["", "## Best rates on every seed", "",
-              "| seed | klppo reward / 1,000 seqs | peer reward / 1,000 seqs | ratio klppo / peer | klppo KL | peer KL |",
-              "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines += [
+        "",
+        "## Best rates on every seed",
+        "",
+        "| seed | klppo reward / 1,000 seqs | peer reward / 1,000 seqs | ratio klppo / peer | klppo KL | peer KL |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for seed, ratio in result["ratio_per_seed"].items():
         k, p = result["seeds"]["klppo"][seed], result["seeds"]["peer"][seed]
-        lines.append(f"| {seed} | {k['slope_per_1000']:+.3f} | {p['slope_per_1000']:+.3f} | {ratio:.2f} | {k['kl_last']:.2f} | {p['kl_last']:.2f} |")
+        lines.append(
+            f"| {seed} | {k['slope_per_1000']:+.3f} | {p['slope_per_1000']:+.3f} | {ratio:.2f} | {k['kl_last']:.2f} | {p['kl_last']:.2f} |"
+        )
     ks, ps = result["klppo_summary"], result["peer_summary"]
     lines += [
         "",

@@ -34,6 +34,7 @@ sys.path.insert(0, str(HERE))
 
 import bench  # noqa: E402  (this script's folder)
 import bench_assets  # noqa: E402
+import bench_report  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -67,8 +68,9 @@ def parse_args(argv=None):
 
 
 def side_cmd(side: str, args, model_path: str, prompts: Path, length: int) -> list[str]:
-    point = argparse.Namespace(**{**vars(args), "response_length": length, "warmup": 0, "updates": 1,
-                                  "klppo_config": None})  # fmt: skip
+    point = argparse.Namespace(
+        **{**vars(args), "response_length": length, "warmup": 0, "updates": 1, "klppo_config": None}
+    )
     cmd = bench.train_cmd(side, point, "b", model_path, prompts)
     return [*cmd, "--num-mini-batches", str(args.num_mini_batches), "--num-ppo-epochs", "1"]
 
@@ -91,10 +93,16 @@ def measure(args) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / (args.name or bench.model_label(args))
     report = {
-        "model": bench.model_label(args), "command": "python benchmarks/memory.py " + shlex.join(sys.argv[1:]),
-        "klppo_revision": bench.git_revision(), "device": args.device, "dtype": args.dtype,
-        "sequences": args.sequences, "num_mini_batches": args.num_mini_batches, "sides": sides, "points": [],
-    }  # fmt: skip
+        "model": bench.model_label(args),
+        "command": "python benchmarks/memory.py " + shlex.join(sys.argv[1:]),
+        "klppo_revision": bench.git_revision(),
+        "device": args.device,
+        "dtype": args.dtype,
+        "sequences": args.sequences,
+        "num_mini_batches": args.num_mini_batches,
+        "sides": sides,
+        "points": [],
+    }
     for i, length in enumerate(args.lengths):
         point = {"response_length": length}
         for side in sides if i % 2 == 0 else sides[::-1]:
@@ -103,9 +111,12 @@ def measure(args) -> dict:
             start = time.perf_counter()
             try:
                 run = bench.run_json(side_cmd(side, args, model_path, prompts, length), log, env=bench.side_env(side))
-                point[side] = {"peak_mb": peak_mb(run), "peak_rss_mb": run["peak_rss_mb"],
-                               "cuda_peak_allocated_mb": run.get("cuda_peak_allocated_mb"),
-                               "seconds": time.perf_counter() - start}  # fmt: skip
+                point[side] = {
+                    "peak_mb": peak_mb(run),
+                    "peak_rss_mb": run["peak_rss_mb"],
+                    "cuda_peak_allocated_mb": run.get("cuda_peak_allocated_mb"),
+                    "seconds": time.perf_counter() - start,
+                }
             except RuntimeError as err:
                 point[side] = {"failed": str(err).splitlines()[0][-300:], "seconds": time.perf_counter() - start}
             print(f"[memory]   {point[side]}", flush=True)
@@ -132,15 +143,19 @@ def markdown(report: dict) -> str:
     sides = report["sides"]
     unit = "GPU peak allocated" if report["device"] == "cuda" else "peak RSS"
     lines = [
-        f"# One PPO update's {unit} against the response length ({report['model']}, {report['dtype']})", "",
+        f"# One PPO update's {unit} against the response length ({report['model']}, {report['dtype']})",
+        "",
         f"Command: `{report['command']}` (klppo at `{report['klppo_revision']}`). Machine: "
-        f"{report.get('machine', {}).get('cpu_count')} CPUs, torch {report.get('machine', {}).get('torch')}.", "",
+        f"{report.get('machine', {}).get('cpu_count')} CPUs, torch {report.get('machine', {}).get('torch')}.",
+        "",
         f"{report['sequences']} sequences per update in {report['num_mini_batches']} mini-batches, one PPO epoch, workload b "
-        "of `benchmarks/bench.py`, one fresh process per side and length.", "",
-        "| R | " + " | ".join(f"{bench.SIDE_NAMES[s]} (MB) | MB per token" for s in sides)
+        "of `benchmarks/bench.py`, one fresh process per side and length.",
+        "",
+        "| R | "
+        + " | ".join(f"{bench_report.SIDE_NAMES[s]} (MB) | MB per token" for s in sides)
         + (" | klppo / peer |" if "peer" in sides else " |"),
         "| ---: | " + " | ".join("---: | ---:" for _ in sides) + (" | ---: |" if "peer" in sides else " |"),
-    ]  # fmt: skip
+    ]
     per_side = {s: slopes(report["points"], s) for s in sides}
     for i, p in enumerate(report["points"]):
         cells = []
@@ -166,7 +181,7 @@ def plot(report: dict, path: Path) -> None:
     for side in report["sides"]:
         xs = [p["response_length"] for p in report["points"] if "peak_mb" in p.get(side, {})]
         ys = [p[side]["peak_mb"] / 1024 for p in report["points"] if "peak_mb" in p.get(side, {})]
-        ax.plot(xs, ys, marker="o", label=bench.SIDE_NAMES[side])
+        ax.plot(xs, ys, marker="o", label=bench_report.SIDE_NAMES[side])
         failed = [p["response_length"] for p in report["points"] if "failed" in p.get(side, {})]
         if failed:
             ax.scatter(failed, [max(ys or [0])] * len(failed), marker="x", color="red", label=f"{side} failed")

@@ -38,25 +38,40 @@ SHAPES = {  # name: (prompts per rollout, prompts per micro-batch, response toke
     "CPU benchmark (8 x 24, one micro-batch)": (8, 8, 24),
     "GPU benchmark (64 x 128, micro-batches of 8)": (64, 8, 128),
 }
-SHAPE_KEYS = {"default": "default job (32 x 12, micro-batches of 8)", "cpu": "CPU benchmark (8 x 24, one micro-batch)",
-              "gpu": "GPU benchmark (64 x 128, micro-batches of 8)"}  # fmt: skip
+SHAPE_KEYS = {
+    "default": "default job (32 x 12, micro-batches of 8)",
+    "cpu": "CPU benchmark (8 x 24, one micro-batch)",
+    "gpu": "GPU benchmark (64 x 128, micro-batches of 8)",
+}
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-shape", default=None, choices=["tiny", "135m", "360m", "1.7b"],
-                        help="a random model of SmolLM2's shape instead of SmolLM2-135M-Instruct's weights")
-    parser.add_argument("--tokenizer", default=None,
-                        help="a tokenizer folder (`bench.py --export-assets`'s) instead of the packaged SmolLM2's; with "
-                        "--model-shape, no model weights are needed")
+    parser.add_argument(
+        "--model-shape",
+        default=None,
+        choices=["tiny", "135m", "360m", "1.7b"],
+        help="a random model of SmolLM2's shape instead of SmolLM2-135M-Instruct's weights",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="a tokenizer folder (`bench.py --export-assets`'s) instead of the packaged SmolLM2's; with "
+        "--model-shape, no model weights are needed",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rollouts", type=int, default=4, help="rollouts drawn per shape")
     parser.add_argument("--repeats", type=int, default=3, help="timed forward + backward passes per form")
     parser.add_argument("--timed-micro-batches", type=int, default=2, help="micro-batches timed per rollout")
-    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPE_KEYS), default=sorted(SHAPE_KEYS),
-                        help="the shapes to run (default: all)")
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        choices=sorted(SHAPE_KEYS),
+        default=sorted(SHAPE_KEYS),
+        help="the shapes to run (default: all)",
+    )
     parser.add_argument("--out", default="results/padding")
     return parser.parse_args(argv)
 
@@ -160,30 +175,36 @@ def measure(args, model, tokenizer, prompts: list[str], shape: tuple[int, int, i
                 times[form].append(statistics.median(passes[form]))
     total = {form: sum(t) for form, t in times.items()}
     return {
-        "prompts_per_rollout": batch, "prompts_per_micro_batch": micro, "response_length": length,
+        "prompts_per_rollout": batch,
+        "prompts_per_micro_batch": micro,
+        "response_length": length,
         "padded_share": 1 - positions["packed"] / positions["padded"],
         "positions": positions,
         "seconds_per_micro_batch": {form: total[form] / len(times[form]) for form in times},
         "time_ratio_to_padded": {form: total[form] / total["padded"] for form in times},
         "max_relative_logit_difference": worst,
-    }  # fmt: skip
+    }
 
 
 def markdown(report: dict) -> str:
     lines = [
-        "# Padded positions in the PPO epochs", "",
+        "# Padded positions in the PPO epochs",
+        "",
         f"`{report['command']}`; {report['model']}, {report['dtype']} on {report['device']}, {report['threads']} "
         f"thread(s); {report['rollouts']} rollouts per shape from the offline prompt set, the median of "
         f"{report['repeats']} forward + backward passes per micro-batch (the three forms taking turns), {report['timed_micro_batches']} micro-batches "
-        "timed per rollout (the padded share counts them all).", "",
+        "timed per rollout (the padded share counts them all).",
+        "",
         "| shape | padded share of positions | time, trimmed / padded | time, packed / padded | padded s per micro-batch "
         "| largest logit difference (relative) |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
-    ]  # fmt: skip
+    ]
     for name, r in report["shapes"].items():
         ratio = r["time_ratio_to_padded"]
-        lines.append(f"| {name} | {r['padded_share']:.1%} | {ratio['trimmed']:.3f} | {ratio['packed']:.3f} | "
-                     f"{r['seconds_per_micro_batch']['padded']:.3f} | {r['max_relative_logit_difference']:.1e} |")  # fmt: skip
+        lines.append(
+            f"| {name} | {r['padded_share']:.1%} | {ratio['trimmed']:.3f} | {ratio['packed']:.3f} | "
+            f"{r['seconds_per_micro_batch']['padded']:.3f} | {r['max_relative_logit_difference']:.1e} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -201,9 +222,15 @@ def main(argv=None) -> dict:
     report = {
         "command": "python benchmarks/padding.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "model": f"random SmolLM2-{args.model_shape} shape" if args.model_shape else "SmolLM2-135M-Instruct",
-        "device": args.device, "dtype": args.dtype, "threads": args.threads, "rollouts": args.rollouts,
-        "repeats": args.repeats, "timed_micro_batches": args.timed_micro_batches, "torch": torch.__version__, "shapes": shapes,
-    }  # fmt: skip
+        "device": args.device,
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "rollouts": args.rollouts,
+        "repeats": args.repeats,
+        "timed_micro_batches": args.timed_micro_batches,
+        "torch": torch.__version__,
+        "shapes": shapes,
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "padding.json").write_text(json.dumps(report, indent=1) + "\n")

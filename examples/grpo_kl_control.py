@@ -40,30 +40,48 @@ def main(argv=None):
     parser.add_argument("--beta", type=float, default=0.5, help="where the controller starts")
     parser.add_argument("--batch", type=int, default=64, help="completions per optimizer step (4 per prompt)")
     parser.add_argument("--kl_target", type=float, default=0.03, help="nats per token")
-    parser.add_argument("--kl_controller", default=None, help="None: equilibrium (or tracking, where GRPO's settings "
-                        "leave its optimum unknown)")
+    parser.add_argument(
+        "--kl_controller",
+        default=None,
+        help="None: equilibrium (or tracking, where GRPO's settings leave its optimum unknown)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--resume_from_checkpoint", default=None)
     args = parser.parse_args(argv)
 
     config_cls, trainer_cls = (GRPOConfig, GRPOTrainer) if args.trainer == "grpo" else (RLOOConfig, RLOOTrainer)
     config = config_cls(
-        output_dir=args.output_dir, beta=args.beta, num_generations=4, per_device_train_batch_size=args.batch,
-        max_completion_length=12, learning_rate=3e-5, lr_scheduler_type="constant", temperature=1.0,
-        max_steps=args.max_steps, logging_steps=1,
-        save_strategy="steps", save_steps=10, report_to="none", use_cpu=not torch.cuda.is_available(), seed=args.seed,
-        bf16=False, gradient_checkpointing=False,  # float32 (TRL's bf16 autocast default is 4x+ slower on a CPU)
-    )  # fmt: skip
+        output_dir=args.output_dir,
+        beta=args.beta,
+        num_generations=4,
+        per_device_train_batch_size=args.batch,
+        max_completion_length=12,
+        learning_rate=3e-5,
+        lr_scheduler_type="constant",
+        temperature=1.0,
+        max_steps=args.max_steps,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=10,
+        report_to="none",
+        use_cpu=not torch.cuda.is_available(),
+        seed=args.seed,
+        bf16=False,  # float32 (TRL's bf16 autocast default is 4x+ slower on a CPU)
+        gradient_checkpointing=False,
+    )
     prompts = Dataset.from_dict({"prompt": offline_prompts("train")})
-    trainer = trainer_cls(model=resolve_model_path(args.model), reward_funcs=positive_sentiment_reward, args=config,
-                          train_dataset=prompts)  # fmt: skip
+    trainer = trainer_cls(
+        model=resolve_model_path(args.model), reward_funcs=positive_sentiment_reward, args=config, train_dataset=prompts
+    )
     controller = {"kl_controller": args.kl_controller} if args.kl_controller else {}
     add_kl_control(trainer, kl_target=args.kl_target, kl_target_unit="token", **controller)
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     for h in trainer.state.log_history:
         if "kl/coef" in h:
-            print(f"step {h['step']:3d}  reward {h.get('reward', float('nan')):+.3f}  kl/value "
-                  f"{h.get('kl/value', float('nan')):.4f}  kl/coef {h['kl/coef']:.4f}")  # fmt: skip
+            print(
+                f"step {h['step']:3d}  reward {h.get('reward', float('nan')):+.3f}  kl/value "
+                f"{h.get('kl/value', float('nan')):.4f}  kl/coef {h['kl/coef']:.4f}"
+            )
     return trainer
 
 

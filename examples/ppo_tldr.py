@@ -44,7 +44,6 @@ from trl import ModelConfig, ScriptArguments, get_peft_config, get_quantization_
 from klppo import PPOConfig, PPOTrainer
 from klppo.models import resolve_model_path  # klppo: `klppo:` model ids
 
-
 if __name__ == "__main__":
     parser = HfArgumentParser((ScriptArguments, PPOConfig, ModelConfig))
     script_args, training_args, model_args = parser.parse_args_into_dataclasses()
@@ -55,29 +54,28 @@ if __name__ == "__main__":
     # Model & Tokenizer
     ################
     dtype = model_args.dtype if model_args.dtype in ["auto", None] else getattr(torch, model_args.dtype)
-    model_kwargs = dict(revision=model_args.model_revision, attn_implementation=model_args.attn_implementation, dtype=dtype)
+    model_kwargs = dict(
+        revision=model_args.model_revision, attn_implementation=model_args.attn_implementation, dtype=dtype
+    )
     quantization_config = get_quantization_config(model_args)
     if quantization_config is not None:
         model_kwargs["device_map"] = {"": PartialState().local_process_index}
         model_kwargs["quantization_config"] = quantization_config
     model_path = resolve_model_path(model_args.model_name_or_path)  # klppo: `klppo:` ids
-    sft_path, reward_path = resolve_model_path(training_args.sft_model_path), resolve_model_path(training_args.reward_model_path)
+    sft_path, reward_path = (
+        resolve_model_path(training_args.sft_model_path),
+        resolve_model_path(training_args.reward_model_path),
+    )
 
     tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")
     tokenizer.add_special_tokens({"pad_token": "[PAD]"})
-    value_model = AutoModelForSequenceClassification.from_pretrained(
-        reward_path, num_labels=1, **model_kwargs
-    )
-    reward_model = AutoModelForSequenceClassification.from_pretrained(
-        reward_path, num_labels=1, **model_kwargs
-    )
+    value_model = AutoModelForSequenceClassification.from_pretrained(reward_path, num_labels=1, **model_kwargs)
+    reward_model = AutoModelForSequenceClassification.from_pretrained(reward_path, num_labels=1, **model_kwargs)
     policy = AutoModelForCausalLM.from_pretrained(sft_path, **model_kwargs)
 
     peft_config = get_peft_config(model_args)
     if peft_config is None:
-        ref_policy = AutoModelForCausalLM.from_pretrained(
-            sft_path, **model_kwargs
-        )
+        ref_policy = AutoModelForCausalLM.from_pretrained(sft_path, **model_kwargs)
     else:
         ref_policy = None
 
@@ -90,8 +88,10 @@ if __name__ == "__main__":
         from klppo.data import pydoc_passages
 
         passages = [f"{p}\nTL;DR:" for p in pydoc_passages(max_chars=400)]
-        dataset = {"train": Dataset.from_dict({"prompt": passages[:-64]}),
-                   "validation": Dataset.from_dict({"prompt": passages[-64:]})}
+        dataset = {
+            "train": Dataset.from_dict({"prompt": passages[:-64]}),
+            "validation": Dataset.from_dict({"prompt": passages[-64:]}),
+        }
     else:
         dataset = load_dataset(script_args.dataset_name, name=script_args.dataset_config)
     train_dataset = dataset[script_args.dataset_train_split]

@@ -16,11 +16,11 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .ppo.callbacks import maybe_offline_wandb
-from .ppo.checkpoint import ResumeMismatch
-from .ppo.health import TrainingDiverged
-from .ppo.lock import OutputDirInUse, OutputDirLock
-from .ppo.preemption import EXIT_STOPPED
+from .ppo.run.callbacks import maybe_offline_wandb
+from .ppo.run.checkpoint import ResumeMismatch
+from .ppo.run.lock import OutputDirInUse, OutputDirLock
+from .ppo.run.preemption import EXIT_STOPPED
+from .ppo.safety.nonfinite import TrainingDiverged
 from .rewards import RewardFunctionError, load_reward_funcs
 from .utils import none_from_text, write_json
 
@@ -84,7 +84,7 @@ def _with_config_resolved(argv: list[str]) -> list[str]:
             out[i + 1] = resolve_config(out[i + 1])
             break
         if arg.startswith("--config="):
-            out[i : i + 1] = ["--config", resolve_config(arg[len("--config="):])]
+            out[i : i + 1] = ["--config", resolve_config(arg[len("--config=") :])]
             break
     return out
 
@@ -134,8 +134,14 @@ def build_trainer(script_args, training_args, model_args):
 
 
 def _load_model(model_args):
-    from .models import (OFFLINE_DEFAULT_MODEL, load_causal_lm, load_tokenizer, missing_folder_message,
-                         missing_local_folder, resolve_model_path)
+    from .models import (
+        OFFLINE_DEFAULT_MODEL,
+        load_causal_lm,
+        load_tokenizer,
+        missing_folder_message,
+        missing_local_folder,
+        resolve_model_path,
+    )
 
     name = model_args.model_name_or_path or OFFLINE_DEFAULT_MODEL
     if missing_local_folder(name):
@@ -148,8 +154,12 @@ def _load_model(model_args):
         )
     try:
         path = resolve_model_path(name)
-        model = load_causal_lm(path, dtype=model_args.dtype or "float32", revision=model_args.model_revision,
-                               attn_implementation=model_args.attn_implementation)  # fmt: skip
+        model = load_causal_lm(
+            path,
+            dtype=model_args.dtype or "float32",
+            revision=model_args.model_revision,
+            attn_implementation=model_args.attn_implementation,
+        )
         tokenizer = load_tokenizer(path, revision=model_args.model_revision)
         return model, tokenizer
     except (OSError, ValueError, ModuleNotFoundError) as err:
@@ -166,9 +176,12 @@ def _load_data(script_args, training_args):
 
     def prompts(split, max_samples=None):
         return load_prompt_dataset(
-            script_args.dataset_name, split=split, prompt_column=script_args.prompt_column,
-            conversational=script_args.conversational, max_samples=max_samples,
-        )  # fmt: skip
+            script_args.dataset_name,
+            split=split,
+            prompt_column=script_args.prompt_column,
+            conversational=script_args.conversational,
+            max_samples=max_samples,
+        )
 
     try:
         train = prompts(script_args.dataset_train_split, script_args.max_train_samples)
@@ -211,7 +224,11 @@ def _run(script_args, training_args, model_args) -> dict:
 
     def snapshot() -> dict:
         metrics = trainer.evaluate_policy()
-        return {"perplexity": metrics["eval/perplexity"], "samples": sample_completions(trainer, prompts), "prompts": prompts}
+        return {
+            "perplexity": metrics["eval/perplexity"],
+            "samples": sample_completions(trainer, prompts),
+            "prompts": prompts,
+        }
 
     before = snapshot()
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
@@ -234,9 +251,12 @@ def _run(script_args, training_args, model_args) -> dict:
         print(format_summary(summary, summary["wall_seconds"]), flush=True)
         write_json(script_args.summary_file or os.path.join(training_args.output_dir, "summary.json"), summary)
         if stopped is not None:
-            print(f"klppo: stopped by SIGTERM after update {stopped} of {trainer.state.max_steps}, not finished; "
-                  f"{os.path.join(training_args.output_dir, f'checkpoint-{stopped}')} holds it. Resume with "
-                  "--resume_from_checkpoint true.", flush=True)  # fmt: skip
+            print(
+                f"klppo: stopped by SIGTERM after update {stopped} of {trainer.state.max_steps}, not finished; "
+                f"{os.path.join(training_args.output_dir, f'checkpoint-{stopped}')} holds it. Resume with "
+                "--resume_from_checkpoint true.",
+                flush=True,
+            )
     trainer.shutdown()  # a clean exit under torchrun / accelerate launch
     return summary
 
@@ -252,8 +272,11 @@ def cli(argv=None) -> int:
         print(f"error: the --config file is not valid YAML: {err}", file=sys.stderr)
         return 2
     except FileNotFoundError as err:
-        print(f"error: {err}. Check the path given to --config, or name a config klppo ships: "
-              f"{', '.join(shipped_configs())}.", file=sys.stderr)
+        print(
+            f"error: {err}. Check the path given to --config, or name a config klppo ships: "
+            f"{', '.join(shipped_configs())}.",
+            file=sys.stderr,
+        )
         return 2
     except (ValueError, TypeError) as err:
         # configuration mistakes (unknown YAML key, invalid KL field, ...) are caught at parse time
@@ -302,8 +325,10 @@ def command(argv=None) -> int:
         return 0 if argv else 2
     if argv[0].startswith("-"):
         return cli(argv)
-    print(f"klppo: unknown command {argv[0]!r}; the command is `train` (klppo train --config tiny). See klppo --help.",
-          file=sys.stderr)
+    print(
+        f"klppo: unknown command {argv[0]!r}; the command is `train` (klppo train --config tiny). See klppo --help.",
+        file=sys.stderr,
+    )
     return 2
 
 

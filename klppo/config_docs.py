@@ -28,10 +28,29 @@ CONFIG_TABLES_START, CONFIG_TABLES_END = "<!-- config-fields:start -->", "<!-- c
 COMMON_TABLE_START, COMMON_TABLE_END = "<!-- common-fields:start -->", "<!-- common-fields:end -->"
 # the README's table: the fields most users set, by the class that holds them
 COMMON_FIELDS = (
-    "model_name_or_path", "use_peft", "lora_r", "reward_funcs", "reward_weights", "dataset_name", "kl_target",
-    "kl_target_unit", "kl_coef", "kl_mode", "kl_estimator", "kl_controller", "learning_rate",
-    "per_device_train_batch_size", "num_mini_batches", "num_ppo_epochs", "max_steps", "response_length",
-    "temperature", "stop_token", "critic", "output_dir", "report_to",
+    "model_name_or_path",
+    "use_peft",
+    "lora_r",
+    "reward_funcs",
+    "reward_weights",
+    "dataset_name",
+    "kl_target",
+    "kl_target_unit",
+    "kl_coef",
+    "kl_mode",
+    "kl_estimator",
+    "kl_controller",
+    "learning_rate",
+    "per_device_train_batch_size",
+    "num_mini_batches",
+    "num_ppo_epochs",
+    "max_steps",
+    "response_length",
+    "temperature",
+    "stop_token",
+    "critic",
+    "output_dir",
+    "report_to",
 )
 
 
@@ -69,9 +88,14 @@ def configuration_markdown() -> str:
         lines += [f"### {heading}", "", "| field | default | meaning |", "| --- | --- | --- |"]
         lines += [f"| `{name}` | {_default(KLPPOConfig, name)} | {_cell(docs[name])} |" for name in names]
         lines.append("")
-    lines += ["### Experimental settings", "",
-              _cell(EXPERIMENTAL_DOC.split("Parameters:")[0]), "",
-              "| key | default | meaning |", "| --- | --- | --- |"]  # fmt: skip
+    lines += [
+        "### Experimental settings",
+        "",
+        _cell(EXPERIMENTAL_DOC.split("Parameters:")[0]),
+        "",
+        "| key | default | meaning |",
+        "| --- | --- | --- |",
+    ]
     for name in EXPERIMENTAL_KEYS:
         lines.append(f"| `{name}` | {_default(ExperimentalSettings, name)} | {_cell(_EXPERIMENTAL_DOCS[name])} |")
     return "\n".join(lines) + "\n"

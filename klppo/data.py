@@ -54,19 +54,57 @@ def offline_prompts(split: str = "all") -> list[str]:
 
 
 LIST_TOPICS = (
-    "fruits", "vegetables", "ways to save water", "uses for a brick", "reasons to learn a language",
-    "things to pack for a trip", "habits of good sleepers", "kitchen tools", "board games", "musical instruments",
-    "ways to stay warm in winter", "things to do on a rainy day", "birds", "trees", "sports played with a ball",
-    "jobs in a hospital", "ways to reduce waste", "things found in a garden", "famous rivers", "desserts",
-    "ways to learn faster", "household chores", "animals that live in the sea", "reasons to read books",
-    "things to bring to a picnic", "tips for a job interview", "ways to be kind to a neighbour", "spices",
-    "parts of a bicycle", "things that make a good teacher", "ways to exercise at home", "breakfast foods",
-    "hobbies that cost little", "things to check before a long drive", "flowers", "ways to relax after work",
-    "school subjects", "tools a carpenter uses", "ways to make a room brighter", "rules for a safe hike",
-    "insects", "things to do in a new city", "signs of a healthy plant", "uses for old newspapers",
-    "ways to keep a conversation going", "farm animals", "qualities of a good friend", "kinds of weather",
-    "ways to save money on food", "things to keep in a first-aid kit",
-)  # fmt: skip
+    "fruits",
+    "vegetables",
+    "ways to save water",
+    "uses for a brick",
+    "reasons to learn a language",
+    "things to pack for a trip",
+    "habits of good sleepers",
+    "kitchen tools",
+    "board games",
+    "musical instruments",
+    "ways to stay warm in winter",
+    "things to do on a rainy day",
+    "birds",
+    "trees",
+    "sports played with a ball",
+    "jobs in a hospital",
+    "ways to reduce waste",
+    "things found in a garden",
+    "famous rivers",
+    "desserts",
+    "ways to learn faster",
+    "household chores",
+    "animals that live in the sea",
+    "reasons to read books",
+    "things to bring to a picnic",
+    "tips for a job interview",
+    "ways to be kind to a neighbour",
+    "spices",
+    "parts of a bicycle",
+    "things that make a good teacher",
+    "ways to exercise at home",
+    "breakfast foods",
+    "hobbies that cost little",
+    "things to check before a long drive",
+    "flowers",
+    "ways to relax after work",
+    "school subjects",
+    "tools a carpenter uses",
+    "ways to make a room brighter",
+    "rules for a safe hike",
+    "insects",
+    "things to do in a new city",
+    "signs of a healthy plant",
+    "uses for old newspapers",
+    "ways to keep a conversation going",
+    "farm animals",
+    "qualities of a good friend",
+    "kinds of weather",
+    "ways to save money on food",
+    "things to keep in a first-aid kit",
+)
 LIST_PROMPT = "Give five {topic}, one per line. Start every line with '- ' and explain each in one sentence."
 
 
@@ -129,7 +167,9 @@ def load_prompt_dataset(
                 f"resolved from {str(Path.cwd())!r}) or use the built-in set {OFFLINE_PROMPTS_ID!r}."
             )
         if path.stat().st_size == 0:
-            raise ValueError(f"Prompt file {str(path)!r} is empty: it needs one prompt per row, in a column {prompt_column!r}.")
+            raise ValueError(
+                f"Prompt file {str(path)!r} is empty: it needs one prompt per row, in a column {prompt_column!r}."
+            )
         builder = _FILE_BUILDERS[path.suffix.lower()]
         try:
             dataset = datasets.load_dataset(builder, data_files=str(path), split="train")
@@ -294,9 +334,7 @@ def load_heldout_texts(
 def _column(rows, column: str, source: str) -> list:
     if hasattr(rows, "column_names"):
         if column not in rows.column_names:
-            raise ValueError(
-                f"{source!r} has no column {column!r} (columns: {rows.column_names}): pass text_column."
-            )
+            raise ValueError(f"{source!r} has no column {column!r} (columns: {rows.column_names}): pass text_column.")
         return list(rows[column])
     if rows and column not in rows[0]:
         raise ValueError(f"{source!r} has no field {column!r} (fields: {sorted(rows[0])}): pass text_column.")

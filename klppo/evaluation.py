@@ -69,7 +69,9 @@ def heldout_perplexity(
     model.eval()
     try:
         for start in range(0, len(shard), batch_size):
-            batch_ids = tokenizer(shard[start : start + batch_size], truncation=True, max_length=max_length)["input_ids"]
+            batch_ids = tokenizer(shard[start : start + batch_size], truncation=True, max_length=max_length)[
+                "input_ids"
+            ]
             longest = max(len(ids) for ids in batch_ids)
             input_ids = torch.zeros((len(batch_ids), longest), dtype=torch.long)
             attention_mask = torch.zeros((len(batch_ids), longest), dtype=torch.long)
@@ -126,5 +128,7 @@ def completion_rows(step: int, prompts: list, rewards, n: int = 4) -> list[dict]
     """Up to `n` completions of an update as table rows: step, prompt, completion, score."""
     from .rewards.text import completion_text
 
-    return [{"step": step, "prompt": completion_text(p), "completion": c, "score": float(s)}
-            for p, c, s in list(zip(prompts, rewards.completions, rewards.scores.tolist()))[:n]]  # fmt: skip
+    return [
+        {"step": step, "prompt": completion_text(p), "completion": c, "score": float(s)}
+        for p, c, s in list(zip(prompts, rewards.completions, rewards.scores.tolist()))[:n]
+    ]

@@ -331,7 +331,11 @@ def load_tokenizer(name_or_path: str, padding_side: str = "left", **kwargs):
 
     path = resolve_model_path(name_or_path)
     folder = Path(path) if os.path.isdir(path) else None
-    if folder is not None and (folder / "adapter_config.json").is_file() and not (folder / "tokenizer_config.json").is_file():
+    if (
+        folder is not None
+        and (folder / "adapter_config.json").is_file()
+        and not (folder / "tokenizer_config.json").is_file()
+    ):
         path = adapter_base(path)  # the base's
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(path), **kwargs)
     ensure_pad_token(tokenizer, name_or_path)
@@ -395,8 +399,10 @@ def adapter_base(folder: str) -> str:
 
 
 def missing_folder_message(name: str) -> str:
-    return (f"The model folder {name!r} does not exist. Pass an existing folder, a hub id such as "
-            "'HuggingFaceTB/SmolLM2-135M-Instruct', or the offline default 'klppo:smollm2-135m-instruct'.")
+    return (
+        f"The model folder {name!r} does not exist. Pass an existing folder, a hub id such as "
+        "'HuggingFaceTB/SmolLM2-135M-Instruct', or the offline default 'klppo:smollm2-135m-instruct'."
+    )
 
 
 def missing_local_folder(name: str) -> bool:

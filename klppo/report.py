@@ -136,7 +136,9 @@ def format_summary(summary: dict, wall_seconds: float | None = None) -> str:
     shown = coefs if len(coefs) <= 12 else coefs[:6] + ["..."] + coefs[-5:]
     coef_text = " -> ".join(c if isinstance(c, str) else f"{c:.4g}" for c in shown)
     target = summary["kl_target"]
-    target_text = f"target {target:g} nats/{summary['kl_unit']}" if target else f"no target (unit: {summary['kl_unit']})"
+    target_text = (
+        f"target {target:g} nats/{summary['kl_unit']}" if target else f"no target (unit: {summary['kl_unit']})"
+    )
     lines = [
         "=" * 72,
         f"klppo run summary: {summary['updates']} PPO updates"

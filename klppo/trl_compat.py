@@ -48,8 +48,15 @@ TRL_METRIC_NAMES = {
     "val/clipfrac": "val/clipfrac_avg",
 }
 # TRL 1.12 computed these from the others at run time; a value passed in was overwritten, as here
-COMPUTED_FIELDS = ("world_size", "num_total_batches", "micro_batch_size", "local_batch_size", "batch_size",
-                   "local_mini_batch_size", "mini_batch_size")  # fmt: skip
+COMPUTED_FIELDS = (
+    "world_size",
+    "num_total_batches",
+    "micro_batch_size",
+    "local_batch_size",
+    "batch_size",
+    "local_mini_batch_size",
+    "mini_batch_size",
+)
 
 PPO_CONFIG_DOC = r"""
     Configuration for [`PPOTrainer`]: TRL 1.12's `PPOConfig` on klppo.
@@ -235,7 +242,7 @@ class PPOConfig(KLPPOConfig):
                 f"local_rollout_forward_batch_size={self.local_rollout_forward_batch_size} sets the sequences per "
                 "scoring forward pass; TRL also generated in batches of that size, while klppo samples the whole "
                 f"rollout batch of a process ({rollout} sequences) in one generate call.",
-            )  # fmt: skip
+            )
         if str(getattr(self.eval_strategy, "value", self.eval_strategy)) != "no":
             warn_once(
                 "eval_strategy",
@@ -243,24 +250,31 @@ class PPOConfig(KLPPOConfig):
                 f"eval_steps={self.eval_steps or self.logging_steps} updates (eval/perplexity on held-out text, "
                 "eval/scores on eval_dataset's prompts); TRL 1.12's PPOTrainer evaluated nothing (its scripts read "
                 "eval_strategy only to load eval_dataset).",
-            )  # fmt: skip
+            )
 
     def _convert_batch_sizes(self) -> None:
         """TRL's rollout batch per process is `per_device_train_batch_size * gradient_accumulation_steps`, split
         into `num_mini_batches`; klppo's mini-batch is `per_device_train_batch_size * gradient_accumulation_steps`.
         Stores klppo's `gradient_accumulation_steps` (micro-batches per mini-batch). Converting a converted config
         again (`dataclasses.replace`, a saved config) changes nothing: `local_batch_size` records TRL's value."""
-        micro, accumulation, n_mini = self.per_device_train_batch_size, self.gradient_accumulation_steps, self.num_mini_batches
+        micro, accumulation, n_mini = (
+            self.per_device_train_batch_size,
+            self.gradient_accumulation_steps,
+            self.num_mini_batches,
+        )
         if n_mini < 1 or micro < 1 or accumulation < 1:
             return  # KLPPOConfig's checks name the field
-        if self.local_batch_size == micro * accumulation * n_mini and self.local_mini_batch_size == micro * accumulation:
+        if (
+            self.local_batch_size == micro * accumulation * n_mini
+            and self.local_mini_batch_size == micro * accumulation
+        ):
             return  # already converted
         rollout = micro * accumulation
         if rollout % n_mini:
             raise ValueError(
                 f"The rollout batch per process, per_device_train_batch_size * gradient_accumulation_steps = {micro} * "
-                f"{accumulation} = {rollout}, is not a multiple of num_mini_batches={n_mini} (TRL: \"`local_batch_size` "
-                "must be a multiple of `num_mini_batches`\"). Change gradient_accumulation_steps or num_mini_batches."
+                f'{accumulation} = {rollout}, is not a multiple of num_mini_batches={n_mini} (TRL: "`local_batch_size` '
+                'must be a multiple of `num_mini_batches`"). Change gradient_accumulation_steps or num_mini_batches.'
             )
         mini = rollout // n_mini
         if mini % micro == 0:
@@ -330,7 +344,9 @@ class PPOTrainer(KLPPOTrainer):
     ):
         args = args if args is not None else PPOConfig(output_dir="klppo-output")
         if model is None:
-            raise ValueError("PPOTrainer needs `model`: the policy, as a model or a path / hub id (e.g. args.sft_model_path).")
+            raise ValueError(
+                "PPOTrainer needs `model`: the policy, as a model or a path / hub id (e.g. args.sft_model_path)."
+            )
         if ref_model is not None and ref_model is model:
             raise ValueError(
                 "`model` and `ref_model` cannot be the same object (as in TRL): pass a copy, or None for a frozen copy "
@@ -356,12 +372,22 @@ class PPOTrainer(KLPPOTrainer):
         if reward_funcs is not None:
             specs += list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         if not specs:
-            raise ValueError("PPOTrainer needs `reward_model` (a sequence-classification model or its path) or `reward_funcs`.")
+            raise ValueError(
+                "PPOTrainer needs `reward_model` (a sequence-classification model or its path) or `reward_funcs`."
+            )
         super().__init__(
-            model=model, args=args, processing_class=processing_class, reward_funcs=specs, train_dataset=train_dataset,
-            eval_dataset=eval_dataset, ref_model=ref_model, value_model=value_model, peft_config=peft_config,
-            callbacks=callbacks, heldout_texts=heldout_texts,
-        )  # fmt: skip
+            model=model,
+            args=args,
+            processing_class=processing_class,
+            reward_funcs=specs,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            ref_model=ref_model,
+            value_model=value_model,
+            peft_config=peft_config,
+            callbacks=callbacks,
+            heldout_texts=heldout_texts,
+        )
         self.optimizer, self.lr_scheduler = optimizers
         num_updates = self.args.num_updates(len(self.train_dataset), self.accelerator.num_processes)
         if isinstance(self.args, PPOConfig):
@@ -384,9 +410,12 @@ class PPOTrainer(KLPPOTrainer):
         if tokenizer.pad_token_id >= embeddings.num_embeddings and tokenizer.eos_token is not None:
             logger.warning(
                 "The pad token %r (id %d) is outside the policy's %d embeddings: padding with the EOS token %r "
-                "instead (padded positions are masked, so training is the same).", tokenizer.pad_token,
-                tokenizer.pad_token_id, embeddings.num_embeddings, tokenizer.eos_token,
-            )  # fmt: skip
+                "instead (padded positions are masked, so training is the same).",
+                tokenizer.pad_token,
+                tokenizer.pad_token_id,
+                embeddings.num_embeddings,
+                tokenizer.eos_token,
+            )
             tokenizer = copy.deepcopy(tokenizer)
             tokenizer.pad_token = tokenizer.eos_token
         return tokenizer
@@ -447,8 +476,11 @@ class PPOTrainer(KLPPOTrainer):
         held = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
         missing = [n for n, p in self.model.named_parameters() if p.requires_grad and id(p) not in held]
         if missing:
-            logger.warning("The optimizer given does not hold %d trainable parameters (%s...); they will not train.",
-                           len(missing), ", ".join(missing[:3]))  # fmt: skip
+            logger.warning(
+                "The optimizer given does not hold %d trainable parameters (%s...); they will not train.",
+                len(missing),
+                ", ".join(missing[:3]),
+            )
         if self.lr_scheduler is None:
             steps = num_updates * self.args.num_ppo_epochs * self.args.num_mini_batches
             self.create_scheduler(num_training_steps=steps, optimizer=self.optimizer)
@@ -465,31 +497,39 @@ class PPOTrainer(KLPPOTrainer):
         from accelerate.utils import gather_object
 
         from .ppo.generation.sampling import truncate_at_stop
-        from .ppo.steps import Sequences
+        from .ppo.results import Sequences
 
         if self.eval_prompts is None:
             return None
         acc, size = self.accelerator, self.args.per_device_eval_batch_size
         rows = self.eval_prompts.shard(num_shards=acc.num_processes, index=acc.process_index, contiguous=True)
         generation_config = GenerationConfig(
-            max_new_tokens=self.args.response_length, do_sample=False, pad_token_id=self.processing_class.pad_token_id,
+            max_new_tokens=self.args.response_length,
+            do_sample=False,
+            pad_token_id=self.processing_class.pad_token_id,
             eos_token_id=self.sampler.generation_config.eos_token_id,
             suppress_tokens=None if self.sampler.suppressed_ids is None else self.sampler.suppressed_ids.tolist(),
-        )  # fmt: skip
+        )
         table = {"query": [], "model response": [], "score": []}
         for start in range(0, len(rows) - size + 1, size):  # whole batches, as TRL's eval loader (drop_last)
             batch = self.prompt_batch(list(rows.select(range(start, start + size))))
             input_ids, attention_mask = batch.input_ids.to(acc.device), batch.attention_mask.to(acc.device)
             with self.sampler.unwrapped(self.model_wrapped) as unwrapped:
-                out = unwrapped.policy.generate(input_ids=input_ids, attention_mask=attention_mask,
-                                                generation_config=generation_config)  # fmt: skip
-            responses, mask = truncate_at_stop(out[:, input_ids.shape[1] :], self.sampler.stop_token_id,
-                                               self.processing_class.pad_token_id)  # fmt: skip
+                out = unwrapped.policy.generate(
+                    input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config
+                )
+            responses, mask = truncate_at_stop(
+                out[:, input_ids.shape[1] :], self.sampler.stop_token_id, self.processing_class.pad_token_id
+            )
             sequences = Sequences(
-                prompts=batch.prompts, extra=batch.extra, query_responses=torch.cat([input_ids, responses], 1),
-                attention_mask=torch.cat([attention_mask, mask], 1), responses=responses, response_mask=mask,
+                prompts=batch.prompts,
+                extra=batch.extra,
+                query_responses=torch.cat([input_ids, responses], 1),
+                attention_mask=torch.cat([attention_mask, mask], 1),
+                responses=responses,
+                response_mask=mask,
                 context_length=input_ids.shape[1],
-            )  # fmt: skip
+            )
             rewards = self.compute_rewards(sequences)
             table["query"] += gather_object([str(p) for p in batch.prompts])
             table["model response"] += gather_object(rewards.completions)
@@ -502,8 +542,13 @@ class PPOTrainer(KLPPOTrainer):
                 from trl.trainer.utils import print_prompt_completions_sample
 
                 head = df.head(5)
-                print_prompt_completions_sample(head["query"].tolist(), head["model response"].tolist(),
-                                                {"score": head["score"].tolist()}, None, self.state.global_step)  # fmt: skip
+                print_prompt_completions_sample(
+                    head["query"].tolist(),
+                    head["model response"].tolist(),
+                    {"score": head["score"].tolist()},
+                    None,
+                    self.state.global_step,
+                )
             except ImportError:  # without `rich`
                 logger.info("%s", df.head(5))
             if "wandb" in (self.args.report_to or []):

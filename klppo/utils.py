@@ -9,7 +9,6 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-
 __all__ = ["KLPPODeprecationWarning", "atomic_path", "write_json"]
 
 
@@ -69,4 +68,3 @@ def none_from_text(config) -> None:
         optional = type(None) in typing.get_args(kind) or "None" in str(kind) or "Optional" in str(kind)
         if optional and isinstance(getattr(config, f.name, None), str) and getattr(config, f.name) in NONE_TEXTS:
             setattr(config, f.name, None)
-

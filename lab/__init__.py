@@ -33,11 +33,16 @@ def paired_table(base: str, first: dict[str, dict], other: str, second: dict[str
 
     lines = ["| runs | seeds | " + " | ".join(figures) + " | verdict PASS |", "|" + " --- |" * (len(figures) + 3)]
     for name, group in ((base, first), (other, second)):
-        cols = [f"{m:.3g} ± {se:.2g}" for m, se in (mean_and_standard_error(r[f] for r in group.values()) for f in figures)]
+        cols = [
+            f"{m:.3g} ± {se:.2g}" for m, se in (mean_and_standard_error(r[f] for r in group.values()) for f in figures)
+        ]
         passed = sum(r["passed"] for r in group.values())
         lines.append(f"| {name} | {len(group)} | " + " | ".join(cols) + f" | {passed}/{len(group)} |")
     seeds = sorted(set(first) & set(second), key=int)
     diffs = [mean_and_standard_error(second[s][f] - first[s][f] for s in seeds) for f in figures]
-    lines.append(f"| {other} minus {base}, paired | {len(seeds)} | "
-                 + " | ".join(f"{m:+.3g} ± {se:.2g}" for m, se in diffs) + " | |")  # fmt: skip
+    lines.append(
+        f"| {other} minus {base}, paired | {len(seeds)} | "
+        + " | ".join(f"{m:+.3g} ± {se:.2g}" for m, se in diffs)
+        + " | |"
+    )
     return "\n".join(lines) + "\n"

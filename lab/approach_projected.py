@@ -20,8 +20,11 @@ class ProjectedEquilibriumKLController(EquilibriumKLController):
 
     def next_coef(self, kl: float, n_steps: int) -> float:
         previous = self.last_kl  # the reading before this one (the base class records it after each update)
-        super().next_coef(kl, n_steps)  # the equilibrium step and the arrival; its factor on the last reading is dropped
+        # the equilibrium step and the arrival; its factor on the last reading is dropped
+        super().next_coef(kl, n_steps)
         if self.arrived or previous is None:
             return self.coef
         projected = kl + max(kl - previous, 0.0)
-        return self.from_log(safe_log(self.coef) + self.approach_power * safe_log(min(max(projected, 0.0) / self.target, 1.0)))
+        return self.from_log(
+            safe_log(self.coef) + self.approach_power * safe_log(min(max(projected, 0.0) / self.target, 1.0))
+        )

@@ -37,13 +37,23 @@ class GenerationLogprobsTrainer(KLPPOTrainer):
 
 def measure(dtype: str, prompts: list[str], response_length: int, seed: int) -> dict:
     path = resolve_model_path(OFFLINE_DEFAULT_MODEL)
-    args = KLPPOConfig(output_dir="/tmp/klppo-bf16-logprobs", use_cpu=True, report_to="none", response_length=response_length,
-                       per_device_train_batch_size=len(prompts), kl_coef=0.05,
-                       seed=seed, disable_tqdm=True)  # fmt: skip
-    trainer = GenerationLogprobsTrainer(model=load_causal_lm(path, dtype=dtype), args=args,
-                                        processing_class=load_tokenizer(path),
-                                        reward_funcs=lambda prompts, completions, **kw: [0.0] * len(prompts),
-                                        train_dataset=Dataset.from_dict({"prompt": prompts}))  # fmt: skip
+    args = KLPPOConfig(
+        output_dir="/tmp/klppo-bf16-logprobs",
+        use_cpu=True,
+        report_to="none",
+        response_length=response_length,
+        per_device_train_batch_size=len(prompts),
+        kl_coef=0.05,
+        seed=seed,
+        disable_tqdm=True,
+    )
+    trainer = GenerationLogprobsTrainer(
+        model=load_causal_lm(path, dtype=dtype),
+        args=args,
+        processing_class=load_tokenizer(path),
+        reward_funcs=lambda prompts, completions, **kw: [0.0] * len(prompts),
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+    )
     torch.manual_seed(seed)
     rollout = trainer.rollout(trainer.prompt_batch(prompts))
     rescored = trainer.score(rollout.sequences())
@@ -51,10 +61,14 @@ def measure(dtype: str, prompts: list[str], response_length: int, seed: int) -> 
     diff = (rescored.logp.double() - rollout.logp.double())[mask]
     ratio = diff.exp()
     return {
-        "dtype": dtype, "tokens": int(mask.sum()), "max_abs_logp_diff": float(diff.abs().max()),
-        "mean_abs_logp_diff": float(diff.abs().mean()), "ratio_min": float(ratio.min()), "ratio_max": float(ratio.max()),
+        "dtype": dtype,
+        "tokens": int(mask.sum()),
+        "max_abs_logp_diff": float(diff.abs().max()),
+        "mean_abs_logp_diff": float(diff.abs().mean()),
+        "ratio_min": float(ratio.min()),
+        "ratio_max": float(ratio.max()),
         "ratio_outside_clip_0.2": float(((ratio - 1).abs() > 0.2).double().mean()),
-    }  # fmt: skip
+    }
 
 
 def main() -> None:
@@ -69,11 +83,15 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(rows, f, indent=2)
-    lines = ["| dtype | tokens | max abs diff | mean abs diff | ratio min | ratio max | ratios beyond 1 +- 0.2 |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines = [
+        "| dtype | tokens | max abs diff | mean abs diff | ratio min | ratio max | ratios beyond 1 +- 0.2 |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in rows:
-        lines.append(f"| {r['dtype']} | {r['tokens']} | {r['max_abs_logp_diff']:.2e} | {r['mean_abs_logp_diff']:.2e} | "
-                     f"{r['ratio_min']:.4f} | {r['ratio_max']:.4f} | {r['ratio_outside_clip_0.2']:.1%} |")  # fmt: skip
+        lines.append(
+            f"| {r['dtype']} | {r['tokens']} | {r['max_abs_logp_diff']:.2e} | {r['mean_abs_logp_diff']:.2e} | "
+            f"{r['ratio_min']:.4f} | {r['ratio_max']:.4f} | {r['ratio_outside_clip_0.2']:.1%} |"
+        )
     with open(os.path.join(args.out, "summary.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -71,7 +71,6 @@ import yaml
 from klppo.cli import build_trainer, parse
 from klppo.kl.tracking import tracking_stats
 from klppo.utils import write_json as _write_json_atomic
-
 from lab.tracking import whole_run_stats
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,8 +105,13 @@ UPDATE_KEYS = (
 # --quick: the tiny random model of configs/tiny.yaml, two arms, one seed, two updates.
 QUICK_CONFIG = ROOT / "configs" / "tiny.yaml"
 # (tiny.yaml's adaptive constants cleared: each arm names its controller's own)
-QUICK_OVERRIDES = {"max_steps": 2, "eval_steps": 1, "heldout_eval_texts": 4, "output_dir": "outputs/compare-quick",
-                   "kl_controller_kwargs": None}
+QUICK_OVERRIDES = {
+    "max_steps": 2,
+    "eval_steps": 1,
+    "heldout_eval_texts": 4,
+    "output_dir": "outputs/compare-quick",
+    "kl_controller_kwargs": None,
+}
 QUICK_SPEC = {
     "band": 0.2,
     "final_window": 2,
@@ -167,8 +171,18 @@ def train_argv(base_config: Path, fields: dict, seed: int, output_dir: str) -> l
     argv = ["--config", str(base_config)]
     for key, value in fields.items():
         argv += [f"--{key}", cli_value(value)]
-    argv += ["--seed", str(seed), "--output_dir", output_dir, "--save_strategy", "no", "--report_to", "none",
-             "--disable_tqdm", "true"]
+    argv += [
+        "--seed",
+        str(seed),
+        "--output_dir",
+        output_dir,
+        "--save_strategy",
+        "no",
+        "--report_to",
+        "none",
+        "--disable_tqdm",
+        "true",
+    ]
     return argv
 
 
@@ -207,9 +221,7 @@ def run_worker(job: dict) -> None:
     ]
     if evals[-1]["step"] != steps:  # the last update is always evaluated
         evals.append({"step": steps, **trainer.evaluate_policy()})
-    updates = [
-        {"step": h["step"], **{k: h[k] for k in UPDATE_KEYS if k in h}} for h in history if "kl/value" in h
-    ]
+    updates = [{"step": h["step"], **{k: h[k] for k in UPDATE_KEYS if k in h}} for h in history if "kl/value" in h]
     args = trainer.args
     record = {
         "arm": job["arm"],
@@ -285,8 +297,13 @@ def run_logged(job: dict, log: str) -> None:
 def _child_environment(threads: int):
     """The environment the pool's processes start with (they are spawned while it holds): `threads` OpenMP / MKL
     threads, no tokenizer threads, no wandb, unbuffered output."""
-    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
-           "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+    env = {
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "TOKENIZERS_PARALLELISM": "false",
+        "WANDB_MODE": "disabled",
+        "PYTHONUNBUFFERED": "1",
+    }
     before = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -306,8 +323,10 @@ def run_all(jobs: list[dict], parallel: int, out: Path) -> list[tuple[dict, str]
     pending = list(jobs)
     one_run_each = {"max_tasks_per_child": 1} if sys.version_info >= (3, 11) else {}
     context = multiprocessing.get_context("spawn")  # with one run per process (3.11+): no state carried between runs
-    with _child_environment(jobs[0]["threads"] if jobs else 1), \
-            ProcessPoolExecutor(parallel, mp_context=context, **one_run_each) as pool:  # fmt: skip
+    with (
+        _child_environment(jobs[0]["threads"] if jobs else 1),
+        ProcessPoolExecutor(parallel, mp_context=context, **one_run_each) as pool,
+    ):
         running = {}
         while pending or running:
             while pending and len(running) < parallel:
@@ -597,10 +616,18 @@ def write_markdown(summary: dict, out: Path) -> None:
         key=lambda a: arms[a]["metrics"][key]["mean"],
     )
     if ranked:
-        lines += ["", f"Tracking error{' on k1' if key.endswith('k1') else ''}, best first: " + ", ".join(
-            f"{a} ({arms[a]['metrics'][key]['mean']:.2f})" for a in ranked) + "."]
-    lines += ["", "Plots: reward.png, kl.png (target band shaded), coef.png (log scale), perplexity.png, "
-              "eval_reward.png. Per-update records: runs/<arm>-seed<k>.json.", ""]
+        lines += [
+            "",
+            f"Tracking error{' on k1' if key.endswith('k1') else ''}, best first: "
+            + ", ".join(f"{a} ({arms[a]['metrics'][key]['mean']:.2f})" for a in ranked)
+            + ".",
+        ]
+    lines += [
+        "",
+        "Plots: reward.png, kl.png (target band shaded), coef.png (log scale), perplexity.png, "
+        "eval_reward.png. Per-update records: runs/<arm>-seed<k>.json.",
+        "",
+    ]
 
     old = (out / "summary.md").read_text() if (out / "summary.md").is_file() else ""
     if FINDINGS_OPEN in old and FINDINGS_CLOSE in old:
@@ -630,8 +657,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, required=False, help="results folder, e.g. results/compare_default")
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds (default 0 1; --quick: 0)")
     parser.add_argument("--arms", nargs="+", default=None, help="run only these arms (default: all)")
-    parser.add_argument("--parallel", type=int, default=None,
-                        help="runs at a time (default: 2 when there are 2 cores or more, else 1)")
+    parser.add_argument(
+        "--parallel", type=int, default=None, help="runs at a time (default: 2 when there are 2 cores or more, else 1)"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads per run (default: cores / parallel)")
     parser.add_argument("--quick", action="store_true", help="tiny model, 2 arms, 1 seed, 2 updates (tests)")
     parser.add_argument("--summarize", action="store_true", help="only rebuild summary and plots from the runs")
@@ -640,7 +668,9 @@ def main(argv=None) -> int:
         parser.error("--out and one of --config / --quick are required")
 
     start = time.time()
-    command = " ".join(shlex.quote(a) for a in ["python", "-m", "lab.compare", *(argv if argv is not None else sys.argv[1:])])
+    command = " ".join(
+        shlex.quote(a) for a in ["python", "-m", "lab.compare", *(argv if argv is not None else sys.argv[1:])]
+    )
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     base, spec = load_experiment(args.config, args.quick)
@@ -663,8 +693,9 @@ def main(argv=None) -> int:
     parsed = {}
     for arm in arm_names:
         try:
-            parsed[arm] = parse(train_argv(base_config, arm_overrides(base, spec["arms"][arm]), seeds[0],
-                                           str(work / "check")))
+            parsed[arm] = parse(
+                train_argv(base_config, arm_overrides(base, spec["arms"][arm]), seeds[0], str(work / "check"))
+            )
         except (ValueError, TypeError) as err:
             print(f"error: arm {arm!r}: {err}", file=sys.stderr)
             return 2
@@ -684,10 +715,18 @@ def main(argv=None) -> int:
             if record_is_done(record, fp):
                 print(f"  {name}: already done, kept", flush=True)
                 continue
-            jobs.append({
-                "name": name, "arm": arm, "seed": seed, "fields": fields, "fingerprint": fp, "threads": threads,
-                "record": str(record), "argv": train_argv(base_config, arm_overrides(base, fields), seed, str(work / name)),
-            })
+            jobs.append(
+                {
+                    "name": name,
+                    "arm": arm,
+                    "seed": seed,
+                    "fields": fields,
+                    "fingerprint": fp,
+                    "threads": threads,
+                    "record": str(record),
+                    "argv": train_argv(base_config, arm_overrides(base, fields), seed, str(work / name)),
+                }
+            )
     failed = []
     if jobs and not args.summarize:
         print(f"{len(jobs)} run(s) to train, {parallel} at a time with {threads} thread(s) each", flush=True)
@@ -716,8 +755,9 @@ def main(argv=None) -> int:
         "kl_target_unit": training_args.kl_target_unit,
         "kl_estimator": training_args.kl_estimator,
         # what the runs read (records older than `kl_statistic` read their estimator, `k1` in every shipped run)
-        "kl_statistic": ", ".join(sorted({r.get("kl_statistic", training_args.kl_estimator)
-                                          for runs in records.values() for r in runs})),  # fmt: skip
+        "kl_statistic": ", ".join(
+            sorted({r.get("kl_statistic", training_args.kl_estimator) for runs in records.values() for r in runs})
+        ),
         "kl_mode": training_args.kl_mode,
         "band": spec["band"],
         "final_window": spec["final_window"],
@@ -736,15 +776,17 @@ def main(argv=None) -> int:
     # survives a later --summarize or an interrupted-and-resumed experiment
     log_path = out / "invocations.json"
     invocations = json.loads(log_path.read_text()) if log_path.is_file() else []
-    invocations.append({
-        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(start)),
-        "command": command,
-        "runs_trained": meta["runs_run_this_invocation"],
-        "failed": meta["failed_runs"],
-        "parallel": parallel,
-        "threads_per_run": threads,
-        "wall_seconds": meta["wall_seconds_invocation"],
-    })
+    invocations.append(
+        {
+            "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(start)),
+            "command": command,
+            "runs_trained": meta["runs_run_this_invocation"],
+            "failed": meta["failed_runs"],
+            "parallel": parallel,
+            "threads_per_run": threads,
+            "wall_seconds": meta["wall_seconds_invocation"],
+        }
+    )
     write_json(log_path, invocations)
     meta["invocations"] = invocations
     write_json(out / "summary.json", _clean(summary))

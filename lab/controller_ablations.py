@@ -58,7 +58,7 @@ mean tracking error on seed 3, and it never bound on the default task.)
 from __future__ import annotations
 
 from klppo.kl.controllers import EquilibriumKLController, TrackingKLController, register_kl_controller
-from klppo.ppo.guard import LOWER, KLGuard, register_kl_guard
+from klppo.ppo.safety.kl_guard import LOWER, KLGuard, register_kl_guard
 
 
 class _ConstantGain(EquilibriumKLController):
@@ -175,7 +175,9 @@ class EquilibriumWithApproachIntegral(EquilibriumKLController):
             self.approach_sum = 0.0
             return coef
         term = max(math.log(max(kl, 1e-12) / self.target), -2.0)
-        self.approach_sum = max(self.approach_sum + self.approach_integral * term, math.log(self.coef_min / self.coef_max))
+        self.approach_sum = max(
+            self.approach_sum + self.approach_integral * term, math.log(self.coef_min / self.coef_max)
+        )
         return self.from_log(math.log(coef) + self.approach_sum)
 
     def reference_reset(self) -> None:
@@ -215,8 +217,17 @@ class EquilibriumOverAWindow(EquilibriumKLController):
     each weighted by its effective sample size, instead of toward the latest one alone: near the optimum (gain
     close to 1) beta follows a 32-sequence batch's sampling noise less. The window is emptied at a reference reset."""
 
-    def __init__(self, kl_coef: float, target: float, coef_min: float = 1e-4, coef_max: float = 10.0,
-                 approach_power: float = 0.75, optimum=None, window: int = 4, hold_power: float = 0.0):  # fmt: skip
+    def __init__(
+        self,
+        kl_coef: float,
+        target: float,
+        coef_min: float = 1e-4,
+        coef_max: float = 10.0,
+        approach_power: float = 0.75,
+        optimum=None,
+        window: int = 4,
+        hold_power: float = 0.0,
+    ):
         super().__init__(kl_coef, target, coef_min, coef_max, approach_power, optimum, hold_power=hold_power)
         self.window = int(window)
         self.recent: list[tuple[float, float]] = []
@@ -248,8 +259,17 @@ class EquilibriumOverAMedian(EquilibriumOverAWindow):
     estimate far above the rest (32 sequences at the optimum give a long right tail) moves beta no more than the
     middle one."""
 
-    def __init__(self, kl_coef: float, target: float, coef_min: float = 1e-4, coef_max: float = 10.0,
-                 approach_power: float = 0.75, optimum=None, window: int = 3, hold_power: float = 0.0):  # fmt: skip
+    def __init__(
+        self,
+        kl_coef: float,
+        target: float,
+        coef_min: float = 1e-4,
+        coef_max: float = 10.0,
+        approach_power: float = 0.75,
+        optimum=None,
+        window: int = 3,
+        hold_power: float = 0.0,
+    ):
         super().__init__(kl_coef, target, coef_min, coef_max, approach_power, optimum, window, hold_power)
 
     def pooled(self) -> float:
@@ -266,9 +286,18 @@ class EquilibriumKalman(EquilibriumKLController):
     less, as the shipped gain has it); the state's variance grows by ``drift ** 2`` per update (how far beta* may move
     in one). Many small noisy batches are averaged; one large clean batch moves beta at once."""
 
-    def __init__(self, kl_coef: float, target: float, coef_min: float = 1e-4, coef_max: float = 10.0,
-                 approach_power: float = 0.75, optimum=None, drift: float = 0.05, groups: int = 8,
-                 hold_power: float = 0.0):  # fmt: skip
+    def __init__(
+        self,
+        kl_coef: float,
+        target: float,
+        coef_min: float = 1e-4,
+        coef_max: float = 10.0,
+        approach_power: float = 0.75,
+        optimum=None,
+        drift: float = 0.05,
+        groups: int = 8,
+        hold_power: float = 0.0,
+    ):
         super().__init__(kl_coef, target, coef_min, coef_max, approach_power, optimum, hold_power=hold_power)
         self.drift, self.groups = float(drift), int(groups)
         self.variance = 1.0  # of log beta*, before any batch
@@ -325,9 +354,19 @@ class EquilibriumKalmanAdaptive(EquilibriumKalman):
     below the floor; an estimate that moves with the policy keeps the innovations on one side, their squares above
     what the filter expects, and the filter's variance open."""
 
-    def __init__(self, kl_coef: float, target: float, coef_min: float = 1e-4, coef_max: float = 10.0,
-                 approach_power: float = 0.75, optimum=None, drift: float = 0.05, groups: int = 8, window: int = 8,
-                 hold_power: float = 0.0):  # fmt: skip
+    def __init__(
+        self,
+        kl_coef: float,
+        target: float,
+        coef_min: float = 1e-4,
+        coef_max: float = 10.0,
+        approach_power: float = 0.75,
+        optimum=None,
+        drift: float = 0.05,
+        groups: int = 8,
+        window: int = 8,
+        hold_power: float = 0.0,
+    ):
         super().__init__(kl_coef, target, coef_min, coef_max, approach_power, optimum, drift, groups, hold_power)
         self.window = int(window)
         self.excess: list[float] = []

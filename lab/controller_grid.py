@@ -59,7 +59,6 @@ def run_cell(job: dict) -> dict:
     from klppo.kl.optimum import KLOptimum, kl_optimum_of
     from klppo.models import TINY_MODEL, resolve_model_path
     from klppo.testing.bandit import bandit_trainer, kl, one_token_state
-
     from lab import import_plugin
 
     if job.get("plugin"):  # a module that registers a controller or a guard of its own
@@ -74,9 +73,12 @@ def run_cell(job: dict) -> dict:
         target = kl(optimum.exact(state["ref"], state["reward"], BETA_STAR), state["ref"])
         steps, batch = job["steps"], job["batch"]
         overrides = dict(
-            kl_coef=job["start"] * BETA_STAR, max_steps=job.get("updates") or updates_for(job["lr"]),
+            kl_coef=job["start"] * BETA_STAR,
+            max_steps=job.get("updates") or updates_for(job["lr"]),
             learning_rate=job["lr"],
-            per_device_train_batch_size=batch // steps, num_mini_batches=steps, rollout_forward_batch_size=batch,
+            per_device_train_batch_size=batch // steps,
+            num_mini_batches=steps,
+            rollout_forward_batch_size=batch,
             seed=job["seed"],
         )
         if not job.get("fixed"):  # fixed jobs start at beta* (`cells((1.0,))`) and keep it
@@ -91,10 +93,17 @@ def run_cell(job: dict) -> dict:
         # None where the configured KL's optimum has no closed form (the target above then falls back to the tilt's)
         to_optimum = kl(end["logp"], known.exact(end["ref"], end["reward"], BETA_STAR)) if known else None
     logs = [h for h in trainer.state.log_history if "kl/coef" in h]
-    return {**job, "target": target, "beta_star": BETA_STAR, "optimum": optimum.describe(),
-            "kl_to_optimum": to_optimum, "kl": [h["kl/value"] for h in logs],
-            "beta": [h["kl/coef"] for h in logs], "guard": [h.get("kl/guard_fired", 0.0) for h in logs],
-            "guard_low": [h.get("kl/guard_low_fired", 0.0) for h in logs]}
+    return {
+        **job,
+        "target": target,
+        "beta_star": BETA_STAR,
+        "optimum": optimum.describe(),
+        "kl_to_optimum": to_optimum,
+        "kl": [h["kl/value"] for h in logs],
+        "beta": [h["kl/coef"] for h in logs],
+        "guard": [h.get("kl/guard_fired", 0.0) for h in logs],
+        "guard_low": [h.get("kl/guard_low_fired", 0.0) for h in logs],
+    }
 
 
 def summarise(run: dict) -> dict:
@@ -115,20 +124,28 @@ def start_label(start: float) -> str:
 
 
 def cells(starts=STARTS, lrs=LEARNING_RATES, batches=BATCHES):
-    return [dict(start=s, lr=lr, steps=k, batch=b)
-            for s, lr, k, b in itertools.product(starts, lrs, STEPS_PER_UPDATE, batches)]
+    return [
+        dict(start=s, lr=lr, steps=k, batch=b)
+        for s, lr, k, b in itertools.product(starts, lrs, STEPS_PER_UPDATE, batches)
+    ]
 
 
 def passes(s: dict) -> bool:
-    return (s["tracking_error"] <= BOUNDS["tracking_error"] and s["peak"] <= BOUNDS["peak"]
-            and 1 / BOUNDS["beta_ratio"] <= s["beta_ratio"] <= BOUNDS["beta_ratio"])
+    return (
+        s["tracking_error"] <= BOUNDS["tracking_error"]
+        and s["peak"] <= BOUNDS["peak"]
+        and 1 / BOUNDS["beta_ratio"] <= s["beta_ratio"] <= BOUNDS["beta_ratio"]
+    )
 
 
 def meets_strict(run: dict) -> bool:
     """Whether a run is within `STRICT`."""
     s, final = summarise(run), run["beta"][-1] / run["beta_star"]
-    return (s["tracking_error"] <= STRICT["tracking_error"] and s["peak"] <= STRICT["peak"]
-            and 1 / STRICT["final_beta"] <= final <= STRICT["final_beta"])
+    return (
+        s["tracking_error"] <= STRICT["tracking_error"]
+        and s["peak"] <= STRICT["peak"]
+        and 1 / STRICT["final_beta"] <= final <= STRICT["final_beta"]
+    )
 
 
 def meets_converged_bar(run: dict) -> bool | None:
@@ -148,8 +165,11 @@ def table(runs: list[dict]) -> str:
     for run in runs:
         key = (run["start"], run["lr"], run["steps"], run["batch"])
         groups.setdefault(key, []).append(summarise(run))
-    lines = ["| start | lr | steps/update | batch | seeds | tracking error | in band | peak KL / target "
-             "| geo-mean beta / beta* | every seed within bounds |", "|" + " --- |" * 10]
+    lines = [
+        "| start | lr | steps/update | batch | seeds | tracking error | in band | peak KL / target "
+        "| geo-mean beta / beta* | every seed within bounds |",
+        "|" + " --- |" * 10,
+    ]
     n_pass = 0
     for key in sorted(groups):
         rows = groups[key]
@@ -160,15 +180,20 @@ def table(runs: list[dict]) -> str:
             mean, se = mean_and_standard_error([r[name] for r in rows])
             cols.append(f"{mean:.2f} ± {se:.2f}" if len(rows) > 1 else f"{mean:.2f}")
         start = start_label(key[0])
-        lines.append(f"| {start} | {key[1]:g} | {key[2]} | {key[3]} | {len(rows)} | " + " | ".join(cols)
-                     + f" | {'yes' if ok else '**no**'} |")
+        lines.append(
+            f"| {start} | {key[1]:g} | {key[2]} | {key[3]} | {len(rows)} | "
+            + " | ".join(cols)
+            + f" | {'yes' if ok else '**no**'} |"
+        )
     worst = {name: max(summarise(r)[name] for r in runs) for name in ("tracking_error", "peak")}
     ratios = [summarise(r)["beta_ratio"] for r in runs]
     lines.append("")
-    lines.append(f"{n_pass} of {len(groups)} cells within bounds on every seed (tracking error <= "
-                 f"{BOUNDS['tracking_error']}, peak <= {BOUNDS['peak']}x, beta within x/{BOUNDS['beta_ratio']} of "
-                 f"beta*). Worst run: tracking error {worst['tracking_error']:.2f}, peak {worst['peak']:.2f}x, beta "
-                 f"{min(ratios):.2f}-{max(ratios):.2f} beta*.")
+    lines.append(
+        f"{n_pass} of {len(groups)} cells within bounds on every seed (tracking error <= "
+        f"{BOUNDS['tracking_error']}, peak <= {BOUNDS['peak']}x, beta within x/{BOUNDS['beta_ratio']} of "
+        f"beta*). Worst run: tracking error {worst['tracking_error']:.2f}, peak {worst['peak']:.2f}x, beta "
+        f"{min(ratios):.2f}-{max(ratios):.2f} beta*."
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -177,9 +202,11 @@ def overview(named: dict[str, list[dict]]) -> str:
     tracking error and share in band over the runs, the worst peak, the range of the geometric-mean beta, and cells
     within the strict bar (`STRICT`) on every seed, and within the converged bar (`meets_converged_bar`; "-" for runs
     recorded without KL(pi || pi*))."""
-    lines = ["| variant | cells within bounds | mean tracking error | mean in band | worst peak KL / target "
-             "| geo-mean beta / beta* | cells within the strict bar | cells within the converged bar |",
-             "|" + " --- |" * 8]
+    lines = [
+        "| variant | cells within bounds | mean tracking error | mean in band | worst peak KL / target "
+        "| geo-mean beta / beta* | cells within the strict bar | cells within the converged bar |",
+        "|" + " --- |" * 8,
+    ]
     for name, runs in named.items():
         groups: dict[tuple, list[dict]] = {}
         for run in runs:
@@ -188,24 +215,30 @@ def overview(named: dict[str, list[dict]]) -> str:
         ok = sum(all(passes(summarise(r)) for r in g) for g in groups.values())
         strict = sum(all(meets_strict(r) for r in g) for g in groups.values())
         verdicts = [[meets_converged_bar(r) for r in g] for g in groups.values()]
-        converged = ("-" if any(v is None for g in verdicts for v in g)
-                     else f"{sum(all(g) for g in verdicts)} of {len(groups)}")
+        converged = (
+            "-" if any(v is None for g in verdicts for v in g) else f"{sum(all(g) for g in verdicts)} of {len(groups)}"
+        )
         ratios = [r["beta_ratio"] for r in rows]
-        lines.append(f"| {name} | {ok} of {len(groups)} | {sum(r['tracking_error'] for r in rows) / len(rows):.3f} | "
-                     f"{sum(r['in_band'] for r in rows) / len(rows):.2f} | {max(r['peak'] for r in rows):.2f} | "
-                     f"{min(ratios):.2f}-{max(ratios):.2f} | {strict} of {len(groups)} | {converged} |")
+        lines.append(
+            f"| {name} | {ok} of {len(groups)} | {sum(r['tracking_error'] for r in rows) / len(rows):.3f} | "
+            f"{sum(r['in_band'] for r in rows) / len(rows):.2f} | {max(r['peak'] for r in rows):.2f} | "
+            f"{min(ratios):.2f}-{max(ratios):.2f} | {strict} of {len(groups)} | {converged} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def paired(named: dict[str, list[dict]]) -> str:
     """Markdown: each variant against the first one named, paired by cell and seed: the mean and standard error of
     the difference in second-half tracking error and in share in band (variant minus the first), over the pairs."""
+
     def keyed(runs):
         return {(r["start"], r["lr"], r["steps"], r["batch"], r["seed"]): summarise(r) for r in runs}
 
     (base_name, base), *others = [(name, keyed(runs)) for name, runs in named.items()]
-    lines = [f"| variant | pairs | tracking error minus {base_name}'s | in band minus {base_name}'s |",
-             "|" + " --- |" * 4]
+    lines = [
+        f"| variant | pairs | tracking error minus {base_name}'s | in band minus {base_name}'s |",
+        "|" + " --- |" * 4,
+    ]
     for name, runs in others:
         keys = sorted(set(runs) & set(base))
         cols = []
@@ -222,19 +255,23 @@ def tracking_error_bound(run: dict, target: float | None = None) -> float:
     finite readings of max(0, 1 - KL / target) (``target``: the run's own, or another's, e.g. the lower one of `k3` in
     the loss)."""
     kls, target = run["kl"], run["target"] if target is None else target
-    second = [k for k in kls[len(kls) // 2:] if math.isfinite(k)]
+    second = [k for k in kls[len(kls) // 2 :] if math.isfinite(k)]
     return sum(max(0.0, 1 - k / target) for k in second) / len(second) if second else float("nan")
 
 
 def envelope(runs: list[dict]) -> str:
     """Markdown: for runs at a fixed, tiny beta, per run the first update whose KL reaches 0.8x the target and
     `tracking_error_bound`."""
-    lines = ["| cell (lr, steps, batch) | seed | first update at 0.8x the target | tracking error bound |",
-             "|" + " --- |" * 4]
+    lines = [
+        "| cell (lr, steps, batch) | seed | first update at 0.8x the target | tracking error bound |",
+        "|" + " --- |" * 4,
+    ]
     for run in sorted(runs, key=lambda r: (r["lr"], r["steps"], r["batch"], r["seed"])):
         first = next((i + 1 for i, k in enumerate(run["kl"]) if k >= 0.8 * run["target"]), None)
-        lines.append(f"| {run['lr']:g}, {run['steps']}, {run['batch']} | {run['seed']} | {first} "
-                     f"| {tracking_error_bound(run):.3f} |")
+        lines.append(
+            f"| {run['lr']:g}, {run['steps']}, {run['batch']} | {run['seed']} | {first} "
+            f"| {tracking_error_bound(run):.3f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -248,8 +285,11 @@ def against_envelope(envelope_runs: list[dict], runs: list[dict]) -> str:
     part of its tracking error a controller could still remove) and whether it is within `STRICT`'s tracking error.
     Runs above that bar whose cell, seed or length the envelope lacks are counted below the table."""
     fixed = {_envelope_key(r): r for r in envelope_runs}
-    lines = ["| cell (lr, steps, batch) | start | seed | tracking error | bound | excess | within "
-             f"{STRICT['tracking_error']} |", "|" + " --- |" * 7]
+    lines = [
+        "| cell (lr, steps, batch) | start | seed | tracking error | bound | excess | within "
+        f"{STRICT['tracking_error']} |",
+        "|" + " --- |" * 7,
+    ]
     missing = 0
     for run in sorted(runs, key=lambda r: (r["lr"], r["steps"], r["batch"], r["start"], r["seed"])):
         error = summarise(run)["tracking_error"]
@@ -260,11 +300,14 @@ def against_envelope(envelope_runs: list[dict], runs: list[dict]) -> str:
             continue
         bound = tracking_error_bound(envelope_run, run["target"])
         start = start_label(run["start"])
-        lines.append(f"| {run['lr']:g}, {run['steps']}, {run['batch']} | {start} | {run['seed']} | {error:.3f} "
-                     f"| {bound:.3f} | {error - bound:+.3f} | {'yes' if within else '**no**'} |")
+        lines.append(
+            f"| {run['lr']:g}, {run['steps']}, {run['batch']} | {start} | {run['seed']} | {error:.3f} "
+            f"| {bound:.3f} | {error - bound:+.3f} | {'yes' if within else '**no**'} |"
+        )
     if missing:
-        lines.append(f"\n{missing} run(s) above {STRICT['tracking_error']} in cells, seeds or lengths the envelope did "
-                     "not run.")
+        lines.append(
+            f"\n{missing} run(s) above {STRICT['tracking_error']} in cells, seeds or lengths the envelope did not run."
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -277,8 +320,12 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--out", type=Path)
     parser.add_argument("--kwargs", type=json.loads, default=None, help="kl_controller_kwargs, as JSON")
-    parser.add_argument("--config", type=json.loads, default=None,
-                        help="other KLPPOConfig fields, as JSON (experimental settings under `experimental`)")
+    parser.add_argument(
+        "--config",
+        type=json.loads,
+        default=None,
+        help="other KLPPOConfig fields, as JSON (experimental settings under `experimental`)",
+    )
     parser.add_argument("--fixed", action="store_true", help="fixed beta* instead of a target (the reference)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--updates", type=int, default=None, help="updates per run (default: updates_for(lr))")
@@ -287,15 +334,24 @@ def main() -> None:
     parser.add_argument("--lrs", type=float, nargs="+", default=list(LEARNING_RATES), help="the grid's learning rates")
     parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES), help="the grid's rollout batches")
     parser.add_argument("--table", type=Path, nargs="+", help="print the table of finished grid files and exit")
-    parser.add_argument("--overview", nargs="+", metavar="NAME=FILE[,FILE]",
-                        help="print one row per named variant (ablations) and exit")
-    parser.add_argument("--envelope", type=Path, nargs="+",
-                        help="print, for fixed tiny-beta runs, how soon the KL can arrive, and exit")
-    parser.add_argument("--against", type=Path, nargs="+",
-                        help="with --envelope: each run of these grid files whose cell, seed and length the envelope "
-                             "ran, beside the bound on it")
-    parser.add_argument("--paired", action="store_true",
-                        help="with --overview: also each variant against the first, paired by cell and seed")
+    parser.add_argument(
+        "--overview", nargs="+", metavar="NAME=FILE[,FILE]", help="print one row per named variant (ablations) and exit"
+    )
+    parser.add_argument(
+        "--envelope", type=Path, nargs="+", help="print, for fixed tiny-beta runs, how soon the KL can arrive, and exit"
+    )
+    parser.add_argument(
+        "--against",
+        type=Path,
+        nargs="+",
+        help="with --envelope: each run of these grid files whose cell, seed and length the envelope "
+        "ran, beside the bound on it",
+    )
+    parser.add_argument(
+        "--paired",
+        action="store_true",
+        help="with --overview: also each variant against the first, paired by cell and seed",
+    )
     args = parser.parse_args()
     if args.against and not args.envelope:
         parser.error("--against sets grid runs beside an envelope: give the envelope's runs with --envelope FILE")
@@ -313,16 +369,30 @@ def main() -> None:
         named = {}
         for item in args.overview:
             name, files = item.split("=", 1)
-            named[name] = [run for f in files.split(",") for run in _read(Path(f))
-                           if all(run[k] == v for k, v in (args.only or {}).items())]
+            named[name] = [
+                run
+                for f in files.split(",")
+                for run in _read(Path(f))
+                if all(run[k] == v for k, v in (args.only or {}).items())
+            ]
         print(overview(named), end="")
         if args.paired:
             print("\n" + paired(named), end="")
         return
-    jobs = [dict(cell, seed=seed, kwargs=args.kwargs, config=args.config, fixed=args.fixed, plugin=args.plugin,
-                 updates=args.updates)
-            for cell in cells((1.0,) if args.fixed else STARTS, args.lrs, args.batches) for seed in args.seeds
-            if all(cell[k] == v for k, v in (args.only or {}).items())]
+    jobs = [
+        dict(
+            cell,
+            seed=seed,
+            kwargs=args.kwargs,
+            config=args.config,
+            fixed=args.fixed,
+            plugin=args.plugin,
+            updates=args.updates,
+        )
+        for cell in cells((1.0,) if args.fixed else STARTS, args.lrs, args.batches)
+        for seed in args.seeds
+        if all(cell[k] == v for k, v in (args.only or {}).items())
+    ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     runs = []
     with multiprocessing.get_context("spawn").Pool(args.workers) as pool, args.out.open("w") as f:

@@ -35,11 +35,12 @@ def summarise(folder: Path) -> dict:
     return {
         "reward_last5": mean(logs[-5:], "objective/scores"),
         "kl_ratio": mean(half, "kl/value") / logs[0]["kl/target"],
-        "value_loss_early": mean(trained[:10], "loss/value"), "value_loss_late": mean(half, "loss/value"),
+        "value_loss_early": mean(trained[:10], "loss/value"),
+        "value_loss_late": mean(half, "loss/value"),
         "explained_early": mean(trained[:10], "val/explained_variance"),
         "explained_late": mean(half, "val/explained_variance"),
         "passed": bool(verdict["learned"] and verdict["kl_held"] and verdict["perplexity_kept"]),
-    }  # fmt: skip
+    }
 
 
 def runs(out: Path) -> dict[str, dict]:

@@ -46,7 +46,11 @@ def summarise(folder: Path, segment: int) -> dict:
 
 
 def runs(folder: Path, segment: int) -> dict[str, dict]:
-    return {p.name.split("_seed")[1]: summarise(p, segment) for p in sorted(folder.iterdir()) if (p / "summary.json").exists()}
+    return {
+        p.name.split("_seed")[1]: summarise(p, segment)
+        for p in sorted(folder.iterdir())
+        if (p / "summary.json").exists()
+    }
 
 
 def table(base: Path, other: Path, segment: int) -> str:

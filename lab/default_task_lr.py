@@ -32,8 +32,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # runs scripts/train.py (from the repository root, so that `lab` imports) after importing a module that registers
 # a controller or a guard of its own
-_WITH_PLUGIN = ("import runpy, sys; from lab import import_plugin; import_plugin(sys.argv[1]); "
-                "sys.argv = sys.argv[2:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+_WITH_PLUGIN = (
+    "import runpy, sys; from lab import import_plugin; import_plugin(sys.argv[1]); "
+    "sys.argv = sys.argv[2:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+)
 
 
 def run(lr: str, seed: int, out: Path, extra: list[str], plugin: str | None = None) -> None:
@@ -41,9 +43,23 @@ def run(lr: str, seed: int, out: Path, extra: list[str], plugin: str | None = No
     if (dest / "summary.json").exists():
         return
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, str(ROOT / "scripts/train.py"), "--config", str(ROOT / "configs/default.yaml"),
-               "--learning_rate", lr, "--seed", str(seed), "--output_dir", tmp, "--report_to", "none",
-               "--save_strategy", "no", *extra]
+        cmd = [
+            sys.executable,
+            str(ROOT / "scripts/train.py"),
+            "--config",
+            str(ROOT / "configs/default.yaml"),
+            "--learning_rate",
+            lr,
+            "--seed",
+            str(seed),
+            "--output_dir",
+            tmp,
+            "--report_to",
+            "none",
+            "--save_strategy",
+            "no",
+            *extra,
+        ]
         if plugin:
             cmd = [sys.executable, "-c", _WITH_PLUGIN, plugin, *cmd[1:]]
         env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -59,12 +75,16 @@ def summarise(folder: Path) -> dict:
     logs = [h for h in history if "kl/value" in h]
     kls = [h["kl/value"] for h in logs]
     stats = tracking_stats(kls, logs[0]["kl/target"])
-    betas = [h["kl/coef"] for h in logs][len(kls) // 2:]
+    betas = [h["kl/coef"] for h in logs][len(kls) // 2 :]
     verdict = json.loads((folder / "summary.json").read_text())["verdict"]
-    return {"tracking_error": stats.error, "in_band": stats.in_band,
-            "peak": stats.peak_ratio, "beta": math.exp(sum(map(math.log, betas)) / len(betas)),
-            "passed": bool(verdict["learned"] and verdict["kl_held"] and verdict["perplexity_kept"]),
-            "reward_rise": verdict["reward_rise"]}
+    return {
+        "tracking_error": stats.error,
+        "in_band": stats.in_band,
+        "peak": stats.peak_ratio,
+        "beta": math.exp(sum(map(math.log, betas)) / len(betas)),
+        "passed": bool(verdict["learned"] and verdict["kl_held"] and verdict["perplexity_kept"]),
+        "reward_rise": verdict["reward_rise"],
+    }
 
 
 def table(out: Path, seeds: list[int], lrs: Optional[list[str]] = None) -> str:
@@ -75,8 +95,11 @@ def table(out: Path, seeds: list[int], lrs: Optional[list[str]] = None) -> str:
         if int(seed) not in seeds or (lrs is not None and float(lr) not in map(float, lrs)):
             continue
         groups.setdefault(lr, []).append(summarise(folder))
-    lines = ["| LoRA lr | seeds | tracking error | in band | peak KL / target | geo-mean beta | reward rise "
-             "| verdict PASS |", "|" + " --- |" * 8]
+    lines = [
+        "| LoRA lr | seeds | tracking error | in band | peak KL / target | geo-mean beta | reward rise "
+        "| verdict PASS |",
+        "|" + " --- |" * 8,
+    ]
     for lr in sorted(groups, key=float):
         rows = groups[lr]
         cols = []
@@ -93,10 +116,15 @@ def main() -> None:
     parser.add_argument("--lrs", nargs="+", default=["1e-4", "2.5e-4", "5e-4"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--table", action="store_true",
-                        help="print the table of the finished runs of --lrs and --seeds in --out and exit")
-    parser.add_argument("--plugin", help="a module to import first, the lab's by its short name (one that registers "
-                                         "a controller or a guard)")
+    parser.add_argument(
+        "--table",
+        action="store_true",
+        help="print the table of the finished runs of --lrs and --seeds in --out and exit",
+    )
+    parser.add_argument(
+        "--plugin",
+        help="a module to import first, the lab's by its short name (one that registers a controller or a guard)",
+    )
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != "--"]
     if not args.table:

@@ -48,8 +48,11 @@ def main() -> None:
     for size in args.sizes:
         x = estimates(size, args.batches)
         q = [float(x.quantile(p)) for p in (0.05, 0.25, 0.5, 0.75, 0.95)]
-        print(f"| {size} | {float(x.mean()):+.3f} ± {float(x.std() / len(x) ** 0.5):.3f} | {float(x.std()):.2f} | "
-              + " | ".join(f"{v:+.2f}" for v in q) + " |")
+        print(
+            f"| {size} | {float(x.mean()):+.3f} ± {float(x.std() / len(x) ** 0.5):.3f} | {float(x.std()):.2f} | "
+            + " | ".join(f"{v:+.2f}" for v in q)
+            + " |"
+        )
 
 
 if __name__ == "__main__":

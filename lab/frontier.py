@@ -47,7 +47,7 @@ def main(argv=None) -> None:
     parser.add_argument("--arm", required=True, help="summary.json:arm of the controlled arm")
     parser.add_argument("--fixed", required=True, nargs="+", help="summary.json:arm1,arm2 of fixed-beta arms")
     args = parser.parse_args(argv)
-    (name, arm), = per_seed(args.arm).items()
+    ((name, arm),) = per_seed(args.arm).items()
     fixed = {}
     for spec in args.fixed:
         fixed.update(per_seed(spec))
@@ -59,8 +59,10 @@ def main(argv=None) -> None:
         at = reward_at(points, kl_of(m))
         diffs.append(m["final_reward"] - at)
         shown = ", ".join(f"{k:.2f} nats: {r:.3f}" for k, r in sorted(points))
-        print(f"seed {seed}: {name} KL {kl_of(m):.2f}, reward {m['final_reward']:.3f}; fixed ({shown}) -> "
-              f"{at:.3f} at equal KL; difference {diffs[-1]:+.3f}")  # fmt: skip
+        print(
+            f"seed {seed}: {name} KL {kl_of(m):.2f}, reward {m['final_reward']:.3f}; fixed ({shown}) -> "
+            f"{at:.3f} at equal KL; difference {diffs[-1]:+.3f}"
+        )
     if len(diffs) == 1:
         print(f"{name} minus fixed at equal KL: {diffs[0]:+.3f} (1 seed: no standard error)")
     elif diffs:

@@ -90,9 +90,18 @@ def fit(series, start: int) -> dict:
     sigma = float(math.sqrt(resid @ resid / dof))
     se = np.sqrt(np.diag(np.linalg.inv(x.T @ x)) * sigma**2)
     a, b, c = (float(v) for v in coef)
-    return {"a": a, "b": b, "c": c, "se": [float(v) for v in se], "sigma": sigma, "n": len(y),
-            "r2": float(1 - resid.var() / y.var()), "sensitivity": -c / b, "persistence": 1 + b,
-            "residual_autocorrelation": autocorr}
+    return {
+        "a": a,
+        "b": b,
+        "c": c,
+        "se": [float(v) for v in se],
+        "sigma": sigma,
+        "n": len(y),
+        "r2": float(1 - resid.var() / y.var()),
+        "sensitivity": -c / b,
+        "persistence": 1 + b,
+        "residual_autocorrelation": autocorr,
+    }
 
 
 def floor(sd: float, band: float, n: int = 200_000) -> dict:
@@ -102,9 +111,22 @@ def floor(sd: float, band: float, n: int = 200_000) -> dict:
     return {"sd_log": sd, "tracking_error": stats.error, "in_band": stats.in_band}
 
 
-def simulate(model: dict, target: float, settings: dict, guard, updates: int, seed: int, mini_batches: int,
-             guard_noise: float, reading_noise: float, kl_coef: float, ramp: float, band: float,
-             same_update: bool = False, low=None) -> tuple:
+def simulate(
+    model: dict,
+    target: float,
+    settings: dict,
+    guard,
+    updates: int,
+    seed: int,
+    mini_batches: int,
+    guard_noise: float,
+    reading_noise: float,
+    kl_coef: float,
+    ramp: float,
+    band: float,
+    same_update: bool = False,
+    low=None,
+) -> tuple:
     """One simulated run: the first updates ramp the KL up linearly whatever beta is (the policy leaving the
     reference), then the fitted model; returns (tracking error, share in band, share of mini-batch steps taken)
     over the second half. ``same_update``: beta is set from the reading before that update's step (one update
@@ -167,20 +189,49 @@ def grid(model: dict, args) -> list[dict]:
     for same_update in (False, True):
         for kp, ki, lookahead, smoothing, guard in itertools.product(*GRID.values()):
             settings = dict(kp=kp, ki=ki, lookahead=lookahead, smoothing=smoothing, startup_rate=0.075 / ki)
-            results = np.array([
-                simulate(model, args.target, settings, guard, args.updates, seed, args.mini_batches, args.guard_noise,
-                         args.reading_noise, args.kl_coef, args.ramp, args.band, same_update)
-                for seed in range(args.sims)
-            ])
-            rows.append({"kp": kp, "ki": ki, "lookahead": lookahead, "smoothing": smoothing, "guard_margin": guard,
-                         "same_update": same_update, "tracking_error": float(results[:, 0].mean()),
-                         "in_band": float(results[:, 1].mean())})
+            results = np.array(
+                [
+                    simulate(
+                        model,
+                        args.target,
+                        settings,
+                        guard,
+                        args.updates,
+                        seed,
+                        args.mini_batches,
+                        args.guard_noise,
+                        args.reading_noise,
+                        args.kl_coef,
+                        args.ramp,
+                        args.band,
+                        same_update,
+                    )
+                    for seed in range(args.sims)
+                ]
+            )
+            rows.append(
+                {
+                    "kp": kp,
+                    "ki": ki,
+                    "lookahead": lookahead,
+                    "smoothing": smoothing,
+                    "guard_margin": guard,
+                    "same_update": same_update,
+                    "tracking_error": float(results[:, 0].mean()),
+                    "in_band": float(results[:, 1].mean()),
+                }
+            )
     return sorted(rows, key=lambda r: r["tracking_error"])
 
 
 # --grid: the tracking controller's gains (the shipped ones are kp 0.3, ki 0.1, lookahead 2, smoothing 0.3, guard 0)
-GRID = {"kp": (0.1, 0.3, 0.5), "ki": (0.05, 0.1, 0.2), "lookahead": (0.0, 1.0, 2.0), "smoothing": (0.3, 0.6, 1.0),
-        "guard": (0.0, None)}
+GRID = {
+    "kp": (0.1, 0.3, 0.5),
+    "ki": (0.05, 0.1, 0.2),
+    "lookahead": (0.0, 1.0, 2.0),
+    "smoothing": (0.3, 0.6, 1.0),
+    "guard": (0.0, None),
+}
 
 
 def main(argv=None) -> None:
@@ -192,16 +243,27 @@ def main(argv=None) -> None:
     parser.add_argument("--updates", type=int, default=36, help="simulated run length (default 36)")
     parser.add_argument("--sims", type=int, default=300, help="simulated runs per setting (default 300)")
     parser.add_argument("--mini-batches", type=int, default=4)
-    parser.add_argument("--guard-noise", type=float, default=0.05,
-                        help="relative noise of the guard's KL estimate (default 0.05: the rollout's `full` reading "
-                             "plus a change measured on the same tokens; 0.24 models k1 over 8 sequences alone)")
-    parser.add_argument("--reading-noise", type=float, default=0.0,
-                        help="relative noise added to the simulated readings (default 0: sigma was fitted on readings, "
-                             "so it already holds their noise, about 0.04 for `full` over 32 sequences)")
+    parser.add_argument(
+        "--guard-noise",
+        type=float,
+        default=0.05,
+        help="relative noise of the guard's KL estimate (default 0.05: the rollout's `full` reading "
+        "plus a change measured on the same tokens; 0.24 models k1 over 8 sequences alone)",
+    )
+    parser.add_argument(
+        "--reading-noise",
+        type=float,
+        default=0.0,
+        help="relative noise added to the simulated readings (default 0: sigma was fitted on readings, "
+        "so it already holds their noise, about 0.04 for `full` over 32 sequences)",
+    )
     parser.add_argument("--kl-coef", type=float, default=0.07, help="initial beta of the simulated runs")
     parser.add_argument("--ramp", type=float, default=0.25, help="start-up KL rise per update, nats (default 0.25)")
-    parser.add_argument("--grid", action="store_true",
-                        help="also simulate every combination of gains in GRID, in both orders (see grid())")
+    parser.add_argument(
+        "--grid",
+        action="store_true",
+        help="also simulate every combination of gains in GRID, in both orders (see grid())",
+    )
     parser.add_argument("--out", help="write the report here (JSON)")
     args = parser.parse_args(argv)
 
@@ -214,44 +276,83 @@ def main(argv=None) -> None:
     }
     sims = {}
     for name, (settings, guard, *low) in SETTINGS.items():
-        results = np.array([
-            simulate(model, args.target, settings, guard, args.updates, seed, args.mini_batches, args.guard_noise,
-                     args.reading_noise, args.kl_coef, args.ramp, args.band, low=low[0] if low else None)
-            for seed in range(args.sims)
-        ])
+        results = np.array(
+            [
+                simulate(
+                    model,
+                    args.target,
+                    settings,
+                    guard,
+                    args.updates,
+                    seed,
+                    args.mini_batches,
+                    args.guard_noise,
+                    args.reading_noise,
+                    args.kl_coef,
+                    args.ramp,
+                    args.band,
+                    low=low[0] if low else None,
+                )
+                for seed in range(args.sims)
+            ]
+        )
         mean, se = results.mean(0), results.std(0, ddof=1) / math.sqrt(len(results))
-        sims[name] = {"settings": settings, "guard_margin": guard, "guard_low_margin": low[0] if low else None, "tracking_error": float(mean[0]),
-                      "tracking_error_se": float(se[0]), "in_band": float(mean[1]), "steps_taken": float(mean[2])}
+        sims[name] = {
+            "settings": settings,
+            "guard_margin": guard,
+            "guard_low_margin": low[0] if low else None,
+            "tracking_error": float(mean[0]),
+            "tracking_error_se": float(se[0]),
+            "in_band": float(mean[1]),
+            "steps_taken": float(mean[2]),
+        }
 
-    print(f"fit over {model['n']} update pairs: dlogKL = {model['a']:.3f} {model['b']:+.3f} logKL "
-          f"{model['c']:+.3f} log beta  (SE {', '.join(f'{s:.3f}' for s in model['se'])}), "
-          f"sigma {model['sigma']:.3f}, R^2 {model['r2']:.2f}")
-    print(f"sensitivity dlogKL/dlog beta = {model['sensitivity']:.2f}; persistence per update = {phi:.2f}; "
-          f"lag-1 autocorrelation of the residuals {model['residual_autocorrelation']:+.2f}")
+    print(
+        f"fit over {model['n']} update pairs: dlogKL = {model['a']:.3f} {model['b']:+.3f} logKL "
+        f"{model['c']:+.3f} log beta  (SE {', '.join(f'{s:.3f}' for s in model['se'])}), "
+        f"sigma {model['sigma']:.3f}, R^2 {model['r2']:.2f}"
+    )
+    print(
+        f"sensitivity dlogKL/dlog beta = {model['sensitivity']:.2f}; persistence per update = {phi:.2f}; "
+        f"lag-1 autocorrelation of the residuals {model['residual_autocorrelation']:+.2f}"
+    )
     print("\nfloors (second-half mean |KL/target - 1|, share in band):")
     for name, f in floors.items():
         print(f"  {name}: sd {f['sd_log']:.3f} -> error {f['tracking_error']:.3f}, in band {f['in_band']:.0%}")
     print(f"\nsimulated {args.updates}-update runs ({args.sims} each):")
     for name, s in sims.items():
-        print(f"  {name}: error {s['tracking_error']:.3f} +- {s['tracking_error_se']:.3f}, in band "
-              f"{s['in_band']:.0%}, mini-batch steps taken {s['steps_taken']:.0%}")
+        print(
+            f"  {name}: error {s['tracking_error']:.3f} +- {s['tracking_error_se']:.3f}, in band "
+            f"{s['in_band']:.0%}, mini-batch steps taken {s['steps_taken']:.0%}"
+        )
     swept = grid(model, args) if args.grid else None
     if swept:
         print(f"\ngrid ({len(swept)} settings, {args.sims} runs each), best 5 and the shipped gains, in each order:")
         for same_update in (False, True):
             rows = [r for r in swept if r["same_update"] == same_update]
-            shipped = [r for r in rows if (r["kp"], r["ki"], r["lookahead"], r["smoothing"], r["guard_margin"])
-                       == (0.3, 0.1, 2.0, 0.3, 0.0)]
+            shipped = [
+                r
+                for r in rows
+                if (r["kp"], r["ki"], r["lookahead"], r["smoothing"], r["guard_margin"]) == (0.3, 0.1, 2.0, 0.3, 0.0)
+            ]
             print(f"  {'beta set from the same update' if same_update else 'klppo order'}:")
             for r in rows[:5] + shipped:
-                print(f"    kp {r['kp']}, ki {r['ki']}, lookahead {r['lookahead']}, smoothing {r['smoothing']}, guard "
-                      f"{r['guard_margin']}: error {r['tracking_error']:.3f}, in band {r['in_band']:.0%}"
-                      + ("  (shipped gains)" if r in shipped else ""))
+                print(
+                    f"    kp {r['kp']}, ki {r['ki']}, lookahead {r['lookahead']}, smoothing {r['smoothing']}, guard "
+                    f"{r['guard_margin']}: error {r['tracking_error']:.3f}, in band {r['in_band']:.0%}"
+                    + ("  (shipped gains)" if r in shipped else "")
+                )
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        report = {"command": "python -m lab.plant_model " + " ".join(argv if argv is not None else sys.argv[1:]),
-                  "model": model, "floors": floors, "simulated": sims, "grid": swept,
-                  "settings": {k: v for k, v in vars(args).items() if k not in ("runs", "out")}, "runs": args.runs}
+        report = {
+            "command": "python -m lab.plant_model " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "model": model,
+            "floors": floors,
+            "simulated": sims,
+            "grid": swept,
+            "settings": {k: v for k, v in vars(args).items() if k not in ("runs", "out")},
+            "runs": args.runs,
+        }
         with open(args.out, "w") as fh:
             json.dump(report, fh, indent=1)
 

@@ -30,7 +30,10 @@ CORNERS = {  # as the speed grid's: updates per segment at each corner
     "slow": dict(learning_rate=3e-4, per_device_train_batch_size=32, num_mini_batches=1, segment=400),
     "fast": dict(learning_rate=3e-3, per_device_train_batch_size=32, num_mini_batches=4, segment=120),
 }
-KL_SETTINGS = {"k1-reward": dict(kl_mode="reward", kl_estimator="k1"), "k2-loss": dict(kl_mode="loss", kl_estimator="k2")}
+KL_SETTINGS = {
+    "k1-reward": dict(kl_mode="reward", kl_estimator="k1"),
+    "k2-loss": dict(kl_mode="loss", kl_estimator="k2"),
+}
 STARTS = (0.2, 5.0)
 TARGET_BETA = 1.0  # the target is the KL of this coefficient's optimum in the first segment
 BOUNDS = {"error": 0.2, "peak": 2.0}
@@ -57,15 +60,29 @@ def run(job: dict) -> dict:
         state = one_token_state(bandit_trainer(tiny, Path(tmp), max_steps=1))
         target = kl(tilted(state["ref"], state["reward"], TARGET_BETA), state["ref"])
         trainer = bandit_trainer(
-            tiny, Path(tmp), kl_target=target, kl_coef=job["start"] * TARGET_BETA, seed=job["seed"],
-            rollout_forward_batch_size=128, max_steps=segment * job["segments"], ref_reset_steps=segment,
-            **KL_SETTINGS[job["setting"]], **corner, **controller,
-        )  # fmt: skip
+            tiny,
+            Path(tmp),
+            kl_target=target,
+            kl_coef=job["start"] * TARGET_BETA,
+            seed=job["seed"],
+            rollout_forward_batch_size=128,
+            max_steps=segment * job["segments"],
+            ref_reset_steps=segment,
+            **KL_SETTINGS[job["setting"]],
+            **corner,
+            **controller,
+        )
         trainer.train()
     logs = [h for h in trainer.state.log_history if "kl/value" in h]
-    return {**job, "target": target, "segment_updates": segment, "controller": trainer.args.kl_controller,
-            "kl": [h["kl/value"] for h in logs], "beta": [h["kl/coef"] for h in logs],
-            "resets": [int(h["kl/reference_resets"]) for h in logs]}  # fmt: skip
+    return {
+        **job,
+        "target": target,
+        "segment_updates": segment,
+        "controller": trainer.args.kl_controller,
+        "kl": [h["kl/value"] for h in logs],
+        "beta": [h["kl/coef"] for h in logs],
+        "resets": [int(h["kl/reference_resets"]) for h in logs],
+    }
 
 
 def segments(record: dict) -> list[dict]:
@@ -79,8 +96,10 @@ def segments(record: dict) -> list[dict]:
 
 
 def table(records: list[dict]) -> str:
-    lines = ["| KL | corner | start (beta / 1.0) | segment | seeds | tracking error, 2nd half | peak / target | within bounds |",
-             "|" + " --- |" * 8]  # fmt: skip
+    lines = [
+        "| KL | corner | start (beta / 1.0) | segment | seeds | tracking error, 2nd half | peak / target | within bounds |",
+        "|" + " --- |" * 8,
+    ]
     groups: dict[tuple, list[dict]] = {}
     for record in records:
         for seg in segments(record):
@@ -92,10 +111,14 @@ def table(records: list[dict]) -> str:
         peak, peak_se = mean_and_standard_error([r["peak"] for r in rows])
         ok = all(r["error"] <= BOUNDS["error"] and r["peak"] <= BOUNDS["peak"] for r in rows)
         passed += ok
-        lines.append(f"| {setting} | {corner} | {start:g} | {segment} | {len(rows)} | {error:.3f} ± {error_se:.3f} | "
-                     f"{peak:.2f} ± {peak_se:.2f} | {'yes' if ok else 'no'} |")  # fmt: skip
-    lines.append(f"\n{passed} of {len(groups)} (KL, corner, start, segment) groups within bounds on every seed "
-                 f"(second-half tracking error <= {BOUNDS['error']}, peak <= {BOUNDS['peak']}x).")  # fmt: skip
+        lines.append(
+            f"| {setting} | {corner} | {start:g} | {segment} | {len(rows)} | {error:.3f} ± {error_se:.3f} | "
+            f"{peak:.2f} ± {peak_se:.2f} | {'yes' if ok else 'no'} |"
+        )
+    lines.append(
+        f"\n{passed} of {len(groups)} (KL, corner, start, segment) groups within bounds on every seed "
+        f"(second-half tracking error <= {BOUNDS['error']}, peak <= {BOUNDS['peak']}x)."
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -109,17 +132,31 @@ def main(argv=None) -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--controller", default=None, help="kl_controller for every run (default: klppo's default)")
     parser.add_argument("--plugin", default=None, help="a module to import first (one that registers a controller)")
-    parser.add_argument("--experimental", type=json.loads, default=None,
-                        help='JSON: experimental settings for every run, e.g. \'{"kl_guard": true}\'')
+    parser.add_argument(
+        "--experimental",
+        type=json.loads,
+        default=None,
+        help="JSON: experimental settings for every run, e.g. '{\"kl_guard\": true}'",
+    )
     parser.add_argument("--out", default=None, help="JSONL of the runs")
     parser.add_argument("--table", default=None, help="print the table of a JSONL instead of running")
     args = parser.parse_args(argv)
     if args.table:
         print(table([json.loads(line) for line in Path(args.table).read_text().splitlines() if line.strip()]))
         return
-    jobs = [{"setting": k, "corner": c, "start": s, "seed": seed, "segments": args.segments,
-             "controller": args.controller, "plugin": args.plugin, "experimental": args.experimental}
-            for k, c, s, seed in itertools.product(args.kl, args.corners, args.starts, args.seeds)]  # fmt: skip
+    jobs = [
+        {
+            "setting": k,
+            "corner": c,
+            "start": s,
+            "seed": seed,
+            "segments": args.segments,
+            "controller": args.controller,
+            "plugin": args.plugin,
+            "experimental": args.experimental,
+        }
+        for k, c, s, seed in itertools.product(args.kl, args.corners, args.starts, args.seeds)
+    ]
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
         records = list(pool.map(run, jobs))
     if args.out:

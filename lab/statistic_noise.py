@@ -29,8 +29,16 @@ from klppo.models import resolve_model_path
 @torch.no_grad()
 def measure(model, tokenizer, prompts: list[str], temperature: float, length: int) -> dict:
     enc = tokenizer(prompts, return_tensors="pt", padding=True)
-    out = model.generate(**enc, do_sample=True, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=length,
-                         min_new_tokens=length, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    out = model.generate(
+        **enc,
+        do_sample=True,
+        temperature=temperature,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=length,
+        min_new_tokens=length,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     width = enc.input_ids.shape[1]
     responses = out[:, width:]
     attention = torch.cat([enc.attention_mask, torch.ones_like(responses)], dim=1)
@@ -61,8 +69,10 @@ def main(argv=None) -> None:
         r = {"temperature": t, **measure(model, tokenizer, prompts, t, args.length)}
         for name in ("k1", "full"):
             r[name]["reading_rel_error"] = r[name]["std"] / math.sqrt(args.batch) / r[name]["mean"]
-            print(f"temperature {t}: {name:4s} mean {r[name]['mean']:.2f} per-sequence std {r[name]['std']:.2f} "
-                  f"reading of {args.batch}: {100 * r[name]['reading_rel_error']:.1f}%")  # fmt: skip
+            print(
+                f"temperature {t}: {name:4s} mean {r[name]['mean']:.2f} per-sequence std {r[name]['std']:.2f} "
+                f"reading of {args.batch}: {100 * r[name]['reading_rel_error']:.1f}%"
+            )
         results.append(r)
     if args.out:
         with open(args.out, "w") as f:

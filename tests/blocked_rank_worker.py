@@ -12,12 +12,13 @@ import sys
 
 import torch.distributed as dist
 
-from klppo.ppo.preemption import StopRequest
+from klppo.ppo.run.preemption import StopRequest
 
 if __name__ == "__main__":
     rank, port, grace = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=300))  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=300)
+    )
     dist.barrier()
     if rank == 1:
         os.kill(os.getpid(), signal.SIGSTOP)

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-
 from klppo.kl import global_masked_whiten, kl_statistic, reduce_sum_count
 
 # rows held by each rank: 2 sequences / 10 tokens on rank 0, 3 sequences / 12 tokens on rank 1

@@ -29,7 +29,7 @@ from datasets import Dataset
 
 from klppo import KLPPOTrainer
 from klppo.models import TINY_MODEL, resolve_model_path
-from klppo.ppo.engines import is_fsdp2
+from klppo.ppo.distributed import is_fsdp2
 from klppo.testing import klppo_config
 
 
@@ -153,8 +153,15 @@ def run_update(rollout_path: str, out_dir: str, grad_accum: int) -> dict:
 
 def run_train(out_dir: str) -> None:
     # the equilibrium controller reads every rank's sequences (gathered in rank order): both ranks must agree
-    trainer = make_trainer(out_dir, reward=token_reward, kl_mode="reward", kl_target=0.5, kl_target_unit="sequence",
-                           kl_controller="equilibrium", kl_controller_kwargs={})
+    trainer = make_trainer(
+        out_dir,
+        reward=token_reward,
+        kl_mode="reward",
+        kl_target=0.5,
+        kl_target_unit="sequence",
+        kl_controller="equilibrium",
+        kl_controller_kwargs={},
+    )
     trainer.train()
     coefs = [h["kl/coef"] for h in trainer.state.log_history if "kl/coef" in h] + [trainer.kl_controller.value]
     values = [h["kl/value"] for h in trainer.state.log_history if "kl/value" in h]
@@ -171,8 +178,16 @@ def run_warmup(out_dir: str, critic: str) -> None:
     the critic moved, and a checksum of every weight."""
     from transformers import TrainerCallback
 
-    trainer = make_trainer(out_dir, critic=critic, critic_warmup_steps=2, num_mini_batches=2, per_device_train_batch_size=1,
-                           optim="adamw_torch", learning_rate=1e-2, weight_decay=0.1)  # fmt: skip
+    trainer = make_trainer(
+        out_dir,
+        critic=critic,
+        critic_warmup_steps=2,
+        num_mini_batches=2,
+        per_device_train_batch_size=1,
+        optim="adamw_torch",
+        learning_rate=1e-2,
+        weight_decay=0.1,
+    )
     policy = trainer.model.policy
 
     def full(named):  # an FSDP2 weight is a DTensor: `full_tensor` gathers it (every rank calls it)
@@ -242,10 +257,23 @@ def engine_trainer(out_dir: str, stop_token_id: int | None = None) -> KLPPOTrain
     and 2 held-out texts for an evaluation; the stop token `stop_token_id` (default: end of sequence)."""
     from klppo.models import load_tokenizer
 
-    stop = "eos" if stop_token_id is None else load_tokenizer(resolve_model_path(TINY_MODEL)).convert_ids_to_tokens(stop_token_id)
-    return make_trainer(out_dir, per_device_train_batch_size=1, gradient_accumulation_steps=2, num_mini_batches=2,
-                        learning_rate=0.05, kl_mode="reward", nonfinite_rollback=False, stop_token=stop,
-                        eval_dataset=EVAL_PROMPTS, heldout_eval_texts=2)  # fmt: skip
+    stop = (
+        "eos"
+        if stop_token_id is None
+        else load_tokenizer(resolve_model_path(TINY_MODEL)).convert_ids_to_tokens(stop_token_id)
+    )
+    return make_trainer(
+        out_dir,
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=2,
+        num_mini_batches=2,
+        learning_rate=0.05,
+        kl_mode="reward",
+        nonfinite_rollback=False,
+        stop_token=stop,
+        eval_dataset=EVAL_PROMPTS,
+        heldout_eval_texts=2,
+    )
 
 
 def sample_alone(trainer, rank: int, seed: int):
@@ -254,20 +282,27 @@ def sample_alone(trainer, rank: int, seed: int):
     return trainer.rollout(trainer.prompt_batch([PROMPTS["prompt"][rank]]))
 
 
-def run_engine_update(rollout_path: str, out_dir: str, seed: int | None = None, stop_token_id: int | None = None) -> None:
+def run_engine_update(
+    rollout_path: str, out_dir: str, seed: int | None = None, stop_token_id: int | None = None
+) -> None:
     counts = count_optimizer_steps()
     trainer = engine_trainer(out_dir, stop_token_id)
     acc = trainer.accelerator
     rank = acc.process_index
     rollout, rewards = rank_share(rollout_path, acc)
     trainer.setup_optimisation(num_updates=1)
-    record = {"world": acc.num_processes, "deepspeed": trainer.is_deepspeed_enabled, "fsdp_enabled": trainer.is_fsdp_enabled,
-              "fsdp2": is_fsdp2(trainer.model_wrapped)}  # fmt: skip
+    record = {
+        "world": acc.num_processes,
+        "deepspeed": trainer.is_deepspeed_enabled,
+        "fsdp_enabled": trainer.is_fsdp_enabled,
+        "fsdp2": is_fsdp2(trainer.model_wrapped),
+    }
     if seed is not None:  # first each rank samples its own prompt, then an evaluation; neither changes the update
         scoring_models, score = [], trainer.scorer.score
         # a rollout that raises inside the generation context (under ZeRO-3: on gathered weights, hooks off) leaves
         # the engine as it was: scoring through it afterwards gives what it gave before
         before_failure = trainer.score(rollout.sequences())
+
         def failing(*args, **kwargs):
             raise RuntimeError("scoring failed")
 
@@ -279,17 +314,25 @@ def run_engine_update(rollout_path: str, out_dir: str, seed: int | None = None, 
         trainer.scorer.score = score
         after_failure = trainer.score(rollout.sequences())
         record["after_failed_rollout_difference"] = max(
-            float((getattr(before_failure, k) - getattr(after_failure, k)).abs().max()) for k in ("logp", "ref_logp", "values")
+            float((getattr(before_failure, k) - getattr(after_failure, k)).abs().max())
+            for k in ("logp", "ref_logp", "values")
         )
-        trainer.scorer.score = lambda model, *a, **k: scoring_models.append(type(model).__name__) or score(model, *a, **k)
+        trainer.scorer.score = lambda model, *a, **k: (
+            scoring_models.append(type(model).__name__) or score(model, *a, **k)
+        )
         sampled = sample_alone(trainer, rank, seed)
         trainer.scorer.score = score
         record["rollout_scored_with"] = scoring_models
-        record["sampled"] = {"responses": sampled.responses.tolist(), "response_mask": sampled.response_mask.tolist(),
-                             "logp": sampled.logp.tolist(), "ref_logp": sampled.ref_logp.tolist()}  # fmt: skip
+        record["sampled"] = {
+            "responses": sampled.responses.tolist(),
+            "response_mask": sampled.response_mask.tolist(),
+            "logp": sampled.logp.tolist(),
+            "ref_logp": sampled.ref_logp.tolist(),
+        }
         rescored = trainer.score(sampled.sequences())  # scored through the wrapped model, not as the rollout scored
-        record["rescored_difference"] = {k: float((getattr(sampled, k) - getattr(rescored, k)).abs().max())
-                                         for k in ("logp", "ref_logp", "values")}  # fmt: skip
+        record["rescored_difference"] = {
+            k: float((getattr(sampled, k) - getattr(rescored, k)).abs().max()) for k in ("logp", "ref_logp", "values")
+        }
         record["eval"] = trainer.evaluate_policy()
         record["steps_sampling"] = len(counts)
     before = full_weights(trainer)
@@ -298,8 +341,12 @@ def run_engine_update(rollout_path: str, out_dir: str, seed: int | None = None, 
     torch.manual_seed(1)  # the same mini-batch order under every engine
     result = trainer.optimise(rollout, trainer.compute_advantages(rollout, rewards, penalty))
     after = full_weights(trainer)
-    record.update(steps=max(counts.values()), applied=result.applied_steps, kl_value=penalty.metrics["kl/value"],
-                  coef_after=trainer.kl_controller.value)  # fmt: skip
+    record.update(
+        steps=max(counts.values()),
+        applied=result.applied_steps,
+        kl_value=penalty.metrics["kl/value"],
+        coef_after=trainer.kl_controller.value,
+    )
     with open(os.path.join(out_dir, f"engine_rank{rank}.json"), "w") as f:
         json.dump(record, f)
     if acc.is_main_process:

@@ -32,8 +32,16 @@ def positive(x) -> bool:
 def test_quick_bench_writes_finite_figures(tmp_path):
     done = subprocess.run(
         # workload a only: b runs in the growth test below
-        [sys.executable, str(REPO_ROOT / "benchmarks" / "bench.py"), "--quick", "--profile", "--workloads", "a",
-         "--out", str(tmp_path)],
+        [
+            sys.executable,
+            str(REPO_ROOT / "benchmarks" / "bench.py"),
+            "--quick",
+            "--profile",
+            "--workloads",
+            "a",
+            "--out",
+            str(tmp_path),
+        ],
         capture_output=True,
         text=True,
         timeout=900,
@@ -84,14 +92,20 @@ def test_growth_runs_workload_b_at_each_point_and_writes_a_table_slopes_and_a_pl
         cmds.append(cmd)
         flag = dict(zip(cmd[3::2], cmd[4::2]))
         run = fake_run("klppo", 0.01 * int(flag["--response-length"]) ** 2 * int(flag["--batch-size"]), None)
-        return {**run, "settings": {"batch_size": int(flag["--batch-size"]), "response_length": int(flag["--response-length"])}}
+        return {
+            **run,
+            "settings": {"batch_size": int(flag["--batch-size"]), "response_length": int(flag["--response-length"])},
+        }
 
     monkeypatch.setattr(bench, "run_json", fake_run_json)
     bench.main(["--quick", "--growth", "2x4,2x8,4x4", "--out", str(tmp_path)])
     assert [cmd[1].endswith("bench_klppo.py") and cmd[2] for cmd in cmds] == ["train"] * 3
     flags = [dict(zip(cmd[3::2], cmd[4::2])) for cmd in cmds]
     assert [(f["--workload"], f["--batch-size"], f["--response-length"]) for f in flags] == [
-        ("b", "2", "4"), ("b", "2", "8"), ("b", "4", "4")]  # fmt: skip
+        ("b", "2", "4"),
+        ("b", "2", "8"),
+        ("b", "4", "4"),
+    ]
     report = json.loads((tmp_path / "growth.json").read_text())
     assert [(p["batch_size"], p["response_length"]) for p in report["points"]] == [(2, 4), (2, 8), (4, 4)]
     assert report["slopes"]["response_length"]["klppo time/update"] == pytest.approx(2.0)
@@ -107,8 +121,11 @@ def test_growth_slopes_are_exact_on_power_laws(monkeypatch):
 
     def point(batch, length):
         t = 0.01 * length**2 * batch
-        side = {"time_per_update_s": t, "phases_s": {"time/generation": t / 2, "time/optimise": t / 4},
-                "peak_rss_above_start_mb": 100.0 * batch}  # fmt: skip
+        side = {
+            "time_per_update_s": t,
+            "phases_s": {"time/generation": t / 2, "time/optimise": t / 4},
+            "peak_rss_above_start_mb": 100.0 * batch,
+        }
         return {"batch_size": batch, "response_length": length, "klppo": side}
 
     slopes = bench.growth_slopes([point(8, 24), point(8, 96), point(8, 256), point(32, 24)], ["klppo"])
@@ -132,10 +149,35 @@ def bench(monkeypatch):
 
 
 def test_device_dtype_shape_and_peer_flags(bench):
-    args = bench.parse_args(["--device", "cuda", "--dtype", "bfloat16", "--model-shape", "360m", "--assets", "A",
-                             "--peer-python", "/x/python3", "--peer-pythonpath", "/t/peer:/t/klppo",
-                             "--batch-size", "64", "--response-length", "128", "--workloads", "b"])  # fmt: skip
-    assert (args.device, args.dtype, args.model_shape, args.model, args.assets) == ("cuda", "bfloat16", "360m", None, "A")
+    args = bench.parse_args(
+        [
+            "--device",
+            "cuda",
+            "--dtype",
+            "bfloat16",
+            "--model-shape",
+            "360m",
+            "--assets",
+            "A",
+            "--peer-python",
+            "/x/python3",
+            "--peer-pythonpath",
+            "/t/peer:/t/klppo",
+            "--batch-size",
+            "64",
+            "--response-length",
+            "128",
+            "--workloads",
+            "b",
+        ]
+    )
+    assert (args.device, args.dtype, args.model_shape, args.model, args.assets) == (
+        "cuda",
+        "bfloat16",
+        "360m",
+        None,
+        "A",
+    )
     assert (args.batch_size, args.response_length, args.workloads, args.kl_memory) == (64, 128, ["b"], True)
     assert bench.report_name(args) == "random-360m-bf16-cuda" and bench.model_label(args) == "random-360m"
     peer = bench.peer_env(args)
@@ -145,16 +187,30 @@ def test_device_dtype_shape_and_peer_flags(bench):
     args = bench.parse_args(["--device", "cpu", "--no-kl-memory"])  # the old default: klppo's tiny model, fp32
     assert (args.model, args.model_shape, args.dtype, args.kl_memory) == ("tiny", None, "float32", False)
     assert bench.report_name(args) == "tiny"
-    assert bench.report_name(bench.parse_args(["--device", "cpu", "--model", "smollm2", "--dtype", "bfloat16"])) == "smollm2-bf16"
+    assert (
+        bench.report_name(bench.parse_args(["--device", "cpu", "--model", "smollm2", "--dtype", "bfloat16"]))
+        == "smollm2-bf16"
+    )
     assert bench.report_name(bench.parse_args(["--device", "cpu", "--model-shape", "tiny"])) == "random-tiny-fp32"
-    assert bench.report_name(bench.parse_args(["--device", "cpu", "--quick", "--model-shape", "tiny"])) == "random-tiny-fp32-quick"
+    assert (
+        bench.report_name(bench.parse_args(["--device", "cpu", "--quick", "--model-shape", "tiny"]))
+        == "random-tiny-fp32-quick"
+    )
     assert bench.report_name(bench.parse_args(["--device", "cpu", "--name", "mine"])) == "mine"
-    for bad in (["--model", "tiny", "--model-shape", "tiny"], ["--assets", "A"], ["--peer-pythonpath", "/t"],
-                ["--dtype", "float16"], ["--model-shape", "7b"], ["--device", "tpu"]):  # fmt: skip
+    for bad in (
+        ["--model", "tiny", "--model-shape", "tiny"],
+        ["--assets", "A"],
+        ["--peer-pythonpath", "/t"],
+        ["--dtype", "float16"],
+        ["--model-shape", "7b"],
+        ["--device", "tpu"],
+    ):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
 
-    command = bench.train_cmd("klppo", bench.parse_args(["--device", "cpu", "--dtype", "bfloat16"]), "a", "M", Path("p.json"))
+    command = bench.train_cmd(
+        "klppo", bench.parse_args(["--device", "cpu", "--dtype", "bfloat16"]), "a", "M", Path("p.json")
+    )
     assert command[command.index("--dtype") + 1] == "bfloat16" and command[command.index("--device") + 1] == "cpu"
 
 
@@ -175,12 +231,30 @@ def test_the_shapes_are_smollm2s(bench):
     from transformers import AutoModelForCausalLM
 
     shapes = bench.bench_assets.SHAPES
-    assert shapes["135m"] == dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                                  intermediate_size=1536, rope_theta=100000.0)  # fmt: skip
-    assert shapes["360m"] == dict(hidden_size=960, num_hidden_layers=32, num_attention_heads=15, num_key_value_heads=5,
-                                  intermediate_size=2560, rope_theta=100000.0)  # fmt: skip
-    assert shapes["1.7b"] == dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=32,
-                                  intermediate_size=8192, rope_theta=130000.0)  # fmt: skip
+    assert shapes["135m"] == dict(
+        hidden_size=576,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        intermediate_size=1536,
+        rope_theta=100000.0,
+    )
+    assert shapes["360m"] == dict(
+        hidden_size=960,
+        num_hidden_layers=32,
+        num_attention_heads=15,
+        num_key_value_heads=5,
+        intermediate_size=2560,
+        rope_theta=100000.0,
+    )
+    assert shapes["1.7b"] == dict(
+        hidden_size=2048,
+        num_hidden_layers=24,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        intermediate_size=8192,
+        rope_theta=130000.0,
+    )
 
     class Tokenizer:  # what shape_config reads of a tokenizer
         bos_token_id, eos_token_id, pad_token_id = 1, 2, 2
@@ -212,8 +286,9 @@ def test_assets_export_and_a_random_tiny_model_built_from_them(bench, tiny_model
 
     cache = tmp_path / "cache"
     target = cache / assets_mod.shape_folder_name("tiny", "bfloat16")
-    assets_mod.main(["build-model", "--shape", "tiny", "--dtype", "bfloat16", "--assets", str(assets),
-                     "--target", str(target)])  # fmt: skip
+    assets_mod.main(
+        ["build-model", "--shape", "tiny", "--dtype", "bfloat16", "--assets", str(assets), "--target", str(target)]
+    )
     stamp = (target / "model.safetensors").stat().st_mtime_ns
     assert assets_mod.random_model("tiny", "bfloat16", str(assets), cache=cache) == str(target)  # reused, no rebuild
     assert (target / "model.safetensors").stat().st_mtime_ns == stamp
@@ -255,30 +330,67 @@ def fake_run(side: str, seconds: float, gpu_mb: float | None, warmup: int = 1) -
         {wall: seconds, "time/update": seconds, "time/generation": seconds / 2} for _ in range(2)
     ]
     return {
-        "implementation": side, "layout": "L", "warmup": warmup, "per_update": per_update,
-        "time_per_update_s": seconds, "settings": {"batch_size": 64, "response_length": 128},
-        "first_update_s": seconds * 5, "setup_s": 3.0, "process_s": 20.0, "peak_rss_mb": 900.0,
-        "rss_at_start_mb": 400.0, "cuda_peak_allocated_mb": gpu_mb, "cuda_peak_reserved_mb": gpu_mb and gpu_mb * 1.2,
-        "trainable_parameters": 10, "versions": {"torch": "2.11", "trl": "1.16" if side == "klppo" else "1.12"},
-    }  # fmt: skip
+        "implementation": side,
+        "layout": "L",
+        "warmup": warmup,
+        "per_update": per_update,
+        "time_per_update_s": seconds,
+        "settings": {"batch_size": 64, "response_length": 128},
+        "first_update_s": seconds * 5,
+        "setup_s": 3.0,
+        "process_s": 20.0,
+        "peak_rss_mb": 900.0,
+        "rss_at_start_mb": 400.0,
+        "cuda_peak_allocated_mb": gpu_mb,
+        "cuda_peak_reserved_mb": gpu_mb and gpu_mb * 1.2,
+        "trainable_parameters": 10,
+        "versions": {"torch": "2.11", "trl": "1.16" if side == "klppo" else "1.12"},
+    }
 
 
 def test_first_update_and_gpu_memory_are_reported_apart(bench, tmp_path):
     """The warm-up update stays out of the medians and is reported as the first update; GPU peaks and their
     ratios appear in the tables and in the combined summary."""
-    result = bench.summarise_workload({"klppo": [fake_run("klppo", 2.0, 1000.0)], "peer": [fake_run("peer", 4.0, 4000.0)]})
+    result = bench.summarise_workload(
+        {"klppo": [fake_run("klppo", 2.0, 1000.0)], "peer": [fake_run("peer", 4.0, 4000.0)]}
+    )
     klppo, ratios = result["klppo"], result["ratios"]
     assert klppo["time_per_update_s"] == 2.0 and klppo["first_update_s"] == 10.0
     assert ratios["throughput_ratio_peer_time_over_klppo_time"] == 2.0
-    assert ratios["cuda_peak_allocated_ratio_klppo_over_peer"] == 0.25 and ratios["first_update_ratio_klppo_over_peer"] == 0.5
+    assert (
+        ratios["cuda_peak_allocated_ratio_klppo_over_peer"] == 0.25
+        and ratios["first_update_ratio_klppo_over_peer"] == 0.5
+    )
     report = {
-        "model": "random-360m", "model_shape": "360m", "model_path": "M", "command": "c", "klppo_revision": "r",
-        "machine": {"cpu_count": 16, "processor": "x86_64", "torch": "2.11", "platform": "p", "python": "3.12",
-                    "cuda": "NVIDIA H100", "cuda_memory_gb": 79.2},
-        "settings": {"batch_size": 64, "response_length": 128, "dtype": "bfloat16", "device": "cuda", "warmup": 1,
-                     "updates": 2, "repeats": 1, "threads_per_run": 4, "sides": ["klppo", "peer"]},
-        "workloads": {"b": result}, "kl_memory": None, "notes": bench.NOTES,
-    }  # fmt: skip
+        "model": "random-360m",
+        "model_shape": "360m",
+        "model_path": "M",
+        "command": "c",
+        "klppo_revision": "r",
+        "machine": {
+            "cpu_count": 16,
+            "processor": "x86_64",
+            "torch": "2.11",
+            "platform": "p",
+            "python": "3.12",
+            "cuda": "NVIDIA H100",
+            "cuda_memory_gb": 79.2,
+        },
+        "settings": {
+            "batch_size": 64,
+            "response_length": 128,
+            "dtype": "bfloat16",
+            "device": "cuda",
+            "warmup": 1,
+            "updates": 2,
+            "repeats": 1,
+            "threads_per_run": 4,
+            "sides": ["klppo", "peer"],
+        },
+        "workloads": {"b": result},
+        "kl_memory": None,
+        "notes": bench.NOTES,
+    }
     text = bench.markdown(report)
     assert "| first update (s; a warm-up update, not in the median) | 10 | 20 | 0.5 |" in text
     assert "| GPU peak allocated (MB, torch.cuda.max_memory_allocated) | 1,000 | 4,000 | 0.25 |" in text
@@ -305,8 +417,14 @@ def test_saved_cpu_reports_still_render(bench):
 def dry_run(*flags: str) -> str:
     """What `benchmarks/gpu.sh --dry-run` prints."""
     env = {k: v for k, v in os.environ.items() if k not in ("OUT", "KLPPO_BENCH_TARGETS")}
-    done = subprocess.run(["bash", str(REPO_ROOT / "benchmarks" / "gpu.sh"), "--dry-run", *flags], env=env,
-                          capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    done = subprocess.run(
+        ["bash", str(REPO_ROOT / "benchmarks" / "gpu.sh"), "--dry-run", *flags],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     return done.stdout
 
 
@@ -325,8 +443,12 @@ def test_the_gpu_script_runs_the_table(bench):
     micro-benchmark, profiled, with dynamo's recompilations logged."""
     steps = [bench.parse_args(line) for line in bench_lines()]
     table = sorted((a.model_shape, a.dtype, tuple(a.workloads), a.with_peer, a.warmup, a.updates) for a in steps)
-    assert table == [("1.7b", "bfloat16", ("b",), True, 1, 2), ("360m", "bfloat16", ("a",), True, 0, 20),
-                     ("360m", "bfloat16", ("a", "b"), True, 1, 2), ("360m", "float32", ("a", "b"), True, 1, 2)]  # fmt: skip
+    assert table == [
+        ("1.7b", "bfloat16", ("b",), True, 1, 2),
+        ("360m", "bfloat16", ("a",), True, 0, 20),
+        ("360m", "bfloat16", ("a", "b"), True, 1, 2),
+        ("360m", "float32", ("a", "b"), True, 1, 2),
+    ]
     for a in steps:
         assert (a.device, a.batch_size, a.response_length, a.repeats) == ("cuda", 64, 128, 1)
         assert a.peer_python and a.peer_pythonpath.split(":")[0].endswith("/peer") and a.assets
@@ -356,15 +478,18 @@ def test_the_padding_benchmarks_three_forms_give_the_same_response_logits(tiny_m
     gen = random.Random(0)
     seqs = padding.rollout(["The day was", "It rained all day by the sea", "Hi"], tokenizer, 5, 100, gen)
     width = max(len(s) for s in seqs) + 3  # padded to a longer prompt of the rollout
-    forms = {"padded": padding.padded(seqs, width, tokenizer.pad_token_id, "cpu"),
-             "trimmed": padding.padded(seqs, width - 3, tokenizer.pad_token_id, "cpu"),
-             "packed": padding.packed(seqs, "cpu")}  # fmt: skip
+    forms = {
+        "padded": padding.padded(seqs, width, tokenizer.pad_token_id, "cpu"),
+        "trimmed": padding.padded(seqs, width - 3, tokenizer.pad_token_id, "cpu"),
+        "packed": padding.packed(seqs, "cpu"),
+    }
     assert forms["packed"]["input_ids"].numel() == sum(len(s) for s in seqs)
     with torch.no_grad():
         alone = torch.stack([model(input_ids=torch.tensor([s])).logits[0, -6:-1] for s in seqs])
         for form, inputs in forms.items():
-            torch.testing.assert_close(padding.response_logits(model, inputs, seqs, 5, form), alone, rtol=1e-4,
-                                       atol=1e-4, msg=form)  # fmt: skip
+            torch.testing.assert_close(
+                padding.response_logits(model, inputs, seqs, 5, form), alone, rtol=1e-4, atol=1e-4, msg=form
+            )
 
 
 def test_the_decoding_benchmark_compiles_each_variant_once(monkeypatch, tmp_path):
@@ -373,9 +498,27 @@ def test_the_decoding_benchmark_compiles_each_variant_once(monkeypatch, tmp_path
     monkeypatch.syspath_prepend(str(REPO_ROOT / "benchmarks"))
     import decode
 
-    report = decode.main(["--device", "cpu", "--model-shape", "tiny", "--dtype", "float32", "--batch-size", "3",
-                          "--response-length", "4", "--calls", "3", "--force-compile", "--variants", "plain,klppo",
-                          "--out", str(tmp_path)])  # fmt: skip
+    report = decode.main(
+        [
+            "--device",
+            "cpu",
+            "--model-shape",
+            "tiny",
+            "--dtype",
+            "float32",
+            "--batch-size",
+            "3",
+            "--response-length",
+            "4",
+            "--calls",
+            "3",
+            "--force-compile",
+            "--variants",
+            "plain,klppo",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     for name in ("plain", "klppo"):
         assert [c["graphs"] for c in report["variants"][name]["counts"]] == [1, 0, 0], name
     assert len(report["variants"]["klppo"]["generation_s"]) == 3

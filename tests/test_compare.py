@@ -119,9 +119,16 @@ def test_an_arms_experimental_settings_are_added_to_the_base_experiments(tmp_pat
 
 def test_a_failing_run_is_reported_with_its_log_and_leaves_no_record(tmp_path):
     """A run that raises in its pool process is reported failed, its traceback in its log; the others go on."""
-    job = {"name": "broken-seed0", "arm": "broken", "seed": 0, "fields": {}, "fingerprint": "x", "threads": 1,
-           "record": str(tmp_path / "runs" / "broken-seed0.json"),
-           "argv": ["--config", str(tmp_path / "no-such-config.yaml"), "--output_dir", str(tmp_path / "out")]}
+    job = {
+        "name": "broken-seed0",
+        "arm": "broken",
+        "seed": 0,
+        "fields": {},
+        "fingerprint": "x",
+        "threads": 1,
+        "record": str(tmp_path / "runs" / "broken-seed0.json"),
+        "argv": ["--config", str(tmp_path / "no-such-config.yaml"), "--output_dir", str(tmp_path / "out")],
+    }
     failed = compare.run_all([job], 1, tmp_path)
     assert [(j["name"], "no-such-config" in reason) for j, reason in failed] == [("broken-seed0", True)]
     assert "Traceback" in (tmp_path / "logs" / "broken-seed0.log").read_text()
@@ -133,7 +140,11 @@ def run_quick(out) -> subprocess.CompletedProcess:
     env = {**os.environ, "WANDB_MODE": "disabled"}
     return subprocess.run(
         [sys.executable, "-m", "lab.compare", "--quick", "--out", str(out)],
-        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=ROOT,
     )
 
 
@@ -148,8 +159,15 @@ def test_quick_end_to_end_and_resume(tmp_path, capsys):
     assert set(summary["arms"]) == {"fixed-0.05", "adaptive"}
     for arm, entry in summary["arms"].items():
         assert entry["seeds"] == [0]
-        for name in ("final_reward", "tracking_error", "in_band_second_half", "in_band_all",
-                     "perplexity_change_pct", "final_coef", "final_kl"):
+        for name in (
+            "final_reward",
+            "tracking_error",
+            "in_band_second_half",
+            "in_band_all",
+            "perplexity_change_pct",
+            "final_coef",
+            "final_kl",
+        ):
             stat = entry["metrics"][name]
             for key in ("mean", "std", "min", "max"):
                 assert stat[key] is not None and math.isfinite(stat[key]), (arm, name, key, stat)

@@ -49,8 +49,16 @@ def tiny_path():
 @pytest.fixture
 def prompts():
     # widths from 2 to 20 tokens (clipped at max_prompt_length): rollout batches have widths of their own
-    texts = ["Hi", "The day was", "My friend said that the weather", "A letter came for you this morning, and",
-             "It rained", "Our team lost the final game of the season after", "Food", "The old man and the sea were"]
+    texts = [
+        "Hi",
+        "The day was",
+        "My friend said that the weather",
+        "A letter came for you this morning, and",
+        "It rained",
+        "Our team lost the final game of the season after",
+        "Food",
+        "The old man and the sea were",
+    ]
     return Dataset.from_dict({"prompt": [t for t in texts for _ in range(3)]})
 
 
@@ -67,18 +75,35 @@ def compiled_trainer(tiny_path, prompts, tmp_path, peft: bool = True, **override
     from peft import LoraConfig
 
     args = dict(
-        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=1,
-        num_ppo_epochs=2, max_steps=4, response_length=5, learning_rate=1e-3, report_to="none", save_strategy="no",
-        logging_steps=1, seed=0, disable_tqdm=True, use_cpu=True, num_sample_generations=0, max_prompt_length=12,
-        cache_implementation="static", experimental={"generation_compile_config": {"backend": counting_backend}},
-        critic="shared", kl_coef=0.1,
-    )  # fmt: skip
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=1,
+        num_ppo_epochs=2,
+        max_steps=4,
+        response_length=5,
+        learning_rate=1e-3,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        seed=0,
+        disable_tqdm=True,
+        use_cpu=True,
+        num_sample_generations=0,
+        max_prompt_length=12,
+        cache_implementation="static",
+        experimental={"generation_compile_config": {"backend": counting_backend}},
+        critic="shared",
+        kl_coef=0.1,
+    )
     args.update(overrides)
     trainer = KLPPOTrainer(
-        model=tiny_path, args=klppo_config(**args), train_dataset=prompts, reward_funcs=length_reward,
+        model=tiny_path,
+        args=klppo_config(**args),
+        train_dataset=prompts,
+        reward_funcs=length_reward,
         peft_config=LoraConfig(r=4, target_modules="all-linear") if peft else None,
         eval_dataset=prompts.select(range(3)) if args.get("eval_strategy") == "steps" else None,
-    )  # fmt: skip
+    )
     assert trainer.sampler.static_caches is not None
     trainer.sampler.generation_config.compile_config._compile_all_devices = True  # compile on the CPU, as on a GPU
     trainer.add_callback(FailOnRecompileAfterFirstUpdate())
@@ -86,8 +111,11 @@ def compiled_trainer(tiny_path, prompts, tmp_path, peft: bool = True, **override
 
 
 def trained_weight(trainer) -> torch.Tensor:
-    name, param = next((n, p) for n, p in trainer.model.named_parameters() if p.requires_grad and "lora_B" in n or
-                       p.requires_grad and "q_proj" in n)  # fmt: skip
+    name, param = next(
+        (n, p)
+        for n, p in trainer.model.named_parameters()
+        if p.requires_grad and "lora_B" in n or p.requires_grad and "q_proj" in n
+    )
     return param
 
 
@@ -108,8 +136,9 @@ CASES = {
     "lora, KL in both, target and controller": dict(kl_mode="both", kl_estimator="k2", kl_target=0.5),
     "evaluation of fewer prompts than a rollout between updates": dict(eval_strategy="steps", eval_steps=1),
     "reference resets": dict(ref_reset_steps=2),
-    "several mini-batches and accumulation": dict(num_mini_batches=2, per_device_train_batch_size=2,
-                                                  gradient_accumulation_steps=2),
+    "several mini-batches and accumulation": dict(
+        num_mini_batches=2, per_device_train_batch_size=2, gradient_accumulation_steps=2
+    ),
 }
 
 

@@ -24,8 +24,11 @@ def _flat(text: str) -> str:
 def public_fields() -> list[str]:
     """KLPPOConfig's fields that are not TrainingArguments' own, and the TrainingArguments fields it redefines."""
     inherited = {f.name: f for f in dataclasses.fields(TrainingArguments)}
-    return [f.name for f in dataclasses.fields(KLPPOConfig)
-            if f.name not in inherited or f.default is not inherited[f.name].default]  # fmt: skip
+    return [
+        f.name
+        for f in dataclasses.fields(KLPPOConfig)
+        if f.name not in inherited or f.default is not inherited[f.name].default
+    ]
 
 
 def test_every_field_is_documented_once_in_its_class_docstring():
@@ -46,8 +49,12 @@ def test_the_public_fields_are_at_most_37_and_the_rest_is_experimental(tmp_path)
     `use_vllm` (which engine decodes; the engine's own settings are experimental)."""
     assert len(public_fields()) <= 37, public_fields()
     assert not set(EXPERIMENTAL_KEYS) & set(public_fields())
-    args = KLPPOConfig(output_dir=str(tmp_path), report_to="none", kl_target=2.0,
-                       experimental={"kl_guard": False, "health_patience": 5})  # fmt: skip
+    args = KLPPOConfig(
+        output_dir=str(tmp_path),
+        report_to="none",
+        kl_target=2.0,
+        experimental={"kl_guard": False, "health_patience": 5},
+    )
     x = args.experimental
     assert isinstance(x, ExperimentalSettings)
     assert x.kl_guard is False and x.health_patience == 5 and x.kl_statistic == "full"
@@ -85,7 +92,9 @@ def test_the_documents_built_from_the_docstrings_are_current():
 
     root = Path(__file__).resolve().parents[1]
     for path, text in built_documents(str(root)).items():
-        assert Path(path).read_text(encoding="utf-8") == text, f"{path} is out of date: python -m klppo.config_docs --write"
+        assert Path(path).read_text(encoding="utf-8") == text, (
+            f"{path} is out of date: python -m klppo.config_docs --write"
+        )
 
 
 def test_a_switch_of_the_experimental_settings_must_be_a_bool(tmp_path):
@@ -102,8 +111,10 @@ def test_each_documented_default_is_the_codes():
     import re
 
     entry = re.compile(r"(\w+) \(`[^)]*?, \*optional\*, defaults to `([^`]*)`")
-    for doc, cls, names in ((KL_CONTROL_DOC + KLPPO_CONFIG_DOC, KLPPOConfig, public_fields()),
-                            (EXPERIMENTAL_DOC, ExperimentalSettings, EXPERIMENTAL_KEYS)):  # fmt: skip
+    for doc, cls, names in (
+        (KL_CONTROL_DOC + KLPPO_CONFIG_DOC, KLPPOConfig, public_fields()),
+        (EXPERIMENTAL_DOC, ExperimentalSettings, EXPERIMENTAL_KEYS),
+    ):
         documented = dict(entry.findall(_flat(doc)))
         fields = {f.name: f for f in dataclasses.fields(cls)}
         assert set(names) <= set(documented), sorted(set(names) - set(documented))
@@ -114,22 +125,33 @@ def test_each_documented_default_is_the_codes():
             assert said == code and isinstance(said, bool) == isinstance(code, bool), (name, said, code)
 
 
-@pytest.mark.parametrize("mode, estimator, kwargs, groups", [
-    ("loss", "k2", None, 8), ("loss", "k3+", {"coef_min": 1e-3}, 8), ("loss", "k2", {"jackknife_groups": 0}, 0),
-    ("loss", "k3", None, None), ("loss", "k3", {"jackknife_groups": 8}, 8), ("both", "k1", None, None),
-    ("reward", "k1", None, None)])  # fmt: skip
-def test_the_equilibrium_controller_filters_its_estimate_by_default_with_a_kl_in_the_loss(mode, estimator, kwargs,
-                                                                                            groups, tmp_path):  # fmt: skip
+@pytest.mark.parametrize(
+    "mode, estimator, kwargs, groups",
+    [
+        ("loss", "k2", None, 8),
+        ("loss", "k3+", {"coef_min": 1e-3}, 8),
+        ("loss", "k2", {"jackknife_groups": 0}, 0),
+        ("loss", "k3", None, None),
+        ("loss", "k3", {"jackknife_groups": 8}, 8),
+        ("both", "k1", None, None),
+        ("reward", "k1", None, None),
+    ],
+)
+def test_the_equilibrium_controller_filters_its_estimate_by_default_with_a_kl_in_the_loss(
+    mode, estimator, kwargs, groups, tmp_path
+):
     """With a KL in the loss that trains toward the tilt (`k2`, `k3+`) klppo's trainer gives the equilibrium
     controller `jackknife_groups: 8` unless the user's mapping sets it (0 keeps the filter off), and records it among
     its automatic choices; with `k3` in the loss (its forward-KL optimum), a KL in the reward or in both, and for
     TRL's trainers (`KLControlConfig` alone), the constants are the user's."""
-    args = KLPPOConfig(output_dir=str(tmp_path), kl_mode=mode, kl_estimator=estimator, kl_target=1.0,
-                       kl_controller_kwargs=kwargs)  # fmt: skip
+    args = KLPPOConfig(
+        output_dir=str(tmp_path), kl_mode=mode, kl_estimator=estimator, kl_target=1.0, kl_controller_kwargs=kwargs
+    )
     assert args.kl_controller == "equilibrium"
     assert (args.kl_controller_kwargs or {}).get("jackknife_groups") == groups
     assert ("kl_controller_kwargs" in args.automatic) == (groups == 8 and "jackknife_groups" not in (kwargs or {}))
     plain = KLControlConfig(kl_mode=mode, kl_estimator=estimator, kl_target=1.0, kl_controller_kwargs=kwargs)
     assert plain.kl_controller_kwargs == kwargs
     assert {k: v for k, v in (args.kl_controller_kwargs or {}).items() if k != "jackknife_groups"} == {
-        k: v for k, v in (kwargs or {}).items() if k != "jackknife_groups"}
+        k: v for k, v in (kwargs or {}).items() if k != "jackknife_groups"
+    }

@@ -84,7 +84,12 @@ def test_loss_mode_lands_on_the_same_optimum(tiny_path, tmp_path, estimator, bas
     """beta names the same objective E[r] - beta * KL in loss mode as in reward mode (kl_loss_scale); the KL loss's
     baseline (`kl_loss_baseline`) leaves the optimum where it is."""
     trainer = bandit_trainer(
-        tiny_path, tmp_path, kl_mode="loss", kl_estimator=estimator, max_steps=240, lr_scheduler_type="linear",
+        tiny_path,
+        tmp_path,
+        kl_mode="loss",
+        kl_estimator=estimator,
+        max_steps=240,
+        lr_scheduler_type="linear",
         kl_loss_baseline=baseline,
     )
     trainer.train()
@@ -96,9 +101,14 @@ def test_raw_loss_convention_weighs_kl_against_the_normalised_reward(tiny_path, 
     """With kl_loss_scale='none' (TRL GRPO's and verl's convention), beta is relative to the whitened
     advantage: the same beta holds the policy far less, and it lands away from pi*_beta."""
     trainer = bandit_trainer(
-        tiny_path, tmp_path, kl_mode="loss", kl_estimator="k2", kl_loss_scale="none", max_steps=240,
+        tiny_path,
+        tmp_path,
+        kl_mode="loss",
+        kl_estimator="k2",
+        kl_loss_scale="none",
+        max_steps=240,
         lr_scheduler_type="linear",
-    )  # fmt: skip
+    )
     trainer.train()
     end = one_token_state(trainer)
     opt = tilted(end["ref"], end["reward"], BETA)
@@ -177,8 +187,14 @@ def test_the_default_controller_holds_the_target_at_the_corners_of_the_speed_gri
     target = kl(tilted(state["ref"], state["reward"], BETA), state["ref"])
     beta_star = coefficient_for_target(state["ref"], state["reward"], target)
     assert beta_star == pytest.approx(BETA, rel=1e-6)
-    trainer = bandit_trainer(tiny_path, tmp_path, kl_target=target, kl_coef=start * beta_star,
-                             rollout_forward_batch_size=128, **CORNERS[corner])
+    trainer = bandit_trainer(
+        tiny_path,
+        tmp_path,
+        kl_target=target,
+        kl_coef=start * beta_star,
+        rollout_forward_batch_size=128,
+        **CORNERS[corner],
+    )
     assert (trainer.args.kl_controller, trainer.args.experimental.kl_guard) == ("equilibrium", True)  # the defaults
     trainer.train()
     logs = [h for h in trainer.state.log_history if "kl/coef" in h]
@@ -209,8 +225,16 @@ def test_tracking_controller_settles_on_the_equilibrium_coefficient_in_loss_mode
     target = kl(tilted(state["ref"], state["reward"], BETA), state["ref"])
     beta_star = coefficient_for_target(state["ref"], state["reward"], target)
     trainer = bandit_trainer(
-        tiny_path, tmp_path, kl_target=target, kl_coef=start * beta_star, max_steps=200, learning_rate=3e-3,
-        kl_mode="loss", kl_estimator="k2", per_device_train_batch_size=128, rollout_forward_batch_size=128,
+        tiny_path,
+        tmp_path,
+        kl_target=target,
+        kl_coef=start * beta_star,
+        max_steps=200,
+        learning_rate=3e-3,
+        kl_mode="loss",
+        kl_estimator="k2",
+        per_device_train_batch_size=128,
+        rollout_forward_batch_size=128,
         kl_controller="tracking",
     )
     trainer.train()
@@ -241,9 +265,15 @@ def test_the_default_controller_lands_a_kl_in_the_loss_at_the_coefficient_whose_
     target_policy = optimum.exact(state["ref"], state["reward"], BETA)
     target = kl(target_policy, state["ref"])
     trainer = bandit_trainer(
-        tiny_path, tmp_path, kl_mode="loss", kl_estimator=estimator, kl_target=target, kl_coef=start * BETA,
-        learning_rate=3e-3, max_steps=100,
-    )  # fmt: skip
+        tiny_path,
+        tmp_path,
+        kl_mode="loss",
+        kl_estimator=estimator,
+        kl_target=target,
+        kl_coef=start * BETA,
+        learning_rate=3e-3,
+        max_steps=100,
+    )
     assert trainer.args.kl_controller == "equilibrium"  # the default
     assert trainer.kl_controller.optimum == optimum
     trainer.train()

@@ -122,9 +122,18 @@ def test_grpo_k3_loss_holds_a_kl_target_at_the_beta_of_its_fixed_point(tiny_path
     target = kl(tilted(state["ref"], state["reward"], BETA), state["ref"])
     beta_star = grpo_coefficient_for_target(state["ref"], state["reward"], target, GROUP, forward=True)
     trainer = critic_free_bandit(
-        tiny_path, tmp_path, "grpo", kl_mode="loss", kl_estimator="k3", kl_target=target, kl_coef=start * beta_star,
-        max_steps=200, learning_rate=3e-3, per_device_train_batch_size=128, rollout_forward_batch_size=128,
-    )  # fmt: skip
+        tiny_path,
+        tmp_path,
+        "grpo",
+        kl_mode="loss",
+        kl_estimator="k3",
+        kl_target=target,
+        kl_coef=start * beta_star,
+        max_steps=200,
+        learning_rate=3e-3,
+        per_device_train_batch_size=128,
+        rollout_forward_batch_size=128,
+    )
     assert trainer.args.kl_controller == "equilibrium"
     trainer.train()
     logs = [h for h in trainer.state.log_history if "kl/value" in h]

@@ -15,7 +15,8 @@ from klppo.models import TINY_MODEL, resolve_model_path
 from klppo.ppo.advantages import advantage_slope, grpo_advantages, rloo_advantages, sequence_advantages
 from klppo.testing.bandit import grpo_advantage_gap
 
-pytestmark = pytest.mark.numerics  # its verdicts rest on training or controller arithmetic: run under a second kernel set too
+# its verdicts rest on training or controller arithmetic: run under a second kernel set too
+pytestmark = pytest.mark.numerics
 
 F64 = torch.float64
 
@@ -101,7 +102,10 @@ def test_num_generations_defaults(tmp_path):
     [
         (dict(advantage_estimator="ppo"), "Choose one of: 'gae', 'rloo', 'grpo'"),
         (dict(advantage_estimator="rloo", num_generations=1), "must be >= 2"),
-        (dict(advantage_estimator="grpo", num_generations=3), r"rollout batch \(4 = .*multiple of num_generations=3.*e\.g\. 3 or 6"),
+        (
+            dict(advantage_estimator="grpo", num_generations=3),
+            r"rollout batch \(4 = .*multiple of num_generations=3.*e\.g\. 3 or 6",
+        ),
         (dict(num_generations=0), "must be >= 1"),
     ],
 )
@@ -128,10 +132,21 @@ def prompts():
 
 def make_trainer(tiny_path, prompts, tmp_path, **overrides) -> KLPPOTrainer:
     base = dict(
-        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
-        num_ppo_epochs=1, max_steps=2, response_length=6, learning_rate=1e-3, report_to="none", save_strategy="no",
-        logging_steps=1, seed=0, disable_tqdm=True, use_cpu=True, num_sample_generations=0,
-    )  # fmt: skip
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        num_ppo_epochs=1,
+        max_steps=2,
+        response_length=6,
+        learning_rate=1e-3,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        seed=0,
+        disable_tqdm=True,
+        use_cpu=True,
+        num_sample_generations=0,
+    )
     args = KLPPOConfig(**{**base, **overrides})
     return KLPPOTrainer(model=tiny_path, args=args, train_dataset=prompts, reward_funcs=even_reward)
 
@@ -139,8 +154,15 @@ def make_trainer(tiny_path, prompts, tmp_path, **overrides) -> KLPPOTrainer:
 @pytest.mark.parametrize("estimator, kl_mode", [("rloo", "reward"), ("grpo", "loss")])
 def test_no_critic_is_built_or_trained(tiny_path, prompts, tmp_path, estimator, kl_mode, caplog):
     caplog.set_level("INFO", logger="klppo.ppo.build")
-    trainer = make_trainer(tiny_path, prompts, tmp_path, advantage_estimator=estimator, num_generations=4,
-                           kl_mode=kl_mode, kl_estimator="k1" if kl_mode == "reward" else "k3")  # fmt: skip
+    trainer = make_trainer(
+        tiny_path,
+        prompts,
+        tmp_path,
+        advantage_estimator=estimator,
+        num_generations=4,
+        kl_mode=kl_mode,
+        kl_estimator="k1" if kl_mode == "reward" else "k3",
+    )
     assert "needs no critic" in caplog.text
     model = trainer.model
     assert model.critic is None and model.value_head is None
@@ -179,8 +201,16 @@ def test_no_critic_is_built_or_trained(tiny_path, prompts, tmp_path, estimator, 
 
 def test_num_train_epochs_counts_prompts(tiny_path, prompts, tmp_path):
     """4 prompts, 2 prompts x 4 responses per update: one epoch is 2 updates."""
-    args = KLPPOConfig(output_dir=str(tmp_path / "o"), per_device_train_batch_size=8, advantage_estimator="rloo",
-                       num_generations=4, max_steps=-1, num_train_epochs=1, report_to="none", use_cpu=True)  # fmt: skip
+    args = KLPPOConfig(
+        output_dir=str(tmp_path / "o"),
+        per_device_train_batch_size=8,
+        advantage_estimator="rloo",
+        num_generations=4,
+        max_steps=-1,
+        num_train_epochs=1,
+        report_to="none",
+        use_cpu=True,
+    )
     assert args.num_updates(len(prompts), world_size=1) == 2
 
 
@@ -210,8 +240,10 @@ def test_advantage_slope_is_the_expected_advantage_per_unit_of_reward():
     assert advantage_slope(centred, rewards, 4) == pytest.approx(0.75, rel=1e-12)
     assert advantage_slope(torch.zeros(8), torch.ones(8), 4) == 0.0  # no group varies: no tilt
     with_nan = torch.cat([rewards[:8], torch.tensor([float("nan"), 1.0, 0.0, 1.0], dtype=F64)])
+    # a group with an unscored row is left out
     assert advantage_slope(torch.cat([centred[:8], torch.zeros(4)]), with_nan, 4) == pytest.approx(
-        advantage_slope(centred[:8], rewards[:8], 4), rel=1e-12)  # a group with an unscored row is left out
+        advantage_slope(centred[:8], rewards[:8], 4), rel=1e-12
+    )
     generator = torch.Generator().manual_seed(0)
     for q in (0.2, 0.7):
         r = (torch.rand(160000, generator=generator) < q).double()

@@ -46,8 +46,15 @@ def accelerate_config(tmp_path, stage: int) -> str:
 
 
 def accelerate_launch(config: str, script_args: list[str], tmp_path) -> None:
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config,
-                "--main_process_port", str(free_port())]  # fmt: skip
+    launcher = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        config,
+        "--main_process_port",
+        str(free_port()),
+    ]
     run(launcher + script_args, tmp_path)
 
 
@@ -58,8 +65,9 @@ def test_zero_update_equals_ddp(stage, engine_rollout, ddp_update, tmp_path):
     of its own: under ZeRO-3 the scoring passes run on the weights gathered for generation, and must give what
     scoring through the engine gives (the sampled log-probs within float32's KV-cache difference); a rollout that raises
     first leaves the engine scoring as it did (ZeRO-3's hooks put back)."""
-    accelerate_launch(accelerate_config(tmp_path, stage), [WORKER, "engine", str(engine_rollout), str(tmp_path), "0"],
-                      tmp_path)  # fmt: skip
+    accelerate_launch(
+        accelerate_config(tmp_path, stage), [WORKER, "engine", str(engine_rollout), str(tmp_path), "0"], tmp_path
+    )
     ddp_ranks, ddp_weights = read_engine_run(ddp_update)
     ranks, weights = read_engine_run(tmp_path)
     for r in ranks:  # ZeRO-3 scores the rollout on the gathered module, ZeRO-2 through the engine
@@ -79,8 +87,24 @@ def test_zero_update_equals_ddp(stage, engine_rollout, ddp_update, tmp_path):
 
 def train_tiny(config: str, out, tmp_path, *extra: str) -> None:
     script = os.path.join(ROOT, "scripts", "train.py")
-    args = [script, "--config", os.path.join(ROOT, "configs", "tiny.yaml"), "--output_dir", str(out), "--use_cpu", "false",
-            "--max_steps", "3", "--save_strategy", "steps", "--save_steps", "1", "--eval_steps", "1", *extra]  # fmt: skip
+    args = [
+        script,
+        "--config",
+        os.path.join(ROOT, "configs", "tiny.yaml"),
+        "--output_dir",
+        str(out),
+        "--use_cpu",
+        "false",
+        "--max_steps",
+        "3",
+        "--save_strategy",
+        "steps",
+        "--save_steps",
+        "1",
+        "--eval_steps",
+        "1",
+        *extra,
+    ]
     accelerate_launch(config, args, tmp_path)
 
 
@@ -113,15 +137,29 @@ def test_zero3_tiny_job_evaluates_saves_and_resumes_exactly(tiny_model_path, tmp
     again = trainable(resumed / "checkpoint-3")
     for name, value in last.items():
         torch.testing.assert_close(again[name], value, rtol=0, atol=0, msg=f"{name} differs after resuming")
-    controllers = [json.loads((d / "checkpoint-3" / "kl_controller.json").read_text())["kl_controller"] for d in (whole, resumed)]
+    controllers = [
+        json.loads((d / "checkpoint-3" / "kl_controller.json").read_text())["kl_controller"] for d in (whole, resumed)
+    ]
     assert controllers[0] == controllers[1]
 
 
 @pytest.mark.ranks
 def test_zero3_lora_with_adapter_disabled_reference(tiny_model_path, tmp_path):
     out = tmp_path / "lora"
-    train_tiny(accelerate_config(tmp_path, 3), out, tmp_path, "--use_peft", "true", "--lora_r", "4",
-               "--lora_target_modules", "q_proj", "v_proj", "--learning_rate", "0.01")  # fmt: skip
+    train_tiny(
+        accelerate_config(tmp_path, 3),
+        out,
+        tmp_path,
+        "--use_peft",
+        "true",
+        "--lora_r",
+        "4",
+        "--lora_target_modules",
+        "q_proj",
+        "v_proj",
+        "--learning_rate",
+        "0.01",
+    )
     from safetensors.torch import load_file
 
     adapter = load_file(out / "adapter_model.safetensors")
@@ -150,10 +188,28 @@ def test_zero3_reads_the_lm_head_in_blocks_as_in_one(tiny_model_path, tmp_path):
     adapters = {}
     for name, budget in (("one", 256.0), ("blocks", 1e-6)):
         out = tmp_path / name
-        train_tiny(config, out, tmp_path, "--use_peft", "true", "--lora_r", "4", "--lora_target_modules", "q_proj",
-                   "v_proj", "--learning_rate", "0.01", "--kl_mode", "both", "--kl_estimator", "full",
-                   "--reward_funcs", os.path.join(ROOT, "tests", "dist_trainer_worker.py") + ":token_reward",
-                   "--experimental", json.dumps({"logits_block_mb": budget}))  # fmt: skip
+        train_tiny(
+            config,
+            out,
+            tmp_path,
+            "--use_peft",
+            "true",
+            "--lora_r",
+            "4",
+            "--lora_target_modules",
+            "q_proj",
+            "v_proj",
+            "--learning_rate",
+            "0.01",
+            "--kl_mode",
+            "both",
+            "--kl_estimator",
+            "full",
+            "--reward_funcs",
+            os.path.join(ROOT, "tests", "dist_trainer_worker.py") + ":token_reward",
+            "--experimental",
+            json.dumps({"logits_block_mb": budget}),
+        )
         from safetensors.torch import load_file
 
         adapters[name] = load_file(out / "adapter_model.safetensors")

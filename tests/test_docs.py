@@ -88,5 +88,11 @@ def test_the_readme_test_command_is_what_ci_runs():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     command = readme.split("Run the tests:", 1)[1].split("```bash\n", 1)[1].split("\n", 1)[0]
     assert command.startswith("bash scripts/setup.sh && ") and "-m pytest" in command
+    # the lint and the format check come before the tests
+    assert (
+        command.index(".venv/bin/ruff check .")
+        < command.index(".venv/bin/ruff format --check .")
+        < command.index("-m pytest")
+    )
     assert "ATEN_CPU_CAPABILITY=default" in command and "-m numerics" in command  # the second kernel set
     assert command in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()

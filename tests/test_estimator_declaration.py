@@ -20,11 +20,16 @@ def twice_k2():
     beta it trains toward the tilt at 2 beta, `ref * exp(r / (2 beta)) / Z`. Only the loss is declared."""
 
     @register_kl_estimator(
-        "twice_k2", formula="d^2",
-        loss=KLGradient(REVERSE_KL, True, "{name} as a loss: gradient 2 d * s, twice the per-token gradient of "
-                        "KL(pi||ref).", terms={"path": 2.0}),
+        "twice_k2",
+        formula="d^2",
+        loss=KLGradient(
+            REVERSE_KL,
+            True,
+            "{name} as a loss: gradient 2 d * s, twice the per-token gradient of KL(pi||ref).",
+            terms={"path": 2.0},
+        ),
         off_policy_loss=KLGradient("neither KL direction", False, "{name} off-policy has no importance weight."),
-    )  # fmt: skip
+    )
     def kl_twice_k2(log_ratio, old_log_ratio=None, log_ratio_clamp=40.0):
         d = log_ratio if log_ratio_clamp is None else log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)
         return d.square()
@@ -60,8 +65,16 @@ def test_a_bandit_trained_with_it_lands_on_the_optimum_it_declares(twice_k2, tmp
     from klppo.models import TINY_MODEL, resolve_model_path
     from klppo.testing.bandit import bandit_trainer, kl, one_token_state, tilted
 
-    trainer = bandit_trainer(resolve_model_path(TINY_MODEL), tmp_path, kl_mode="loss", kl_estimator=twice_k2,
-                             kl_coef=BETA, max_steps=60, learning_rate=3e-3, lr_scheduler_type="linear")  # fmt: skip
+    trainer = bandit_trainer(
+        resolve_model_path(TINY_MODEL),
+        tmp_path,
+        kl_mode="loss",
+        kl_estimator=twice_k2,
+        kl_coef=BETA,
+        max_steps=60,
+        learning_rate=3e-3,
+        lr_scheduler_type="linear",
+    )
     start = one_token_state(trainer)
     declared = kl_optimum_of("loss", twice_k2).exact(start["ref"], start["reward"], BETA)
     assert torch.allclose(declared, tilted(start["ref"], start["reward"], 2 * BETA), atol=1e-12)

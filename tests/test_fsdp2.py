@@ -56,8 +56,19 @@ def test_fsdp2_root_unsharded_for_off_root_forwards(tiny_model_path, tmp_path):
 def fsdp_launch(worker_args: list[str], tmp_path, timeout: float = 600) -> str:
     """The worker on 2 CPU ranks under FSDP2: the shipped FSDP config, with 2 processes and no mixed precision.
     Returns its stderr."""
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", FSDP_CONFIG, "--num_processes", "2",
-                "--mixed_precision", "no", "--main_process_port", str(free_port())]  # fmt: skip
+    launcher = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        FSDP_CONFIG,
+        "--num_processes",
+        "2",
+        "--mixed_precision",
+        "no",
+        "--main_process_port",
+        str(free_port()),
+    ]
     return run([*launcher, WORKER, *worker_args], tmp_path, timeout=timeout)[1]
 
 
@@ -140,9 +151,27 @@ def fsdp_train_tiny(out, tmp_path, *extra: str) -> str:
     KL is `full`: scoring then runs the policy through the FSDP2 root (for its logits), which leaves the root's
     weights whole until the next backward; a resume must load into the shards all the same. The reward varies
     (the tiny model's sentiment is 0 everywhere, and the exact KL of a policy equal to its reference is 0)."""
-    return fsdp_launch(["cli", "--config", os.path.join(ROOT, "configs", "tiny.yaml"), "--output_dir", str(out),
-                 "--max_steps", "3", "--save_strategy", "steps", "--save_steps", "2", "--kl_estimator", "full",
-                 "--reward_funcs", "dist_trainer_worker:token_reward", *extra], tmp_path)  # fmt: skip
+    return fsdp_launch(
+        [
+            "cli",
+            "--config",
+            os.path.join(ROOT, "configs", "tiny.yaml"),
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "3",
+            "--save_strategy",
+            "steps",
+            "--save_steps",
+            "2",
+            "--kl_estimator",
+            "full",
+            "--reward_funcs",
+            "dist_trainer_worker:token_reward",
+            *extra,
+        ],
+        tmp_path,
+    )
 
 
 @pytest.mark.ranks
@@ -182,10 +211,12 @@ def _run(out_path: str) -> None:
     from torch.distributed.tensor import DTensor
 
     from klppo.models import tiny_model_and_tokenizer
-    from klppo.ppo.engines import load_full_weights, root_unsharded
-    from klppo.ppo.value import ActorCritic, ValueHead
+    from klppo.ppo.actor_critic import ActorCritic, ValueHead
+    from klppo.ppo.distributed import load_full_weights, root_unsharded
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", MASTER_PORT=os.environ.get("MASTER_PORT", "29591"))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", MASTER_PORT=os.environ.get("MASTER_PORT", "29591")
+    )
     dist.init_process_group("gloo")
     model, _ = tiny_model_and_tokenizer()
     actor_critic = ActorCritic(model, value_head=ValueHead(model.config.hidden_size))
@@ -201,8 +232,11 @@ def _run(out_path: str) -> None:
             fully_shard(module, mesh=mesh)
             wrapped += 1
     fully_shard(actor_critic, mesh=mesh)
-    result = {"no_split_modules": actor_critic._no_split_modules, "wrapped_blocks": wrapped,
-              "sharded_root_param": isinstance(model.lm_head.weight, DTensor)}  # fmt: skip
+    result = {
+        "no_split_modules": actor_critic._no_split_modules,
+        "wrapped_blocks": wrapped,
+        "sharded_root_param": isinstance(model.lm_head.weight, DTensor),
+    }
     try:
         model(ids)
         result["error_without_unshard"] = ""

@@ -16,7 +16,7 @@ from klppo.ppo.generation.engine import Sampled
 from klppo.ppo.generation.hf import GenerateEngine
 from klppo.ppo.generation.sampling import Generation
 from klppo.testing import klppo_config
-from klppo.testing.bandit import bandit_trainer, kl, one_token_state, tilted
+from klppo.testing.bandit import bandit_trainer, kl, one_token_state
 
 BETA = 0.5
 
@@ -55,8 +55,14 @@ def replace_temperature(config, temperature):
 
 
 def drifted_bandit(tiny_path, tmp_path, factor: float, correction: bool, **overrides):
-    trainer = bandit_trainer(tiny_path, tmp_path, kl_mode="reward", kl_estimator="k1",
-                             experimental={"vllm_importance_sampling_correction": correction}, **overrides)  # fmt: skip
+    trainer = bandit_trainer(
+        tiny_path,
+        tmp_path,
+        kl_mode="reward",
+        kl_estimator="k1",
+        experimental={"vllm_importance_sampling_correction": correction},
+        **overrides,
+    )
     trainer.sampler = DriftingEngine(trainer.sampler, factor)
     return trainer
 
@@ -114,9 +120,12 @@ def test_the_correction_weights_the_statistic_and_logs_the_drift():
 
     logp = torch.log(torch.tensor([[0.5, 0.2]]))
     rollout = SimpleNamespace(
-        logp=logp, sampling_logp=torch.log(torch.tensor([[0.25, 0.4]])), response_mask=torch.ones(1, 2),
-        statistic_kl=torch.tensor([[1.0, 1.0]]), logged_kl=torch.ones(1, 2, 3),
-    )  # fmt: skip
+        logp=logp,
+        sampling_logp=torch.log(torch.tensor([[0.25, 0.4]])),
+        response_mask=torch.ones(1, 2),
+        statistic_kl=torch.tensor([[1.0, 1.0]]),
+        logged_kl=torch.ones(1, 2, 3),
+    )
     import dataclasses
 
     @dataclasses.dataclass
@@ -134,7 +143,9 @@ def test_the_correction_weights_the_statistic_and_logs_the_drift():
     assert torch.allclose(out.statistic_kl, torch.tensor([[2.0, 0.5]]))
     assert torch.allclose(out.logged_kl[..., 1], torch.tensor([[2.0, 0.5]]))
     m = out.sampling_metrics
-    assert m["sampling/logp_diff_max"] == pytest.approx(math.log(2)) and m["sampling/is_ratio_min"] == pytest.approx(0.5)
+    assert m["sampling/logp_diff_max"] == pytest.approx(math.log(2)) and m["sampling/is_ratio_min"] == pytest.approx(
+        0.5
+    )
     assert m["sampling/is_ratio_max"] == pytest.approx(2.0) and m["sampling/is_capped_frac"] == 0
     off = correct_rollout(R(**vars(rollout)), False, "token_truncate", 3.0)
     assert off.is_weight is None and torch.equal(off.statistic_kl, rollout.statistic_kl) and off.sampling_metrics

@@ -22,7 +22,8 @@ from klppo.kl import (
     unregister_kl_controller,
 )
 
-pytestmark = pytest.mark.numerics  # its verdicts rest on training or controller arithmetic: run under a second kernel set too
+# its verdicts rest on training or controller arithmetic: run under a second kernel set too
+pytestmark = pytest.mark.numerics
 
 KL_CONTROLLERS = ("fixed", "adaptive", "exponential", "pid", "tracking", "equilibrium")
 
@@ -58,8 +59,9 @@ def test_register_and_unregister_a_controller_through_the_public_api():
     try:
         assert "halving" in kl_controllers() and get_kl_controller("halving") is Halving
         assert Halving.constants == {"factor": 0.5}  # the constructor's keyword parameters, less the target
-        c = build_kl_controller(SimpleNamespace(kl_controller="halving", kl_coef=0.1, kl_target=1.0,
-                                                kl_controller_kwargs={"factor": 0.25}))  # fmt: skip
+        c = build_kl_controller(
+            SimpleNamespace(kl_controller="halving", kl_coef=0.1, kl_target=1.0, kl_controller_kwargs={"factor": 0.25})
+        )
         assert c.update(2.0, 8) == pytest.approx(0.4) and c.name == "halving"
         with pytest.raises(ValueError, match="already registered"):
             register_kl_controller("halving")(Halving)
@@ -224,14 +226,18 @@ def _drive(ctrl, readings):
     return [ctrl.update(kl, 64) for kl in readings]
 
 
-@pytest.mark.parametrize("make", [
-    lambda: FixedKLController(0.1),
-    lambda: AdaptiveKLController(0.1, target=0.3, horizon=100),
-    lambda: ExponentialKLController(0.1, target=0.3, rate=0.5),
-    lambda: PIDKLController(0.1, target=0.3, kd=0.1),
-    lambda: TrackingKLController(0.1, target=0.3, window=5),
-    lambda: EquilibriumKLController(0.1, target=0.3),
-], ids=KL_CONTROLLERS)
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: FixedKLController(0.1),
+        lambda: AdaptiveKLController(0.1, target=0.3, horizon=100),
+        lambda: ExponentialKLController(0.1, target=0.3, rate=0.5),
+        lambda: PIDKLController(0.1, target=0.3, kd=0.1),
+        lambda: TrackingKLController(0.1, target=0.3, window=5),
+        lambda: EquilibriumKLController(0.1, target=0.3),
+    ],
+    ids=KL_CONTROLLERS,
+)
 def test_state_dict_json_round_trip_continues_identically(make):
     rng = random.Random(1)
     readings = [rng.uniform(0.0, 1.0) for _ in range(20)]
@@ -264,34 +270,37 @@ def test_load_into_wrong_kind_raises():
 # validation
 
 
-@pytest.mark.parametrize("make, param", [
-    (lambda: FixedKLController(-0.1), "kl_coef"),
-    (lambda: FixedKLController(math.nan), "kl_coef"),
-    (lambda: AdaptiveKLController(0.0, 1.0, 10), "kl_coef"),
-    (lambda: AdaptiveKLController(0.1, 0.0, 10), "target"),
-    (lambda: AdaptiveKLController(0.1, -1.0, 10), "target"),
-    (lambda: AdaptiveKLController(0.1, 1.0, 0), "horizon"),
-    (lambda: AdaptiveKLController(0.1, 1.0, 10, error_clip=0.0), "error_clip"),
-    (lambda: AdaptiveKLController(0.1, 1.0, 10, coef_min=1.0, coef_max=0.5), "coef_min"),
-    (lambda: AdaptiveKLController(0.1, 1.0, 10, coef_min=-1.0), "coef_min"),
-    (lambda: ExponentialKLController(-0.1, 1.0), "kl_coef"),
-    (lambda: ExponentialKLController(0.1, 0.0), "target"),
-    (lambda: ExponentialKLController(0.1, 1.0, rate=0.0), "rate"),
-    (lambda: ExponentialKLController(0.1, 1.0, rate=-1.0), "rate"),
-    (lambda: ExponentialKLController(0.1, 1.0, coef_min=2.0, coef_max=1.0), "coef_min"),
-    (lambda: PIDKLController(0.0, 1.0), "kl_coef"),
-    (lambda: PIDKLController(0.1, -1.0), "target"),
-    (lambda: PIDKLController(0.1, 1.0, kp=-0.1), "kp"),
-    (lambda: PIDKLController(0.1, 1.0, ki=-0.1), "ki"),
-    (lambda: PIDKLController(0.1, 1.0, kd=-0.1), "kd"),
-    (lambda: PIDKLController(0.1, 1.0, integral_limit=0.0), "integral_limit"),
-    (lambda: PIDKLController(0.1, 1.0, coef_min=1.0, coef_max=0.1), "coef_min"),
-    (lambda: TrackingKLController(0.0, 1.0), "kl_coef"),
-    (lambda: TrackingKLController(0.1, 0.0), "target"),
-    (lambda: TrackingKLController(0.1, 1.0, ki=-1.0), "ki"),
-    (lambda: TrackingKLController(0.1, 1.0, window=2), "window"),
-    (lambda: TrackingKLController(0.1, 1.0, lookahead=-1.0), "lookahead"),
-])
+@pytest.mark.parametrize(
+    "make, param",
+    [
+        (lambda: FixedKLController(-0.1), "kl_coef"),
+        (lambda: FixedKLController(math.nan), "kl_coef"),
+        (lambda: AdaptiveKLController(0.0, 1.0, 10), "kl_coef"),
+        (lambda: AdaptiveKLController(0.1, 0.0, 10), "target"),
+        (lambda: AdaptiveKLController(0.1, -1.0, 10), "target"),
+        (lambda: AdaptiveKLController(0.1, 1.0, 0), "horizon"),
+        (lambda: AdaptiveKLController(0.1, 1.0, 10, error_clip=0.0), "error_clip"),
+        (lambda: AdaptiveKLController(0.1, 1.0, 10, coef_min=1.0, coef_max=0.5), "coef_min"),
+        (lambda: AdaptiveKLController(0.1, 1.0, 10, coef_min=-1.0), "coef_min"),
+        (lambda: ExponentialKLController(-0.1, 1.0), "kl_coef"),
+        (lambda: ExponentialKLController(0.1, 0.0), "target"),
+        (lambda: ExponentialKLController(0.1, 1.0, rate=0.0), "rate"),
+        (lambda: ExponentialKLController(0.1, 1.0, rate=-1.0), "rate"),
+        (lambda: ExponentialKLController(0.1, 1.0, coef_min=2.0, coef_max=1.0), "coef_min"),
+        (lambda: PIDKLController(0.0, 1.0), "kl_coef"),
+        (lambda: PIDKLController(0.1, -1.0), "target"),
+        (lambda: PIDKLController(0.1, 1.0, kp=-0.1), "kp"),
+        (lambda: PIDKLController(0.1, 1.0, ki=-0.1), "ki"),
+        (lambda: PIDKLController(0.1, 1.0, kd=-0.1), "kd"),
+        (lambda: PIDKLController(0.1, 1.0, integral_limit=0.0), "integral_limit"),
+        (lambda: PIDKLController(0.1, 1.0, coef_min=1.0, coef_max=0.1), "coef_min"),
+        (lambda: TrackingKLController(0.0, 1.0), "kl_coef"),
+        (lambda: TrackingKLController(0.1, 0.0), "target"),
+        (lambda: TrackingKLController(0.1, 1.0, ki=-1.0), "ki"),
+        (lambda: TrackingKLController(0.1, 1.0, window=2), "window"),
+        (lambda: TrackingKLController(0.1, 1.0, lookahead=-1.0), "lookahead"),
+    ],
+)
 def test_constructor_rejects_bad_values(make, param):
     with pytest.raises(ValueError, match=param):
         make()
@@ -313,8 +322,11 @@ def test_build_kl_controller():
     assert c.target == 6.0  # the target comes from kl_target, not from the mapping
     c = build_kl_controller(SimpleNamespace(kl_controller="adaptive", kl_controller_kwargs=None, **base))
     assert c.horizon == 10000 and c.error_clip == 0.2  # None: the constructor's defaults
-    c = build_kl_controller(SimpleNamespace(kl_controller="exponential", **base,
-                                            kl_controller_kwargs=dict(rate=0.2, coef_min=1e-3, coef_max=5.0)))
+    c = build_kl_controller(
+        SimpleNamespace(
+            kl_controller="exponential", **base, kl_controller_kwargs=dict(rate=0.2, coef_min=1e-3, coef_max=5.0)
+        )
+    )
     assert isinstance(c, ExponentialKLController) and (c.rate, c.coef_min, c.coef_max) == (0.2, 1e-3, 5.0)
     c = build_kl_controller(SimpleNamespace(kl_controller="pid", kl_controller_kwargs=dict(kp=0.5, kd=0.01), **base))
     assert isinstance(c, PIDKLController) and (c.kp, c.ki, c.kd) == (0.5, 0.3, 0.01)
@@ -328,13 +340,16 @@ def test_build_kl_controller():
 
 def test_the_constants_are_the_constructors_keyword_parameters():
     assert get_kl_controller("fixed").constants == {}
-    assert get_kl_controller("adaptive").constants == dict(horizon=10000, error_clip=0.2, coef_min=0.0,
-                                                           coef_max=math.inf)  # fmt: skip
+    assert get_kl_controller("adaptive").constants == dict(
+        horizon=10000, error_clip=0.2, coef_min=0.0, coef_max=math.inf
+    )
     assert get_kl_controller("exponential").constants == dict(rate=0.1, coef_min=1e-4, coef_max=10.0)
     assert {"kp", "ki", "kd", "coef_min", "coef_max", "integral_limit", "error_clip"} == set(
-        get_kl_controller("pid").constants)
+        get_kl_controller("pid").constants
+    )
     assert {"kp", "ki", "lookahead", "window", "arm_fraction", "startup_rate", "coef_min", "coef_max"} == set(
-        get_kl_controller("tracking").constants)
+        get_kl_controller("tracking").constants
+    )
     for kind in kl_controllers():
         assert "target" not in get_kl_controller(kind).constants  # kl_target supplies it
 
@@ -401,7 +416,7 @@ def _simulate(ctrl, c, steps=300, lag=1.0, sigma=0.1, seed=0):
 
 def _tracking(history, target):
     """Mean of the last third relative to target, and RMS relative error over the last third."""
-    tail = history[-len(history) // 3:]
+    tail = history[-len(history) // 3 :]
     mean = sum(tail) / len(tail) / target
     rms = math.sqrt(sum((x / target - 1) ** 2 for x in tail) / len(tail))
     return mean, rms
@@ -578,8 +593,8 @@ def test_a_guard_whose_check_predates_change_sq_is_called_without_it():
     the four arguments it had before is still called, with those four."""
     import torch
 
-    from klppo.ppo.guard import KLGuard
-    from klppo.ppo.safety import GuardSample, StepChecks
+    from klppo.ppo.safety.kl_guard import KLGuard
+    from klppo.ppo.safety.step_checks import GuardSample, StepChecks
 
     calls = []
 

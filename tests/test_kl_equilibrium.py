@@ -8,7 +8,8 @@ from klppo.kl import BUILTIN_KL_ESTIMATORS, KL_MODES, estimate_kl, get_kl_estima
 from klppo.kl.controllers import EquilibriumKLController, equilibrium_log_coef, optimum_kl
 from klppo.kl.optimum import FORWARD, REVERSE, KLOptimum, kl_optimum_of
 
-pytestmark = pytest.mark.numerics  # its verdicts rest on training or controller arithmetic: run under a second kernel set too
+# its verdicts rest on training or controller arithmetic: run under a second kernel set too
+pytestmark = pytest.mark.numerics
 
 
 def _tilt(ref, r, beta):
@@ -43,14 +44,17 @@ def test_at_the_optimum_the_estimate_is_the_mean_log_ratio():
     beta = 0.7
     opt = _tilt(ref, r, beta)
     idx = torch.randint(0, 4, (50,), generator=torch.Generator().manual_seed(0))  # any draw: weights are equal
-    l = (opt - ref)[idx]
-    assert optimum_kl(1 / beta, r[idx], l) == pytest.approx(float(l.mean()), abs=1e-12)
+    log_ratio = (opt - ref)[idx]
+    assert optimum_kl(1 / beta, r[idx], log_ratio) == pytest.approx(float(log_ratio.mean()), abs=1e-12)
 
 
 def test_the_estimate_rises_as_beta_falls():
     g = torch.Generator().manual_seed(1)
-    r, l = torch.randn(64, generator=g, dtype=torch.float64), 0.3 * torch.randn(64, generator=g, dtype=torch.float64)
-    values = [optimum_kl(inv, r, l) for inv in (0.0, 0.5, 1.0, 2.0, 4.0, 8.0)]
+    r, log_ratio = (
+        torch.randn(64, generator=g, dtype=torch.float64),
+        0.3 * torch.randn(64, generator=g, dtype=torch.float64),
+    )
+    values = [optimum_kl(inv, r, log_ratio) for inv in (0.0, 0.5, 1.0, 2.0, 4.0, 8.0)]
     assert all(a < b for a, b in zip(values, values[1:]))
 
 
@@ -69,8 +73,11 @@ def test_solved_coefficient_is_the_one_whose_optimum_has_the_target_kl():
 
 def _batch(seed=0, n=64):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, 2, (n,), generator=g).double(), 0.2 * torch.randn(n, generator=g, dtype=torch.float64),
-            torch.full((n,), 12.0, dtype=torch.float64))
+    return (
+        torch.randint(0, 2, (n,), generator=g).double(),
+        0.2 * torch.randn(n, generator=g, dtype=torch.float64),
+        torch.full((n,), 12.0, dtype=torch.float64),
+    )
 
 
 def test_one_step_moves_log_beta_by_the_effective_sample_size_share_of_the_way():
@@ -130,14 +137,17 @@ def test_an_estimate_on_a_bound_takes_the_unfiltered_step():
     side), and the filter takes no measurement from it: its variance grows by drift^2."""
     r, d, lengths = _batch()
     for target, coef_max, kl in ((1e-3, 1.0, 1e-2), (50.0, 10.0, 5.0)):  # beta* above the upper bound; below the lower
-        filtered = EquilibriumKLController(0.5, target=target, coef_max=coef_max, approach_power=0.0,
-                                           jackknife_groups=4, drift=0.1, hold_power=0.0)  # fmt: skip
+        filtered = EquilibriumKLController(
+            0.5, target=target, coef_max=coef_max, approach_power=0.0, jackknife_groups=4, drift=0.1, hold_power=0.0
+        )
         plain = EquilibriumKLController(0.5, target=target, coef_max=coef_max, approach_power=0.0, hold_power=0.0)
         for c in (filtered, plain):
             c.observe_sequences(r, d, lengths)
             c.update(kl, 64)
         assert filtered.estimate in (pytest.approx(math.log(coef_max)), pytest.approx(math.log(1e-4)))
-        assert filtered.gain == pytest.approx(filtered.ess, rel=1e-4) and filtered.coef == pytest.approx(plain.coef, rel=1e-4)
+        assert filtered.gain == pytest.approx(filtered.ess, rel=1e-4) and filtered.coef == pytest.approx(
+            plain.coef, rel=1e-4
+        )
         assert plain.gain == plain.ess and plain.coef != 0.5
         assert filtered.variance == pytest.approx(1.0 + 0.1**2)  # no measurement: the variance only grows
 
@@ -151,8 +161,15 @@ def test_an_estimate_on_a_bound_against_the_kl_measured_takes_no_step():
     r, d, lengths = _batch()
     for target, coef_max, kl in ((1e-3, 1.0, 1e-3), (1e-3, 1.0, 5e-4), (50.0, 10.0, 50.0), (50.0, 10.0, 80.0)):
         for groups in (0, 4):
-            c = EquilibriumKLController(0.5, target=target, coef_max=coef_max, approach_power=0.0,
-                                        jackknife_groups=groups, drift=0.1, hold_power=0.0)  # fmt: skip
+            c = EquilibriumKLController(
+                0.5,
+                target=target,
+                coef_max=coef_max,
+                approach_power=0.0,
+                jackknife_groups=groups,
+                drift=0.1,
+                hold_power=0.0,
+            )
             c.observe_sequences(r, d, lengths)
             assert c.update(kl, 64) == 0.5 and c.coef == 0.5 and c.gain == 0.0 and c.variance == 1.0
             assert c.estimate in (pytest.approx(math.log(coef_max)), pytest.approx(math.log(1e-4)))
@@ -215,8 +232,13 @@ def test_beta_stays_without_sequences_or_with_a_batch_that_tells_nothing():
     r, d, lengths = _batch()
     c = EquilibriumKLController(5.0, target=0.3, approach_power=0.0, hold_power=0.0)
     assert c.update(0.01, 64) == 5.0  # no sequences observed
-    for scores, ratios in ((r[:0], d[:0]), (torch.full_like(r, math.nan), d), (r, torch.full_like(d, math.inf)),
-                           (torch.zeros_like(r), d)):  # empty, non-finite, every score equal (no tilt)
+    # empty, non-finite, every score equal (no tilt)
+    for scores, ratios in (
+        (r[:0], d[:0]),
+        (torch.full_like(r, math.nan), d),
+        (r, torch.full_like(d, math.inf)),
+        (torch.zeros_like(r), d),
+    ):
         c.observe_sequences(scores, ratios, lengths[: len(scores)])
         assert c.update(0.01, 64) == 5.0
     assert c.estimate is None
@@ -242,14 +264,19 @@ def test_state_round_trip_continues_identically(kwargs):
     assert a.state_dict() == b.state_dict() and a.value != a.coef
 
 
-@pytest.mark.parametrize("kwargs, param", [({"target": 0.0}, "target"),
-                                           ({"coef_min": 2.0, "coef_max": 1.0}, "coef_min"),
-                                           ({"approach_power": -1.0}, "approach_power"),
-                                           ({"hold_power": -0.5}, "hold_power"),
-                                           ({"jackknife_groups": 1}, "jackknife_groups"),
-                                           ({"jackknife_groups": 2.5}, "jackknife_groups"),
-                                           ({"jackknife_groups": math.inf}, "jackknife_groups"),
-                                           ({"drift": 0.0}, "drift")])
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        ({"target": 0.0}, "target"),
+        ({"coef_min": 2.0, "coef_max": 1.0}, "coef_min"),
+        ({"approach_power": -1.0}, "approach_power"),
+        ({"hold_power": -0.5}, "hold_power"),
+        ({"jackknife_groups": 1}, "jackknife_groups"),
+        ({"jackknife_groups": 2.5}, "jackknife_groups"),
+        ({"jackknife_groups": math.inf}, "jackknife_groups"),
+        ({"drift": 0.0}, "drift"),
+    ],
+)
 def test_constructor_rejects_bad_values(kwargs, param):
     with pytest.raises(ValueError, match=param):
         EquilibriumKLController(0.1, **{"target": 0.3, **kwargs})
@@ -262,16 +289,20 @@ def test_the_default_with_a_target_is_equilibrium_where_the_optimum_is_known_and
     base = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", kl_target=4.0)
     c = KLPPOConfig(**base)
     assert (c.kl_controller, c.experimental.kl_guard, c.kl_optimum()) == ("equilibrium", True, KLOptimum(REVERSE, 1.0))
-    for mode, estimator, optimum in (("loss", "k2", KLOptimum(REVERSE, 1.0, per_token=True)),
-                                     ("loss", "k3", KLOptimum(FORWARD, 1.0, per_token=True)),
-                                     ("both", "k1+", KLOptimum(REVERSE, 2.0, per_token=True))):
+    for mode, estimator, optimum in (
+        ("loss", "k2", KLOptimum(REVERSE, 1.0, per_token=True)),
+        ("loss", "k3", KLOptimum(FORWARD, 1.0, per_token=True)),
+        ("both", "k1+", KLOptimum(REVERSE, 2.0, per_token=True)),
+    ):
         c = KLPPOConfig(**base, kl_mode=mode, kl_estimator=estimator)
         assert (c.kl_controller, c.experimental.kl_guard, c.kl_optimum()) == ("equilibrium", True, optimum)
         assert build_kl_controller(c).optimum == optimum  # the controller learns it from the config
     # a loss weight that moves with the policy hides the optimum: tracking, with one warning saying why
-    for extra, why in (({"experimental": {"kl_loss_scale": "none"}}, "kl_loss_scale='none'"),
-                       ({"kl_loss_agg_mode": "seq-mean-token-sum"}, "kl_loss_agg_mode='seq-mean-token-sum'"),
-                       ({"whiten_rewards": True}, "whiten_rewards=True")):
+    for extra, why in (
+        ({"experimental": {"kl_loss_scale": "none"}}, "kl_loss_scale='none'"),
+        ({"kl_loss_agg_mode": "seq-mean-token-sum"}, "kl_loss_agg_mode='seq-mean-token-sum'"),
+        ({"whiten_rewards": True}, "whiten_rewards=True"),
+    ):
         caplog.clear()
         with caplog.at_level("WARNING", logger="klppo.ppo.config"):
             c = KLPPOConfig(**base, kl_mode="loss", kl_estimator="k2", **extra)
@@ -282,18 +313,22 @@ def test_the_default_with_a_target_is_equilibrium_where_the_optimum_is_known_and
             KLPPOConfig(**base, kl_mode="loss", kl_estimator="k2", kl_controller="equilibrium", **extra)
     # GRPO's loss follows the reward Delta * r: known in the loss; with the KL in the return too, divided by the groups'
     # spreads, not
-    assert KLPPOConfig(**base, kl_mode="loss", kl_estimator="k3", advantage_estimator="grpo").kl_optimum() == \
-        KLOptimum(FORWARD, 1.0, per_token=True)
+    assert KLPPOConfig(**base, kl_mode="loss", kl_estimator="k3", advantage_estimator="grpo").kl_optimum() == KLOptimum(
+        FORWARD, 1.0, per_token=True
+    )
     caplog.clear()
     with caplog.at_level("WARNING", logger="klppo.ppo.config"):
         c = KLPPOConfig(**base, kl_mode="both", kl_estimator="k1+", advantage_estimator="grpo")
     assert c.kl_controller == "tracking" and "advantage_estimator='grpo' with kl_mode='both'" in caplog.text
-    c = KLPPOConfig(**base, kl_mode="loss", kl_estimator="k2", advantage_estimator="grpo",
-                    kl_loss_agg_mode="seq-mean-token-sum")  # weighs the KL by the responses' lengths, as without GRPO
+    # seq-mean-token-sum weighs the KL by the responses' lengths, as without GRPO
+    c = KLPPOConfig(
+        **base, kl_mode="loss", kl_estimator="k2", advantage_estimator="grpo", kl_loss_agg_mode="seq-mean-token-sum"
+    )
     assert c.kl_controller == "tracking" and c.kl_optimum() is None
     # without whitened advantages, kl_loss_scale='none' leaves beta as it is: the optimum is known
-    c = KLPPOConfig(**base, kl_mode="loss", kl_estimator="k2", experimental={"kl_loss_scale": "none",
-                                                                             "whiten_advantages": False})
+    c = KLPPOConfig(
+        **base, kl_mode="loss", kl_estimator="k2", experimental={"kl_loss_scale": "none", "whiten_advantages": False}
+    )
     assert c.kl_controller == "equilibrium"
     # fixed-length responses: a per-sequence sum of the KL weighs it by their length against the token-mean policy loss
     fixed = dict(base, kl_mode="loss", kl_estimator="k2", stop_token=None, response_length=3)
@@ -433,17 +468,20 @@ def test_the_forward_estimate_falls_as_beta_grows(seed):
     assert all(a > b for a, b in zip(values, values[1:])), values
 
 
-@pytest.mark.parametrize("optimum", [KLOptimum(REVERSE), KLOptimum(FORWARD), KLOptimum(REVERSE, 2.0),
-                                     KLOptimum(FORWARD, 3.0)])
+@pytest.mark.parametrize(
+    "optimum", [KLOptimum(REVERSE), KLOptimum(FORWARD), KLOptimum(REVERSE, 2.0), KLOptimum(FORWARD, 3.0)]
+)
 def test_the_solved_coefficient_is_the_one_whose_optimum_has_the_target_kl(optimum):
     idx = _exact_sample(_PI4, 16)
     log_beta = optimum.solve(_R4[idx], (_PI4 - _REF4)[idx], 0.3, math.log(1e-4), math.log(1e4))
     assert _kl(optimum.exact(_REF4, _R4, math.exp(log_beta)), _REF4) == pytest.approx(0.3, rel=1e-9)
     # out of the bounds' reach: the bound on that side
     assert optimum.solve(_R4[idx], (_PI4 - _REF4)[idx], 0.3, math.log(1e2), math.log(1e4)) == pytest.approx(
-        math.log(1e2))
+        math.log(1e2)
+    )
     assert optimum.solve(_R4[idx], (_PI4 - _REF4)[idx], 0.3, math.log(1e-6), math.log(1e-5)) == pytest.approx(
-        math.log(1e-5))
+        math.log(1e-5)
+    )
 
 
 def test_the_controller_solves_for_the_optimum_it_is_given():

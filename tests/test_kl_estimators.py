@@ -64,6 +64,7 @@ def test_full_is_a_logits_estimator_in_the_registry():
 
 def test_register_custom_estimator_and_twin():
     try:
+
         @register_kl_estimator("half_k1", formula="d / 2")
         def half(log_ratio, old_log_ratio=None, log_ratio_clamp=40.0):
             return 0.5 * log_ratio
@@ -101,8 +102,7 @@ def test_an_estimate_from_the_log_ratios_equals_the_estimate_from_the_log_probs_
     ref, old = torch.randn(64, dtype=F64) * 3, torch.randn(64, dtype=F64) * 3
     for name in PER_TOKEN:
         logp = (torch.randn(64, dtype=F64) * 3).requires_grad_()
-        expected, expected_clamped = compute_kl(logp, ref, name, old_logp=old, log_ratio_clamp=2.0,
-                                                return_clamped=True)  # fmt: skip
+        expected, expected_clamped = compute_kl(logp, ref, name, old_logp=old, log_ratio_clamp=2.0, return_clamped=True)
         (expected_grad,) = torch.autograd.grad(expected.sum(), logp)
         old_log_ratio = logp - old
         log_ratio = (old - ref) + old_log_ratio  # the rollout's log-ratio plus the step since sampling
@@ -110,8 +110,9 @@ def test_an_estimate_from_the_log_ratios_equals_the_estimate_from_the_log_probs_
         (grad,) = torch.autograd.grad(kl.sum(), logp)
         assert torch.allclose(kl, expected, atol=1e-12) and torch.equal(clamped, expected_clamped), name
         assert torch.allclose(grad, expected_grad, atol=1e-12), name
-        estimated = estimate_kl(name, log_ratio=log_ratio.detach(), old_log_ratio=old_log_ratio.detach(),
-                                log_ratio_clamp=2.0)  # fmt: skip
+        estimated = estimate_kl(
+            name, log_ratio=log_ratio.detach(), old_log_ratio=old_log_ratio.detach(), log_ratio_clamp=2.0
+        )
         assert torch.allclose(estimated, expected.detach(), atol=1e-12), name
 
 
@@ -352,7 +353,12 @@ def _mean_std_se(x):
     var = centred.square().mean()
     m4 = centred.pow(4).mean()
     std = var.sqrt()
-    return mean.item(), std.item(), (std / math.sqrt(n)).item(), ((m4 - var**2).sqrt() / math.sqrt(n) / (2 * std)).item()
+    return (
+        mean.item(),
+        std.item(),
+        (std / math.sqrt(n)).item(),
+        ((m4 - var**2).sqrt() / math.sqrt(n) / (2 * std)).item(),
+    )
 
 
 @pytest.mark.parametrize("mu", [0.1, 1.0])
@@ -411,8 +417,9 @@ def test_extreme_log_ratios_stay_finite(name, dtype):
             logp = (d / 2).to(dtype).requires_grad_()
             ref_logp = (-d / 2).to(dtype)
             old_logp = (d / 2 + d.flip(0)).to(dtype) if with_old else None  # logp - old is extreme too
-            kl, clamped = compute_kl(logp, ref_logp, name, old_logp=old_logp, value_clamp=value_clamp,
-                                     return_clamped=True)
+            kl, clamped = compute_kl(
+                logp, ref_logp, name, old_logp=old_logp, value_clamp=value_clamp, return_clamped=True
+            )
             (g,) = torch.autograd.grad(kl.sum(), logp)
             assert torch.isfinite(kl).all(), (name, with_old, value_clamp, kl)
             assert torch.isfinite(g).all(), (name, with_old, value_clamp, g)

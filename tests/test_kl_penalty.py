@@ -37,10 +37,13 @@ def _hand(values, mask, mode, num_tokens=None, num_seqs=None, norm_len=None):
 def test_modes_match_hand_loops(mode):
     values, mask = _batch()
     norm = dict(norm_len=7)  # the constant of seq-mean-token-sum-norm (the maximum response length), not T
-    assert aggregate_loss(values, mask, mode, **norm).item() == pytest.approx(_hand(values, mask, mode, **norm), rel=1e-12)
+    assert aggregate_loss(values, mask, mode, **norm).item() == pytest.approx(
+        _hand(values, mask, mode, **norm), rel=1e-12
+    )
     kwargs = dict(num_tokens=40, num_seqs=9, norm_len=11)
     assert aggregate_loss(values, mask, mode, **kwargs).item() == pytest.approx(
-        _hand(values, mask, mode, **kwargs), rel=1e-12)
+        _hand(values, mask, mode, **kwargs), rel=1e-12
+    )
     # the modes really differ on this batch
     others = {m: aggregate_loss(values, mask, m, **norm).item() for m in LOSS_AGG_MODES}
     assert len({round(v, 9) for v in others.values()}) == len(LOSS_AGG_MODES)
@@ -55,7 +58,8 @@ def test_seq_mean_token_sum_norm_needs_its_constant():
     wide_values = torch.nn.functional.pad(values, (0, 5), value=float("nan"))
     wide_mask = torch.nn.functional.pad(mask, (0, 5), value=False)
     assert aggregate_loss(wide_values, wide_mask, "seq-mean-token-sum-norm", norm_len=7).item() == pytest.approx(
-        aggregate_loss(values, mask, "seq-mean-token-sum-norm", norm_len=7).item(), rel=1e-15)
+        aggregate_loss(values, mask, "seq-mean-token-sum-norm", norm_len=7).item(), rel=1e-15
+    )
 
 
 def test_masked_positions_are_ignored_even_if_not_finite():
@@ -104,8 +108,9 @@ def test_global_counts_make_rank_losses_sum_to_the_global_loss(mode):
     # gradients too: the summed per-rank losses give the global gradient
     leaf = values.clone().requires_grad_()
     (g_global,) = torch.autograd.grad(aggregate_loss(leaf, mask, mode, norm_len=values.shape[1]), leaf)
-    (g_ranks,) = torch.autograd.grad(sum(aggregate_loss(leaf[s], mask[s], mode, **counts)
-                                         for s in (slice(0, 1), slice(1, 4))), leaf)
+    (g_ranks,) = torch.autograd.grad(
+        sum(aggregate_loss(leaf[s], mask[s], mode, **counts) for s in (slice(0, 1), slice(1, 4))), leaf
+    )
     assert torch.allclose(g_global, g_ranks)
     # the naive alternative: every rank normalises locally, DDP averages
     mean_of_means = sum(aggregate_loss(v, m, mode, norm_len=values.shape[1]) for v, m in ranks) / 2

@@ -1,7 +1,7 @@
 """Token-weighted global statistics: simulated ranks in threads, and a real two-process run."""
 
-import math
 import json
+import math
 import os
 import socket
 import subprocess
@@ -96,7 +96,8 @@ def test_single_process_is_identity():
     assert total.dtype == F64 and count.dtype == F64 and (total.item(), count.item()) == (3.5, 7.0)
     assert global_masked_mean(values, mask).item() == pytest.approx(values[mask].mean().item(), rel=1e-14)
     assert global_sequence_sum_mean(values, mask).item() == pytest.approx(
-        (values * mask).sum(1).mean().item(), rel=1e-14)
+        (values * mask).sum(1).mean().item(), rel=1e-14
+    )
 
     class OneProcess:
         num_processes = 1
@@ -152,8 +153,9 @@ def test_whiten_across_ranks_matches_global(shift_mean):
     values, mask = _batch()
     expected = _reference_whiten(values, mask, shift_mean)
     assert torch.allclose(global_masked_whiten(values, mask, shift_mean=shift_mean), expected, atol=1e-12)
-    results, calls = run_ranks(lambda v, m, acc: global_masked_whiten(v, m, acc, shift_mean=shift_mean),
-                               _shards(values, mask))
+    results, calls = run_ranks(
+        lambda v, m, acc: global_masked_whiten(v, m, acc, shift_mean=shift_mean), _shards(values, mask)
+    )
     assert torch.allclose(torch.cat(results), expected, atol=1e-12)
     assert calls == [1, 1]
     # whitening each rank on its own statistics gives something else
@@ -187,13 +189,26 @@ def test_two_process_reduction(tmp_path):
     """torchrun with 2 gloo processes holding different slices; both agree with one process."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-           str(ROOT / "tests" / "dist_reduce_worker.py"), str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        str(ROOT / "tests" / "dist_reduce_worker.py"),
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     from dist_reduce_worker import RANK_ROWS, make_batch  # tests/ is on sys.path under pytest
+
     values, mask = make_batch()
     token = values[mask].mean().item()
     sequence = (values * mask).sum(1).mean().item()

@@ -52,8 +52,9 @@ def _moved_policy_rollout(trainer, n: int):
 def test_full_statistic_is_the_exact_kl_of_one_token_responses(tiny_path, tmp_path):
     """With one-token responses the statistic in `sequence` unit is KL(pi || ref) itself: `full` must give it
     exactly, whatever was sampled, while `k1` (the same expectation) scatters around it."""
-    trainer = bandit_trainer(tiny_path, tmp_path, kl_target=1.0, max_steps=1, per_device_train_batch_size=32,
-                             rollout_forward_batch_size=32)  # fmt: skip
+    trainer = bandit_trainer(
+        tiny_path, tmp_path, kl_target=1.0, max_steps=1, per_device_train_batch_size=32, rollout_forward_batch_size=32
+    )
     assert trainer.args.experimental.kl_statistic == "full" and trainer.args.kl_estimator == "k1"
     _, metrics = _moved_policy_rollout(trainer, 32)
     exact = kl(*policy_and_reference(trainer))
@@ -66,8 +67,15 @@ def test_full_statistic_is_the_exact_kl_of_one_token_responses(tiny_path, tmp_pa
 def test_full_statistic_sums_the_exact_kl_at_each_sampled_prefix(tiny_path, tmp_path):
     """Two-token responses: the statistic is the mean over sequences of KL at the first position plus KL at the
     second position given the sampled first token (the chain rule), each a sum over the vocabulary."""
-    trainer = bandit_trainer(tiny_path, tmp_path, response_length=2, kl_target=1.0, max_steps=1,
-                             per_device_train_batch_size=16, rollout_forward_batch_size=16)  # fmt: skip
+    trainer = bandit_trainer(
+        tiny_path,
+        tmp_path,
+        response_length=2,
+        kl_target=1.0,
+        max_steps=1,
+        per_device_train_batch_size=16,
+        rollout_forward_batch_size=16,
+    )
     rollout, metrics = _moved_policy_rollout(trainer, 16)
     assert bool(rollout.response_mask.bool().all())  # fixed-length responses: both positions count
     first_tokens = [int(t) for t in rollout.responses[:, 0]]
@@ -80,8 +88,16 @@ def test_full_statistic_sums_the_exact_kl_at_each_sampled_prefix(tiny_path, tmp_
 def test_a_per_token_statistic_other_than_the_estimator(tiny_path, tmp_path):
     """`kl_statistic: k3` beside `kl_estimator: k1`: the controller reads k3's per-sequence sums (logged as
     `kl/k3`), while the reward keeps k1."""
-    trainer = bandit_trainer(tiny_path, tmp_path, response_length=2, kl_target=1.0, kl_statistic="k3",
-                             max_steps=2, per_device_train_batch_size=16, rollout_forward_batch_size=16)  # fmt: skip
+    trainer = bandit_trainer(
+        tiny_path,
+        tmp_path,
+        response_length=2,
+        kl_target=1.0,
+        kl_statistic="k3",
+        max_steps=2,
+        per_device_train_batch_size=16,
+        rollout_forward_batch_size=16,
+    )
     trainer.train()
     logs = [h for h in trainer.state.log_history if "kl/value" in h]
     assert len(logs) == 2
@@ -91,11 +107,25 @@ def test_a_per_token_statistic_other_than_the_estimator(tiny_path, tmp_path):
 
 
 def _statistic_trainer(tiny_path, tmp_path, prompts, **overrides) -> KLPPOTrainer:
-    args = _config(tmp_path, kl_target=2.0, per_device_train_batch_size=len(prompts), rollout_forward_batch_size=2,
-                   response_length=6, temperature=0.7, critic="shared", stop_token="eos", seed=0,
-                   num_sample_generations=0, **overrides)  # fmt: skip
-    trainer = KLPPOTrainer(model=tiny_path, args=args, train_dataset=Dataset.from_dict({"prompt": prompts}),
-                           reward_funcs=lambda prompts, completions, **kw: [0.0] * len(prompts))  # fmt: skip
+    args = _config(
+        tmp_path,
+        kl_target=2.0,
+        per_device_train_batch_size=len(prompts),
+        rollout_forward_batch_size=2,
+        response_length=6,
+        temperature=0.7,
+        critic="shared",
+        stop_token="eos",
+        seed=0,
+        num_sample_generations=0,
+        **overrides,
+    )
+    trainer = KLPPOTrainer(
+        model=tiny_path,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        reward_funcs=lambda prompts, completions, **kw: [0.0] * len(prompts),
+    )
     with torch.no_grad():
         head = trainer.accelerator.unwrap_model(trainer.model).policy.get_output_embeddings().weight
         head.add_(0.3 * torch.randn_like(head, generator=torch.Generator().manual_seed(0)))

@@ -10,7 +10,7 @@ import math
 import pytest
 
 from klppo import KLPPOConfig
-from klppo.ppo.guard import LOWER, UPPER, KLGuard, build_kl_guard, kl_guards
+from klppo.ppo.safety.kl_guard import LOWER, UPPER, KLGuard, build_kl_guard, kl_guards
 from lab import controller_grid, default_resets, default_task_lr, frontier, import_plugin
 from lab.grpo_kl_control import summarize as grpo_summary
 
@@ -24,7 +24,7 @@ def registries_as_they_were():
     import sys
 
     from klppo.kl import kl_controllers, unregister_kl_controller
-    from klppo.ppo.guard import unregister_kl_guard
+    from klppo.ppo.safety.kl_guard import unregister_kl_guard
 
     controllers, guards = set(kl_controllers()), set(kl_guards())
     yield
@@ -37,8 +37,14 @@ def registries_as_they_were():
 
 # ---------------------------------------------------------------------------- guard variants
 def guard_config(tmp_path, kl_guard) -> KLPPOConfig:
-    return KLPPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, kl_controller="tracking",
-                       kl_target=1.0, experimental={"kl_guard": kl_guard})
+    return KLPPOConfig(
+        output_dir=str(tmp_path),
+        report_to="none",
+        use_cpu=True,
+        kl_controller="tracking",
+        kl_target=1.0,
+        experimental={"kl_guard": kl_guard},
+    )
 
 
 def test_a_plugin_is_imported_once_under_its_lab_name():
@@ -52,8 +58,10 @@ def test_the_guard_variants_change_one_piece_each(tmp_path):
     """`no_low_side` never fires below the target; `keeps_momentum` fires as the default guard does but leaves the
     optimizer's momentum; both are chosen through `experimental`, as klppo's own guard is."""
     import_plugin("controller_ablations")
-    guards = {name: build_kl_guard(guard_config(tmp_path, name).experimental.kl_guard, 1.0)
-              for name in ("default", "no_low_side", "keeps_momentum")}
+    guards = {
+        name: build_kl_guard(guard_config(tmp_path, name).experimental.kl_guard, 1.0)
+        for name in ("default", "no_low_side", "keeps_momentum")
+    }
     for guard in guards.values():
         guard.observe(1.5)  # a reading at the target arms the low side (where there is one)
     # 8 tokens, their KL 0.6 at the rollout and 0.4 now: the update pushed the KL further below the target
@@ -71,15 +79,30 @@ def test_the_trainer_runs_the_guard_that_experimental_names(tmp_path):
     from klppo.testing.bandit import bandit_trainer
 
     ablations = import_plugin("controller_ablations")
-    trainer = bandit_trainer(resolve_model_path(TINY_MODEL), tmp_path, max_steps=1, kl_target=0.5,
-                             kl_controller="tracking", experimental={"kl_guard": "keeps_momentum"})
+    trainer = bandit_trainer(
+        resolve_model_path(TINY_MODEL),
+        tmp_path,
+        max_steps=1,
+        kl_target=0.5,
+        kl_controller="tracking",
+        experimental={"kl_guard": "keeps_momentum"},
+    )
     assert type(trainer.kl_guard) is ablations.GuardKeepingMomentum
 
 
 # ---------------------------------------------------------------------------- controller grid
 def grid_run(kls, betas, seed=1, lr=1e-3):
-    return {"start": 0.2, "lr": lr, "steps": 1, "batch": 32, "seed": seed, "target": 2.0, "beta_star": 0.5,
-            "kl": kls, "beta": betas}
+    return {
+        "start": 0.2,
+        "lr": lr,
+        "steps": 1,
+        "batch": 32,
+        "seed": seed,
+        "target": 2.0,
+        "beta_star": 0.5,
+        "kl": kls,
+        "beta": betas,
+    }
 
 
 def test_the_grid_summary_of_one_run_by_hand():
@@ -116,14 +139,22 @@ def test_a_grid_run_records_its_distance_to_the_optimum_of_the_configured_kl():
         state = one_token_state(bandit_trainer(resolve_model_path(TINY_MODEL), Path(tmp), max_steps=1))
     distances = {}
     for estimator in ("k3", "k2"):
-        job = dict(start=1.0, lr=1e-12, steps=1, batch=8, seed=0, updates=1,
-                   config={"kl_mode": "loss", "kl_estimator": estimator})
+        job = dict(
+            start=1.0,
+            lr=1e-12,
+            steps=1,
+            batch=8,
+            seed=0,
+            updates=1,
+            config={"kl_mode": "loss", "kl_estimator": estimator},
+        )
         distances[estimator] = controller_grid.run_cell(job)["kl_to_optimum"]
         optimum = kl_optimum_of("loss", estimator).exact(state["ref"], state["reward"], controller_grid.BETA_STAR)
         assert distances[estimator] == pytest.approx(kl(state["ref"], optimum), rel=1e-3)
     assert abs(distances["k3"] - distances["k2"]) > 0.01  # the two optima differ
-    no_closed_form = dict(start=1.0, lr=1e-12, steps=1, batch=8, seed=0, updates=1,
-                          config={"kl_mode": "loss", "kl_estimator": "k1"})
+    no_closed_form = dict(
+        start=1.0, lr=1e-12, steps=1, batch=8, seed=0, updates=1, config={"kl_mode": "loss", "kl_estimator": "k1"}
+    )
     assert controller_grid.run_cell(no_closed_form)["kl_to_optimum"] is None
 
 
@@ -139,7 +170,10 @@ def test_the_bound_proportional_variant_steps_toward_a_bound_by_the_kl_error_at_
     import_plugin("controller_ablations")
     r, d = [1.0] * 28 + [0.0] * 4, [0.5] * 32
     coefs = {}
-    for name, cls in (("shipped", EquilibriumKLController), ("variant", get_kl_controller("equilibrium_bound_proportional"))):
+    for name, cls in (
+        ("shipped", EquilibriumKLController),
+        ("variant", get_kl_controller("equilibrium_bound_proportional")),
+    ):
         c = cls(0.5, target=0.3, approach_power=0.0, hold_power=0.0)
         c.arrived, c.last_error = True, 0.0
         c.observe_sequences(r, d, [1] * 32)
@@ -195,7 +229,9 @@ def test_the_envelope_bounds_the_tracking_error_and_a_run_is_set_beside_its_own_
 # ---------------------------------------------------------------------------- default task across learning rates
 def write_default_run(folder, kls, betas, passed=True):
     folder.mkdir(parents=True)
-    history = [{"step": i + 1, "kl/value": k, "kl/coef": b, "kl/target": 4.0} for i, (k, b) in enumerate(zip(kls, betas))]
+    history = [
+        {"step": i + 1, "kl/value": k, "kl/coef": b, "kl/target": 4.0} for i, (k, b) in enumerate(zip(kls, betas))
+    ]
     (folder / "trainer_state.json").write_text(json.dumps({"log_history": history}))
     verdict = {"learned": passed, "kl_held": True, "perplexity_kept": True, "reward_rise": 0.2}
     (folder / "summary.json").write_text(json.dumps({"verdict": verdict}))
@@ -211,7 +247,9 @@ def test_the_default_task_table_by_hand(tmp_path):
     assert "| 5e-4 | 2 | 0.0625 ± 0.062 | 0.75 ± 0.25 |" in table and table.rstrip().endswith("| 1/2 |")
     assert "| 5e-4 | 1 |" in default_task_lr.table(tmp_path, [1])
     write_default_run(tmp_path / "lr2.5e-4_seed1", [4.0, 4.0], [0.1, 0.1])
-    assert "| 2.5e-4 | 1 |" in default_task_lr.table(tmp_path, [1]) and "| 5e-4 |" in default_task_lr.table(tmp_path, [1])
+    assert "| 2.5e-4 | 1 |" in default_task_lr.table(tmp_path, [1]) and "| 5e-4 |" in default_task_lr.table(
+        tmp_path, [1]
+    )
     only = default_task_lr.table(tmp_path, [1], ["2.5e-4"])
     assert "| 2.5e-4 | 1 |" in only and "| 5e-4 |" not in only
 
@@ -221,8 +259,15 @@ def test_the_reset_runs_by_segment_and_paired(tmp_path):
     with resets, `kl/k3` without), and the paired difference."""
     for arm, initial in (("none", "kl/k3"), ("reset4", "kl/initial")):
         for seed, shift in ((1, 0.0), (2, 1.0)):
-            history = [{"kl/value": 4.0 + (i >= 6), "kl/target": 4.0, "objective/scores": i + shift,
-                        initial: 2.0 * (arm == "reset4") + i} for i in range(8)]  # fmt: skip
+            history = [
+                {
+                    "kl/value": 4.0 + (i >= 6),
+                    "kl/target": 4.0,
+                    "objective/scores": i + shift,
+                    initial: 2.0 * (arm == "reset4") + i,
+                }
+                for i in range(8)
+            ]
             folder = tmp_path / arm / f"lr5e-4_seed{seed}"
             folder.mkdir(parents=True)
             (folder / "trainer_state.json").write_text(json.dumps({"log_history": history}))
@@ -238,8 +283,14 @@ def test_the_reset_runs_by_segment_and_paired(tmp_path):
 
 # ---------------------------------------------------------------------------- GRPO runs
 def test_a_grpo_runs_row_against_the_target():
-    summary = {"kl": [0.0, 0.06, 0.03, 0.033], "reward_last5": 0.1, "ppl_before": 10.0, "ppl_after": 11.0,
-               "beta": [0.5, 0.6], "seconds_per_update": 1.0}
+    summary = {
+        "kl": [0.0, 0.06, 0.03, 0.033],
+        "reward_last5": 0.1,
+        "ppl_before": 10.0,
+        "ppl_after": 11.0,
+        "beta": [0.5, 0.6],
+        "seconds_per_update": 1.0,
+    }
     r = grpo_summary.row(summary)
     assert r["tracking_error"] == pytest.approx(0.05) and r["in_band"] == 1.0
     assert r["kl_half"] == pytest.approx(0.0315) and r["ppl_change"] == pytest.approx(0.1) and r["beta_end"] == 0.6
@@ -253,10 +304,14 @@ def test_a_grpo_runs_row_against_the_target():
 def test_the_fixed_frontier_is_read_at_the_controlled_arms_kl(tmp_path, capsys):
     assert frontier.reward_at([(2.0, 0.2), (4.0, 0.4)], 3.0) == pytest.approx(0.3)
     assert frontier.reward_at([(2.0, 0.2), (4.0, 0.4)], 5.0) == pytest.approx(0.5)  # extended past the end
-    per_seed = {"fixed-a": {"1": {"final_kl_k1": 2.0, "final_reward": 0.2}, "2": {"final_kl_k1": 2.0, "final_reward": 0.1}},
-                "fixed-b": {"1": {"final_kl_k1": 4.0, "final_reward": 0.4}, "2": {"final_kl_k1": 4.0, "final_reward": 0.3}},
-                "tracking": {"1": {"final_kl_k1": 3.0, "final_reward": 0.35}, "2": {"final_kl": 3.0, "final_kl_k1": None,
-                                                                                "final_reward": 0.25}}}
+    per_seed = {
+        "fixed-a": {"1": {"final_kl_k1": 2.0, "final_reward": 0.2}, "2": {"final_kl_k1": 2.0, "final_reward": 0.1}},
+        "fixed-b": {"1": {"final_kl_k1": 4.0, "final_reward": 0.4}, "2": {"final_kl_k1": 4.0, "final_reward": 0.3}},
+        "tracking": {
+            "1": {"final_kl_k1": 3.0, "final_reward": 0.35},
+            "2": {"final_kl": 3.0, "final_kl_k1": None, "final_reward": 0.25},
+        },
+    }
     path = tmp_path / "summary.json"
     path.write_text(json.dumps({"arms": {arm: {"per_seed": seeds} for arm, seeds in per_seed.items()}}))
     frontier.main(["--arm", f"{path}:tracking", "--fixed", f"{path}:fixed-a,fixed-b"])
@@ -298,8 +353,7 @@ def test_the_integral_variants_of_the_equilibrium_controller():
     assert approach.update(0.5, 1) == pytest.approx(0.5 * factor * math.exp(0.1 * math.log(0.5)))
     assert approach.update(0.5, 1) == pytest.approx(0.5 * factor * math.exp(0.2 * math.log(0.5)))
     assert approach.update(1.0, 1) == pytest.approx(0.5) and approach.approach_sum == 0.0  # arrived: dropped
-    pi = get_kl_controller("equilibrium_pi")(0.5, target=1.0, integral_gain=0.05, approach_power=0.0,
-                                             hold_power=0.0)  # fmt: skip
+    pi = get_kl_controller("equilibrium_pi")(0.5, target=1.0, integral_gain=0.05, approach_power=0.0, hold_power=0.0)
     assert pi.update(2.0, 1) == pytest.approx(0.5 * math.exp(0.05 * math.log(2.0)))
     assert pi.update(math.e**5, 1) == pytest.approx(0.5 * math.exp(0.05 * math.log(2.0) + 0.05 * 2.0))
     assert pi.update(0.5, 1) == pytest.approx(0.5 * math.exp(0.05 * (math.log(2.0) + 2.0 + math.log(0.5))))
@@ -359,7 +413,9 @@ def test_the_kalman_variant_weighs_an_estimate_by_its_jackknife_variance():
     from klppo.kl import get_kl_controller
 
     import_plugin("controller_ablations")
-    c = get_kl_controller("equilibrium_kalman")(0.5, target=1.0, approach_power=0.0, optimum=_mean_log_ratio_optimum(), drift=0.1, groups=4)
+    c = get_kl_controller("equilibrium_kalman")(
+        0.5, target=1.0, approach_power=0.0, optimum=_mean_log_ratio_optimum(), drift=0.1, groups=4
+    )
     scores, d = [0.0, 1.0] * 4, torch.tensor([0.1, 0.3, 0.2, 0.9, 0.5, 0.4, 0.0, 0.6], dtype=torch.float64)
     c.observe_sequences(scores, d.tolist(), [1] * 8)
     groups = torch.arange(8) % 4

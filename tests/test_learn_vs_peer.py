@@ -12,7 +12,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("klppo_learn_vs_peer", os.path.join(ROOT, "benchmarks", "learn_vs_peer.py"))
+    spec = importlib.util.spec_from_file_location(
+        "klppo_learn_vs_peer", os.path.join(ROOT, "benchmarks", "learn_vs_peer.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -49,7 +51,9 @@ def test_best_rate_on_the_sweep_seed_and_paired_ratio(tmp_path):
     write_runs(runs, "klppo", 5e-4, 1, steep)
     write_runs(runs, "peer", 5e-4, 0, flat)
     write_runs(runs, "peer", 5e-4, 1, flat)
-    args = lvp.parse_args(["report", "--runs", str(runs), "--klppo-lrs", "5e-4", "1e-3", "--peer-lrs", "5e-4", "--seeds", "0", "1"])
+    args = lvp.parse_args(
+        ["report", "--runs", str(runs), "--klppo-lrs", "5e-4", "1e-3", "--peer-lrs", "5e-4", "--seeds", "0", "1"]
+    )
     result = lvp.analyse(args)
     assert result["best_lr"] == {"klppo": 5e-4, "peer": 5e-4}
     assert result["ratio_per_seed"] == {0: pytest.approx(2.0), 1: pytest.approx(2.0)}

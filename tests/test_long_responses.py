@@ -15,11 +15,16 @@ from trl.trainer.utils import selective_log_softmax
 from klppo import KLPPOTrainer
 from klppo.kl import full_kl
 from klppo.models import TINY_MODEL, resolve_model_path
-from klppo.ppo.logprobs import (
-    ResponseLogits, block_positions, position_ids_from_mask, read_response, response_logits, response_positions,
-)  # fmt: skip
-from klppo.ppo.steps import Advantages
-from klppo.ppo.value import ActorCritic, ValueHead
+from klppo.ppo.actor_critic import ActorCritic, ValueHead
+from klppo.ppo.results import Advantages
+from klppo.ppo.scoring.logprobs import (
+    ResponseLogits,
+    block_positions,
+    position_ids_from_mask,
+    read_response,
+    response_logits,
+    response_positions,
+)
 from klppo.testing import klppo_config
 
 pytestmark = pytest.mark.numerics
@@ -75,8 +80,16 @@ def test_reading_in_blocks_equals_one_pass_in_values_and_gradients(budget_positi
 
     policy = ResponseLogits.from_hidden(hidden, head, vocab)
     reference = ResponseLogits.from_hidden(ref_hidden, ref_head, vocab)
-    blocks = read_response(policy, responses, temperature, suppressed, budget, reference=reference,
-                           estimates={"full": full_kl}, entropy=True)  # fmt: skip
+    blocks = read_response(
+        policy,
+        responses,
+        temperature,
+        suppressed,
+        budget,
+        reference=reference,
+        estimates={"full": full_kl},
+        entropy=True,
+    )
     for key in ("logp", "ref_logp", "full", "entropy"):
         assert blocks[key].shape == (rows, length)
         torch.testing.assert_close(blocks[key], plain[key], rtol=0, atol=1e-6, msg=key)
@@ -98,8 +111,14 @@ def test_a_block_of_every_position_is_the_plain_computation_bit_for_bit():
 def test_the_finite_check_finds_one_bad_logit():
     logits = torch.zeros(2, 4, 10)
     logits[1, 2, 7] = float("nan")
-    finite = read_response(ResponseLogits.from_logits(logits), torch.zeros(2, 4, dtype=torch.long), 1.0, None,
-                           2 * 10 * 4 / 2**20, finite=True)["finite"]  # fmt: skip
+    finite = read_response(
+        ResponseLogits.from_logits(logits),
+        torch.zeros(2, 4, dtype=torch.long),
+        1.0,
+        None,
+        2 * 10 * 4 / 2**20,
+        finite=True,
+    )["finite"]
     assert finite.tolist() == [[True] * 4, [True, True, False, True]]
 
 
@@ -115,11 +134,24 @@ def length_reward(prompts, completions, completion_ids=None, **kwargs):
 
 def trainer_and_rollout(model_path, prompts, tmp_path, n: int, **overrides):
     args = klppo_config(
-        output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
-        num_mini_batches=1, num_ppo_epochs=1, max_steps=1, response_length=10, learning_rate=1e-3, report_to="none",
-        save_strategy="no", logging_steps=1, seed=0, disable_tqdm=True, use_cpu=True, num_sample_generations=0,
-        stop_token=None, **overrides,
-    )  # fmt: skip
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        num_mini_batches=1,
+        num_ppo_epochs=1,
+        max_steps=1,
+        response_length=10,
+        learning_rate=1e-3,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        seed=0,
+        disable_tqdm=True,
+        use_cpu=True,
+        num_sample_generations=0,
+        stop_token=None,
+        **overrides,
+    )
     trainer = KLPPOTrainer(model=model_path, args=args, train_dataset=prompts, reward_funcs=length_reward)
     with torch.no_grad():  # a policy away from the reference, so that every KL is far from 0
         head = trainer.model.policy.get_output_embeddings().weight
@@ -130,8 +162,9 @@ def trainer_and_rollout(model_path, prompts, tmp_path, n: int, **overrides):
 
 def loss_and_grads(trainer, rollout):
     n = rollout.batch_size
-    advantages = Advantages(torch.linspace(-1, 1, n)[:, None].expand_as(rollout.values).contiguous(), rollout.values,
-                            kl_loss_coef=0.5)  # fmt: skip
+    advantages = Advantages(
+        torch.linspace(-1, 1, n)[:, None].expand_as(rollout.values).contiguous(), rollout.values, kl_loss_coef=0.5
+    )
     counts = dict(num_tokens=rollout.response_mask.sum(), num_seqs=n)
     trainer.model.zero_grad()
     loss, parts, _ = trainer.loss_function()(rollout, advantages, torch.arange(n), counts)
@@ -170,17 +203,30 @@ def test_the_trainer_in_blocks_equals_one_pass_and_the_models_own_logits(prompts
     """The tiny model, float32, the exact KL in the loss and as the statistic: scoring (log-probs, every KL
     estimate, values) and the loss's value and gradients agree within 1e-6 between blocks of 3 positions and one
     block; and one block's log-probs are those of the model's own logits."""
-    trainer, rollout = trainer_and_rollout(resolve_model_path(TINY_MODEL), prompts, tmp_path, n=4, kl_mode="both",
-                                           kl_estimator="full", kl_target=0.5, critic="shared")  # fmt: skip
+    trainer, rollout = trainer_and_rollout(
+        resolve_model_path(TINY_MODEL),
+        prompts,
+        tmp_path,
+        n=4,
+        kl_mode="both",
+        kl_estimator="full",
+        kl_target=0.5,
+        critic="shared",
+    )
     scored = check_blocks_match(trainer, rollout, positions=3, atol=1e-6)
     policy = trainer.model.policy
     seq = rollout.sequences()
     keep = response_positions(seq.responses.shape[1], seq.query_responses.shape[1], "cpu")
     with torch.no_grad():
-        logits = policy(seq.query_responses, attention_mask=seq.attention_mask, logits_to_keep=keep,
-                        position_ids=position_ids_from_mask(seq.attention_mask)).logits  # fmt: skip
-    own = selective_log_softmax(response_logits(logits, keep.numel(), trainer.args.temperature,
-                                                trainer.sampler.suppressed_ids), seq.responses)  # fmt: skip
+        logits = policy(
+            seq.query_responses,
+            attention_mask=seq.attention_mask,
+            logits_to_keep=keep,
+            position_ids=position_ids_from_mask(seq.attention_mask),
+        ).logits
+    own = selective_log_softmax(
+        response_logits(logits, keep.numel(), trainer.args.temperature, trainer.sampler.suppressed_ids), seq.responses
+    )
     torch.testing.assert_close(scored.logp, own, rtol=0, atol=1e-6)
     assert trainer.model.head_reads_hidden is True
 
@@ -193,11 +239,27 @@ def test_smollm2_in_blocks_equals_one_pass(prompts, tmp_path):
 
     path = resolve_model_path("klppo:smollm2-135m-instruct")
     args = klppo_config(
-        output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, gradient_accumulation_steps=1,
-        num_mini_batches=1, num_ppo_epochs=1, max_steps=1, response_length=6, learning_rate=1e-3, report_to="none",
-        save_strategy="no", logging_steps=1, seed=0, disable_tqdm=True, use_cpu=True, num_sample_generations=0,
-        stop_token=None, kl_mode="both", kl_estimator="k2", kl_target=1.0, critic="shared",
-    )  # fmt: skip
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=1,
+        num_mini_batches=1,
+        num_ppo_epochs=1,
+        max_steps=1,
+        response_length=6,
+        learning_rate=1e-3,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        seed=0,
+        disable_tqdm=True,
+        use_cpu=True,
+        num_sample_generations=0,
+        stop_token=None,
+        kl_mode="both",
+        kl_estimator="k2",
+        kl_target=1.0,
+        critic="shared",
+    )
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     trainer = KLPPOTrainer(model=path, args=args, train_dataset=prompts, reward_funcs=length_reward, peft_config=lora)
     with torch.no_grad():
@@ -214,9 +276,17 @@ def capped_model(unknown: bool):
     config field names."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    config = Gemma2Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, final_logit_softcapping=2.0,
-                          pad_token_id=0)  # fmt: skip
+    config = Gemma2Config(
+        vocab_size=40,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        final_logit_softcapping=2.0,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     model = Gemma2ForCausalLM(config).float().eval()
     with torch.no_grad():
@@ -247,8 +317,13 @@ def test_a_head_the_model_transforms_is_read_as_the_model_gives_it(unknown, capl
         own = model(ids, attention_mask=mask, logits_to_keep=response_positions(5, 9, "cpu")).logits
     assert own.abs().max() <= 2.0 and (own.abs() > 1.5).any()  # past the cap, where capping changes them
     with caplog.at_level(logging.WARNING):
-        reads, _ = actor(ids, attention_mask=mask, response_length=5, compute_values=False,
-                         read=lambda source: read_response(source, responses, 1.0, None, 40 * 2 * 4 / 2**20))  # fmt: skip
+        reads, _ = actor(
+            ids,
+            attention_mask=mask,
+            response_length=5,
+            compute_values=False,
+            read=lambda source: read_response(source, responses, 1.0, None, 40 * 2 * 4 / 2**20),
+        )
     torch.testing.assert_close(reads["logp"], selective_log_softmax(own, responses), rtol=0, atol=1e-6)
     assert actor.head_reads_hidden is (not unknown)
     assert ("does not give the model's own logits" in caplog.text) is unknown

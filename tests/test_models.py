@@ -97,14 +97,19 @@ def test_tiny_model_round_trip(tiny_model_path):
     assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == ("<|endoftext|>", "<|im_end|>", "<|pad|>")
     text = "The train was late again, and nobody said a word."
     assert tokenizer.decode(tokenizer(text)["input_ids"]) == text  # byte-level: lossless, no added tokens
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert chat == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     config = model.config
     assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (
-        64, 2, 4, 2,
-    )  # fmt: skip
+        64,
+        2,
+        4,
+        2,
+    )
     assert config.vocab_size == len(tokenizer) and not config.tie_word_embeddings
     assert config.pad_token_id == tokenizer.pad_token_id and config.eos_token_id == tokenizer.eos_token_id
 

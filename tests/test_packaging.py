@@ -23,8 +23,13 @@ def clean_env(home: Path) -> dict:
     """This process's environment without what would make the checkout importable, and with accelerate's and the
     hub's folders in `home` (no user config, nothing downloaded)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
-    env.update(WANDB_MODE="disabled", OMP_NUM_THREADS="1", HF_HOME=str(home), HF_HUB_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false")  # fmt: skip
+    env.update(
+        WANDB_MODE="disabled",
+        OMP_NUM_THREADS="1",
+        HF_HOME=str(home),
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
     return env
 
 
@@ -46,8 +51,19 @@ def installed(tmp_path_factory):
         assert proc.returncode == 0, (cmd, proc.stdout[-3000:], proc.stderr[-3000:])
         return proc
 
-    run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", work / "dist",
-        source, cwd=work)  # fmt: skip
+    run(
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "--no-index",
+        "-w",
+        work / "dist",
+        source,
+        cwd=work,
+    )
     (wheel,) = (work / "dist").glob("klppo-*.whl")
     venv = work / "venv"
     run(sys.executable, "-m", "venv", "--without-pip", venv)
@@ -64,8 +80,10 @@ def installed(tmp_path_factory):
 
 def test_the_wheel_ships_the_configs_and_klppo_resolves_to_it(installed):
     python, _, folder, env = installed
-    code = ("import klppo, klppo.cli; print(klppo.__file__); "
-            "print(sorted(klppo.cli.shipped_configs())); print(klppo.cli.config_folder())")  # fmt: skip
+    code = (
+        "import klppo, klppo.cli; print(klppo.__file__); "
+        "print(sorted(klppo.cli.shipped_configs())); print(klppo.cli.config_folder())"
+    )
     proc = subprocess.run([str(python), "-c", code], capture_output=True, text=True, env=env, cwd=folder, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     where, configs, config_folder = proc.stdout.strip().splitlines()
@@ -82,9 +100,25 @@ def test_the_wheel_ships_the_configs_and_klppo_resolves_to_it(installed):
 def test_the_console_script_trains_from_a_shipped_config(installed):
     python, bin_folder, folder, env = installed
     out = folder / "out-console"
-    proc = subprocess.run([str(bin_folder / "klppo"), "train", "--config", "tiny", "--max_steps", "1", "--output_dir",
-                           str(out), "--disable_tqdm", "true"], capture_output=True, text=True, env=env, cwd=folder,
-                          timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [
+            str(bin_folder / "klppo"),
+            "train",
+            "--config",
+            "tiny",
+            "--max_steps",
+            "1",
+            "--output_dir",
+            str(out),
+            "--disable_tqdm",
+            "true",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=folder,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "klppo run summary: 1 PPO updates" in proc.stdout
     assert json.loads((out / "summary.json").read_text())["updates"] == 1
@@ -94,9 +128,28 @@ def test_the_console_script_trains_from_a_shipped_config(installed):
 def test_accelerate_launch_runs_the_module(installed):
     python, _, folder, env = installed
     out = folder / "out-accelerate"
-    launch = ["-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1", "--mixed_precision",
-              "no", "--dynamo_backend", "no", "-m", "klppo", "--config", "tiny", "--max_steps", "1", "--output_dir",
-              str(out), "--disable_tqdm", "true"]  # fmt: skip
+    launch = [
+        "-m",
+        "accelerate.commands.launch",
+        "--num_processes",
+        "1",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "-m",
+        "klppo",
+        "--config",
+        "tiny",
+        "--max_steps",
+        "1",
+        "--output_dir",
+        str(out),
+        "--disable_tqdm",
+        "true",
+    ]
     proc = subprocess.run([str(python), *launch], capture_output=True, text=True, env=env, cwd=folder, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "klppo run summary: 1 PPO updates" in proc.stdout

@@ -52,8 +52,18 @@ def test_floors_and_the_order_of_the_controller_update():
     assert f["in_band"] == pytest.approx(phi(math.log(1.2) / sd) - phi(math.log(0.8) / sd), abs=3e-3)
 
     model = {"a": -0.56, "b": -0.265, "c": -0.318, "sigma": 0.19}
-    kw = dict(target=4.0, settings={}, guard=None, updates=36, mini_batches=4, guard_noise=0.05, reading_noise=0.0,
-              kl_coef=0.07, ramp=0.25, band=0.2)
+    kw = dict(
+        target=4.0,
+        settings={},
+        guard=None,
+        updates=36,
+        mini_batches=4,
+        guard_noise=0.05,
+        reading_noise=0.0,
+        kl_coef=0.07,
+        ramp=0.25,
+        band=0.2,
+    )
     late = np.mean([pm.simulate(model, seed=s, **kw)[0] for s in range(60)])
     early = np.mean([pm.simulate(model, seed=s, same_update=True, **kw)[0] for s in range(60)])
     assert early <= late + 0.01

@@ -71,4 +71,4 @@ def test_the_written_figure_is_the_drawn_one(tmp_path):
     pixels = matplotlib.image.imread(out)
     width, height = (4 * len(plot_run.PANELS) * plot_run.DPI, 3.2 * plot_run.DPI)
     assert pixels.shape[:2] == (round(height), round(width))
-    assert len({tuple(p) for p in pixels.reshape(-1, pixels.shape[-1])[:: 97]}) > 10  # lines, text, the band
+    assert len({tuple(p) for p in pixels.reshape(-1, pixels.shape[-1])[::97]}) > 10  # lines, text, the band

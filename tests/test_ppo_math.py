@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from klppo.ppo.advantages import gae_advantages
-from klppo.ppo.losses import clipped_policy_loss, clipped_value_loss
 from klppo.ppo.generation.sampling import ends_with_stop, truncate_at_stop
+from klppo.ppo.losses import clipped_policy_loss, clipped_value_loss
 
 F64 = torch.float64
 
@@ -40,7 +40,9 @@ def test_gae_by_hand_with_a_padded_row():
     expected = torch.tensor([[1.5872, 0.26, 3.0], [0.84, 2.0, 0.0]], dtype=F64)
     torch.testing.assert_close(advantages, expected, rtol=0, atol=1e-12)
     # returns = A + V on valid tokens, 0 on padding
-    torch.testing.assert_close(returns, torch.tensor([[2.0872, 1.26, 2.0], [2.84, 3.0, 0.0]], dtype=F64), rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        returns, torch.tensor([[2.0872, 1.26, 2.0], [2.84, 3.0, 0.0]], dtype=F64), rtol=0, atol=1e-12
+    )
 
 
 def test_gae_special_cases_by_hand():

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from klppo.ppo.checkpoint import CHECKPOINT_FILES
-from klppo.ppo.preemption import DUPLICATE_WINDOW_S, EXIT_STOPPED, StopRequest, shutdown_grace_s
+from klppo.ppo.run.checkpoint import CHECKPOINT_FILES
+from klppo.ppo.run.preemption import DUPLICATE_WINDOW_S, EXIT_STOPPED, StopRequest, shutdown_grace_s
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -35,7 +35,7 @@ SIGTERM_AT, STOPPED_AFTER = 4, 2
 # to the process group whose id (the launched process's pid) the file `KLPPO_TEST_SIGTERM_GROUP` holds, or to its own
 # process alone without it; it then waits (60 s at most) until its own process has the signal (a launcher forwards it
 # to its ranks), so that the run stops after this update whatever the machine's load
-REWARD = '''
+REWARD = """
 import os, signal, time
 
 CALLS = [0]
@@ -59,15 +59,29 @@ def reward(prompts, completions, completion_ids=None, **kwargs):
         while request is not None and not request.requested and time.monotonic() < deadline:
             time.sleep(0.05)
     return [len(ids) / 8.0 for ids in completion_ids]
-'''
+"""
 
 
 def train_args(out: Path, reward: Path, *extra: str) -> list[str]:
     return [
-        "--config", str(TINY), "--output_dir", str(out), "--max_steps", "6", "--save_strategy", "no",
-        "--eval_strategy", "no", "--disable_tqdm", "true", "--reward_funcs", f"{reward}:reward", "--report_to", "none",
+        "--config",
+        str(TINY),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "6",
+        "--save_strategy",
+        "no",
+        "--eval_strategy",
+        "no",
+        "--disable_tqdm",
+        "true",
+        "--reward_funcs",
+        f"{reward}:reward",
+        "--report_to",
+        "none",
         *extra,
-    ]  # fmt: skip
+    ]
 
 
 @pytest.fixture
@@ -91,8 +105,9 @@ class Ended:
     stderr: str
 
 
-def run_as_scheduler(cmd: list[str], tmp_path: Path, name: str, *, signal_group: bool = False, timeout: float = 600,
-                     **environ) -> Ended:  # fmt: skip
+def run_as_scheduler(
+    cmd: list[str], tmp_path: Path, name: str, *, signal_group: bool = False, timeout: float = 600, **environ
+) -> Ended:
     """Run `cmd` as a scheduler runs a job: in a process group (a session) of its own; with `signal_group`, the reward
     function sends SIGTERM to that whole group (`KLPPO_TEST_SIGTERM_GROUP`); and as soon as the launched process has
     exited, whatever is left of the job is killed (the group, and every process started under it: torch's agent
@@ -165,8 +180,12 @@ def check_stopped_run(out: Path, stdout: str) -> int:
 def final_log(out: Path) -> list[float]:
     """Each update's step, coefficient, KL and policy loss, in order, from the run's final trainer state."""
     state = json.loads((out / "trainer_state.json").read_text())
-    return [x for h in state["log_history"] if "kl/coef" in h
-            for x in (h["step"], h["kl/coef"], h["kl/value"], h["loss/policy"])]  # fmt: skip
+    return [
+        x
+        for h in state["log_history"]
+        if "kl/coef" in h
+        for x in (h["step"], h["kl/coef"], h["kl/value"], h["loss/policy"])
+    ]
 
 
 @pytest.mark.slow
@@ -179,13 +198,19 @@ def test_sigterm_stops_after_the_update_saves_it_and_a_resume_finishes_the_run(t
 
     script = [sys.executable, str(ROOT / "scripts" / "train.py")]
     stopped, whole = tmp_path / "stopped", tmp_path / "whole"
-    done = run_as_scheduler(script + train_args(stopped, reward_file), tmp_path, "stop", signal_group=True,
-                            KLPPO_TEST_SIGTERM_AT=str(SIGTERM_AT))  # fmt: skip
+    done = run_as_scheduler(
+        script + train_args(stopped, reward_file),
+        tmp_path,
+        "stop",
+        signal_group=True,
+        KLPPO_TEST_SIGTERM_AT=str(SIGTERM_AT),
+    )
     assert done.returncode == EXIT_STOPPED, done.stderr[-3000:]
     check_stopped_run(stopped, done.stdout)
     assert not (stopped / "model.safetensors").exists()  # the final model is not written: the run did not finish
-    resumed = run_as_scheduler(script + train_args(stopped, reward_file, "--resume_from_checkpoint", "true"),
-                               tmp_path, "resume")  # fmt: skip
+    resumed = run_as_scheduler(
+        script + train_args(stopped, reward_file, "--resume_from_checkpoint", "true"), tmp_path, "resume"
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     uninterrupted = run_as_scheduler(script + train_args(whole, reward_file), tmp_path, "whole")
     assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
@@ -202,19 +227,38 @@ def accelerate_launch(tmp_path: Path, reward_file: Path, out: Path, *extra: str)
     from test_trainer_distributed import free_port
 
     config = tmp_path / "ddp.yaml"
-    config.write_text("distributed_type: MULTI_GPU\nmixed_precision: 'no'\nnum_machines: 1\nnum_processes: 2\n"
-                      "machine_rank: 0\nuse_cpu: false\n")  # fmt: skip
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-            "--main_process_port", str(free_port()), str(ROOT / "scripts" / "train.py"),
-            *train_args(out, reward_file, *extra)]  # fmt: skip
+    config.write_text(
+        "distributed_type: MULTI_GPU\nmixed_precision: 'no'\nnum_machines: 1\nnum_processes: 2\n"
+        "machine_rank: 0\nuse_cpu: false\n"
+    )
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(config),
+        "--main_process_port",
+        str(free_port()),
+        str(ROOT / "scripts" / "train.py"),
+        *train_args(out, reward_file, *extra),
+    ]
 
 
 def torchrun(reward_file: Path, out: Path, *extra: str) -> list[str]:
     """`torchrun` with 2 CPU processes (torch's elastic agent) running `scripts/train.py`."""
     from test_trainer_distributed import free_port
 
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-            str(ROOT / "scripts" / "train.py"), *train_args(out, reward_file, *extra)]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(ROOT / "scripts" / "train.py"),
+        *train_args(out, reward_file, *extra),
+    ]
 
 
 def check_ranks_stopped(done: Ended, out: Path, tmp_path: Path, name: str) -> None:
@@ -234,11 +278,17 @@ def test_sigterm_to_the_launchers_process_group_stops_every_rank_after_the_same_
     both stop after update 2, one checkpoint of it is saved, the summary is written, and the resume goes on to the
     end."""
     out = tmp_path / "out"
-    done = run_as_scheduler(accelerate_launch(tmp_path, reward_file, out), tmp_path, "stop", signal_group=True,
-                            KLPPO_TEST_SIGTERM_AT=str(SIGTERM_AT))  # fmt: skip
+    done = run_as_scheduler(
+        accelerate_launch(tmp_path, reward_file, out),
+        tmp_path,
+        "stop",
+        signal_group=True,
+        KLPPO_TEST_SIGTERM_AT=str(SIGTERM_AT),
+    )
     check_ranks_stopped(done, out, tmp_path, "stop")
-    resumed = run_as_scheduler(accelerate_launch(tmp_path, reward_file, out, "--resume_from_checkpoint", "true"),
-                               tmp_path, "resume")  # fmt: skip
+    resumed = run_as_scheduler(
+        accelerate_launch(tmp_path, reward_file, out, "--resume_from_checkpoint", "true"), tmp_path, "resume"
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 6
 
@@ -251,8 +301,14 @@ def test_sigterm_to_one_rank_alone_stops_every_rank_after_the_same_update(tmp_pa
     one checkpoint, and the launcher exits once they have. Were each rank to act on its own flag, the first would go
     on to update 3 and the ranks would meet different collectives."""
     out = tmp_path / "out"
-    done = run_as_scheduler(torchrun(reward_file, out), tmp_path, "stop", timeout=300,
-                            KLPPO_TEST_SIGTERM_AT=str(SIGTERM_AT), KLPPO_TEST_SIGTERM_RANK="1")  # fmt: skip
+    done = run_as_scheduler(
+        torchrun(reward_file, out),
+        tmp_path,
+        "stop",
+        timeout=300,
+        KLPPO_TEST_SIGTERM_AT=str(SIGTERM_AT),
+        KLPPO_TEST_SIGTERM_RANK="1",
+    )
     check_ranks_stopped(done, out, tmp_path, "stop")
     # the agent, not signalled itself, reports each rank's exit status: 143 for the rank that exits first; the other
     # exits 143 too, unless the agent, seeing the first one gone, ended it first (SIGTERM, -15, once train() has
@@ -274,12 +330,19 @@ def test_accelerates_single_process_launcher_exits_at_the_signal_without_waiting
         "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(3), open('saved', 'w').close(), sys.exit(143)))\n"
         "os.killpg(int(open(os.environ['KLPPO_TEST_SIGTERM_GROUP']).read()), signal.SIGTERM)\n"
         "time.sleep(60)\n"
-    )  # fmt: skip
+    )
     config = tmp_path / "one.yaml"
-    config.write_text("distributed_type: 'NO'\nmixed_precision: 'no'\nnum_machines: 1\nnum_processes: 1\n"
-                      "machine_rank: 0\nuse_cpu: true\n")  # fmt: skip
-    launched = run_as_scheduler([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-                                 str(script)], tmp_path, "accelerate", signal_group=True, timeout=120)  # fmt: skip
+    config.write_text(
+        "distributed_type: 'NO'\nmixed_precision: 'no'\nnum_machines: 1\nnum_processes: 1\n"
+        "machine_rank: 0\nuse_cpu: true\n"
+    )
+    launched = run_as_scheduler(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), str(script)],
+        tmp_path,
+        "accelerate",
+        signal_group=True,
+        timeout=120,
+    )
     assert launched.returncode == -signal.SIGTERM and not (tmp_path / "saved").exists(), launched.stderr[-3000:]
     alone = run_as_scheduler([sys.executable, str(script)], tmp_path, "python", signal_group=True, timeout=120)
     assert alone.returncode == EXIT_STOPPED and (tmp_path / "saved").exists(), alone.stderr[-3000:]
@@ -294,6 +357,7 @@ def test_a_rank_blocked_in_a_collective_exits_at_sigterm(tmp_path, ending):
     status 143: `grace_s` after SIGTERM (not before), or at once at a second SIGTERM, more than
     `DUPLICATE_WINDOW_S` after the first."""
     import psutil
+
     from test_trainer_distributed import free_port
 
     grace = 3.0 if ending == "grace period" else 120.0
@@ -304,8 +368,15 @@ def test_a_rank_blocked_in_a_collective_exits_at_sigterm(tmp_path, ending):
     try:
         for rank in (1, 0):
             with open(logs[rank], "w") as log:
-                ranks.append(subprocess.Popen([*worker, str(rank), port, str(grace)], env=env(), stdout=log,
-                                              stderr=subprocess.STDOUT, start_new_session=True))  # fmt: skip
+                ranks.append(
+                    subprocess.Popen(
+                        [*worker, str(rank), port, str(grace)],
+                        env=env(),
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
         peer, blocked = ranks
         deadline = time.monotonic() + 240
         while "waiting" not in logs[0].read_text():
@@ -348,7 +419,7 @@ def test_the_watcher_ends_the_process_at_a_second_sigterm_or_at_the_grace_period
     exits = []
 
     monkeypatch.setattr(StopRequest, "_exit", staticmethod(exits.append))
-    monkeypatch.setattr("klppo.ppo.preemption.DUPLICATE_WINDOW_S", 1.0)
+    monkeypatch.setattr("klppo.ppo.run.preemption.DUPLICATE_WINDOW_S", 1.0)
     before = signal.getsignal(signal.SIGTERM)
 
     def signalled(request, wait):
@@ -412,12 +483,26 @@ def test_sigterm_in_process_stops_the_trainer_and_the_handler_is_given_back(tiny
             os.kill(os.getpid(), signal.SIGTERM)
         return [len(ids) / 8.0 for ids in completion_ids]
 
-    args = klppo_config(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, max_steps=5,
-                        response_length=4, report_to="none", use_cpu=True, disable_tqdm=True, save_strategy="no",
-                        num_sample_generations=0, enable_jit_checkpoint=True)  # fmt: skip
+    args = klppo_config(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=2,
+        max_steps=5,
+        response_length=4,
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        save_strategy="no",
+        num_sample_generations=0,
+        enable_jit_checkpoint=True,
+    )
     before = signal.getsignal(signal.SIGTERM)
-    trainer = KLPPOTrainer(model=model, args=args, processing_class=tokenizer, reward_funcs=reward,
-                           train_dataset=Dataset.from_dict({"prompt": ["a b", "c d"] * 4}))  # fmt: skip
+    trainer = KLPPOTrainer(
+        model=model,
+        args=args,
+        processing_class=tokenizer,
+        reward_funcs=reward,
+        train_dataset=Dataset.from_dict({"prompt": ["a b", "c d"] * 4}),
+    )
     assert signal.getsignal(signal.SIGTERM) == before  # transformers' JIT handler is gone
     assert not any(type(c).__name__ == "JITCheckpointCallback" for c in trainer.callback_handler.callbacks)
     trainer.train()

@@ -27,8 +27,14 @@ print("ok")
 def test_dir_and_help_list_the_lazy_public_names():
     """In a fresh interpreter: `dir(klppo)` holds every name of `__all__` without importing transformers, each name
     resolves, and `help(klppo)` documents the four classes."""
-    proc = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", CHECK],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        cwd=ROOT,
+    )
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
 

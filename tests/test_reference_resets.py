@@ -19,7 +19,8 @@ from klppo.models import TINY_MODEL, resolve_model_path
 from klppo.testing import klppo_config
 from klppo.testing.bandit import bandit_trainer, kl, one_token_state, tilted
 
-pytestmark = pytest.mark.numerics  # its verdicts rest on training or controller arithmetic: run under a second kernel set too
+# its verdicts rest on training or controller arithmetic: run under a second kernel set too
+pytestmark = pytest.mark.numerics
 
 BETA = 0.5
 PROMPTS = Dataset.from_dict({"prompt": ["The day was", "My friend said", "A letter came", "It rained"] * 4})
@@ -35,14 +36,27 @@ def length_reward(prompts, completions, completion_ids=None, **kwargs):
 
 
 def small_trainer(tiny_path, tmp_path, lora: bool = True, **overrides) -> KLPPOTrainer:
-    args = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_ppo_epochs=2, max_steps=4,
-                response_length=5, learning_rate=5e-2 if lora else 1e-3, report_to="none", save_strategy="no",
-                disable_tqdm=True, use_cpu=True, num_sample_generations=0, critic="shared", seed=0,
-                lr_scheduler_type="constant")  # fmt: skip
+    args = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_ppo_epochs=2,
+        max_steps=4,
+        response_length=5,
+        learning_rate=5e-2 if lora else 1e-3,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        use_cpu=True,
+        num_sample_generations=0,
+        critic="shared",
+        seed=0,
+        lr_scheduler_type="constant",
+    )
     args.update(overrides)
     peft = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if lora else None
-    return KLPPOTrainer(model=tiny_path, args=klppo_config(**args), train_dataset=PROMPTS, reward_funcs=length_reward,
-                        peft_config=peft)  # fmt: skip
+    return KLPPOTrainer(
+        model=tiny_path, args=klppo_config(**args), train_dataset=PROMPTS, reward_funcs=length_reward, peft_config=peft
+    )
 
 
 @torch.no_grad()
@@ -80,8 +94,15 @@ def test_a_run_with_resets_logs_the_kl_to_the_initial_model_and_resumes_exactly(
     """Resets every 2 updates over 5: after each, `kl/value` restarts from near 0 while `kl/initial` (the KL to the
     model training started from) does not; resumed from checkpoint-3 (one reset behind it), the run ends with the
     same weights, reference, initial reference and controller state as the run that was never interrupted."""
-    kw = dict(ref_reset_steps=2, max_steps=5, save_strategy="steps", save_steps=1, kl_target=0.5, kl_coef=0.1,
-              kl_target_unit="sequence")  # fmt: skip
+    kw = dict(
+        ref_reset_steps=2,
+        max_steps=5,
+        save_strategy="steps",
+        save_steps=1,
+        kl_target=0.5,
+        kl_coef=0.1,
+        kl_target_unit="sequence",
+    )
     whole = small_trainer(tiny_path, tmp_path / "whole", **kw)
     whole.train()
     logs = [h for h in whole.state.log_history if "kl/value" in h]
@@ -102,8 +123,9 @@ def test_a_run_with_resets_logs_the_kl_to_the_initial_model_and_resumes_exactly(
     whole.save_model(str(tmp_path / "final"))  # a reset LoRA policy is saved merged, whole
     final = AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"))
     ids = whole.prompt_batch(PROMPTS["prompt"][:4])
-    torch.testing.assert_close(final(input_ids=ids.input_ids, attention_mask=ids.attention_mask).logits,
-                               logits_of(whole), rtol=0, atol=2e-5)  # fmt: skip
+    torch.testing.assert_close(
+        final(input_ids=ids.input_ids, attention_mask=ids.attention_mask).logits, logits_of(whole), rtol=0, atol=2e-5
+    )
     assert saved is not None
 
 
@@ -114,11 +136,15 @@ def test_a_run_with_resets_logs_the_kl_to_the_initial_model_and_resumes_exactly(
         dict(kl_mode="reward", kl_estimator="k1"),
         # k2 in the loss has the reverse KL's gradient, so the same optimum; the learning rate restarts with the
         # reference (a cosine schedule of two cycles), as the loss-mode test of the single segment decays it
-        dict(kl_mode="loss", kl_estimator="k2", lr_scheduler_type="cosine_with_restarts",
-             lr_scheduler_kwargs={"num_cycles": 2}),
+        dict(
+            kl_mode="loss",
+            kl_estimator="k2",
+            lr_scheduler_type="cosine_with_restarts",
+            lr_scheduler_kwargs={"num_cycles": 2},
+        ),
     ],
     ids=["reward-k1", "loss-k2"],
-)  # fmt: skip
+)
 def test_the_bandit_with_resets_lands_on_the_k_times_tilted_optimum(tiny_path, tmp_path, mode):
     """A fixed beta, a reset every 120 updates (240 in loss mode): each segment trains to the tilt of its
     reference, so after 2 segments the policy is `ref0 * exp(2 r / beta) / Z` (the tilt with beta / 2), measured
@@ -141,15 +167,31 @@ def test_critic_warmup_leaves_the_policy_and_the_coefficient_bit_for_bit(tiny_pa
     bit, the value head moved, the optimizer holds no state for the policy's weights, and the KL coefficient did
     not move; the third update moves the policy. The same with a separate critic under full fine-tuning."""
     for lora, critic in ((True, "shared"), (False, "separate")):
-        trainer = small_trainer(tiny_path, tmp_path / critic, lora=lora, critic=critic, critic_warmup_steps=2,
-                                max_steps=2, kl_target=0.5, kl_coef=0.1, weight_decay=0.1)  # fmt: skip
+        trainer = small_trainer(
+            tiny_path,
+            tmp_path / critic,
+            lora=lora,
+            critic=critic,
+            critic_warmup_steps=2,
+            max_steps=2,
+            kl_target=0.5,
+            kl_coef=0.1,
+            weight_decay=0.1,
+        )
         policy = {n: p.detach().clone() for n, p in trainer.model.policy.named_parameters()}
-        critic_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()
-                         if p.requires_grad and not n.startswith("policy.")}  # fmt: skip
+        critic_before = {
+            n: p.detach().clone()
+            for n, p in trainer.model.named_parameters()
+            if p.requires_grad and not n.startswith("policy.")
+        }
         trainer.train()
         for name, param in trainer.model.policy.named_parameters():
             assert torch.equal(param, policy[name]), name
-        moved = [n for n, p in trainer.model.named_parameters() if n in critic_before and not torch.equal(p, critic_before[n])]
+        moved = [
+            n
+            for n, p in trainer.model.named_parameters()
+            if n in critic_before and not torch.equal(p, critic_before[n])
+        ]
         assert moved
         held = {id(p) for p in trainer.optimizer.optimizer.state}
         assert not any(id(p) in held for p in trainer.model.policy.parameters())
@@ -188,11 +230,16 @@ def test_the_drift_monitor_follows_the_target_in_force_after_a_resume_and_a_rese
     target, instead of the checkpoint's streak at the old one, and a reference reset builds it at the new one too."""
     from klppo import KLPPOConfig
     from klppo.ppo.plan import make_kl_plan
-    from klppo.ppo.state import RunState
+    from klppo.ppo.run.state import RunState
 
     def run_state(target, patience=5):
-        args = KLPPOConfig(output_dir=str(tmp_path), report_to="none", kl_target=target, use_cpu=True,
-                           experimental={"kl_drift_patience": patience})  # fmt: skip
+        args = KLPPOConfig(
+            output_dir=str(tmp_path),
+            report_to="none",
+            kl_target=target,
+            use_cpu=True,
+            experimental={"kl_drift_patience": patience},
+        )
         plan = make_kl_plan(args, torch.nn.Linear(2, 2), mixed_precision=False, vocab_size=8)
         return RunState.build(args, plan, None, log=False)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from klppo.ppo.checkpoint import CHECKPOINT_FILES, STAGING_DIR
+from klppo.ppo.run.checkpoint import CHECKPOINT_FILES, STAGING_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -19,9 +19,22 @@ TINY = ROOT / "configs" / "tiny.yaml"
 
 def train_args(out: Path, *extra: str) -> list[str]:
     return [
-        "--config", str(TINY), "--output_dir", str(out), "--max_steps", "6", "--save_strategy", "steps",
-        "--save_steps", "1", "--eval_strategy", "no", "--disable_tqdm", "true", *extra,
-    ]  # fmt: skip
+        "--config",
+        str(TINY),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "6",
+        "--save_strategy",
+        "steps",
+        "--save_steps",
+        "1",
+        "--eval_strategy",
+        "no",
+        "--disable_tqdm",
+        "true",
+        *extra,
+    ]
 
 
 def train_cmd(out: Path, *extra: str) -> list[str]:
@@ -42,10 +55,12 @@ def test_latest_checkpoint_skips_incomplete_folders(tiny_model_and_tokenizer, tm
             (folder / name).write_text("{}")
     args = KLPPOConfig(output_dir=str(out), report_to="none", use_cpu=True, disable_tqdm=True, critic="shared")
     trainer = KLPPOTrainer(
-        model=model, args=args, processing_class=tokenizer,
+        model=model,
+        args=args,
+        processing_class=tokenizer,
         reward_funcs=lambda prompts, completions, **kw: [0.0] * len(completions),
         train_dataset=Dataset.from_dict({"prompt": ["a b"] * 4}),
-    )  # fmt: skip
+    )
     with caplog.at_level("WARNING"):
         assert trainer.latest_checkpoint() == str(out / "checkpoint-2")
     skipped = [r.getMessage() for r in caplog.records if "incomplete checkpoint" in r.getMessage()]
@@ -89,12 +104,12 @@ def test_killed_at_random_moments_then_resumed_from_the_latest(tmp_path):
 def test_a_second_run_on_the_same_output_dir_stops_at_once(tmp_path):
     """A live process holding the folder's lock stops a second run at once, naming its pid; once that process has
     ended (killed, not released), the lock is free; the same process may take it again inside its own hold."""
-    from klppo.ppo.lock import LOCK_NAME, OWNER_NAME, OutputDirInUse, OutputDirLock
+    from klppo.ppo.run.lock import LOCK_NAME, OWNER_NAME, OutputDirInUse, OutputDirLock
 
     out = tmp_path / "out"
     out.mkdir()
     holder = (
-        "import sys, time; from klppo.ppo.lock import OutputDirLock\n"
+        "import sys, time; from klppo.ppo.run.lock import OutputDirLock\n"
         "with OutputDirLock(sys.argv[1]):\n    print('held', flush=True); time.sleep(60)"
     )
     other = subprocess.Popen([sys.executable, "-c", holder, str(out)], stdout=subprocess.PIPE, text=True)
@@ -124,8 +139,11 @@ def test_two_cli_runs_racing_on_one_folder(tmp_path, capsys):
     out = tmp_path / "out"
     first = subprocess.Popen(
         train_cmd(out, "--max_steps", "400", "--save_strategy", "no"),  # long enough to still run meanwhile
-        cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 300
     while not (out / ".klppo.lock").exists() and time.time() < deadline and first.poll() is None:
         time.sleep(0.2)
@@ -163,12 +181,16 @@ def test_non_finite_weights_are_never_saved(tiny_model_and_tokenizer, tmp_path, 
     from klppo import KLPPOConfig, KLPPOTrainer
 
     model, tokenizer = tiny_model_and_tokenizer
-    args = KLPPOConfig(output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True, disable_tqdm=True, critic="shared")
+    args = KLPPOConfig(
+        output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True, disable_tqdm=True, critic="shared"
+    )
     trainer = KLPPOTrainer(
-        model=model, args=args, processing_class=tokenizer,
+        model=model,
+        args=args,
+        processing_class=tokenizer,
         reward_funcs=lambda prompts, completions, **kw: [0.0] * len(completions),
         train_dataset=Dataset.from_dict({"prompt": ["a b"] * 4}),
-    )  # fmt: skip
+    )
     with torch.no_grad():
         next(p for p in trainer.model.parameters() if p.requires_grad).fill_(float("nan"))
     with caplog.at_level("WARNING"):

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from klppo.ppo.health import HEALTH_RANGES, PPOHealthMonitor
+from klppo.ppo.safety.health import HEALTH_RANGES, PPOHealthMonitor
 from klppo.report import format_verdict, learning_verdict
 
 

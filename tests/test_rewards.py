@@ -47,8 +47,10 @@ def test_completion_text_formats():
 def test_sentiment_orders_positive_above_negative():
     happy, sad, neutral = positive_sentiment_reward(PROMPTS, COMPLETIONS)
     assert happy > 0.5 and sad < -0.3 and happy > neutral > sad
-    chat = positive_sentiment_reward([[{"role": "user", "content": p}] for p in PROMPTS[:2]],
-                                     [[{"role": "assistant", "content": c}] for c in COMPLETIONS[:2]])
+    chat = positive_sentiment_reward(
+        [[{"role": "user", "content": p}] for p in PROMPTS[:2]],
+        [[{"role": "assistant", "content": c}] for c in COMPLETIONS[:2]],
+    )
     assert chat == [happy, sad]
     assert all(-1.0 <= s <= 1.0 for s in positive_sentiment_reward(["x"] * 3, ["", "!!!", "love love love"]))
 
@@ -62,7 +64,9 @@ def test_builtin_and_callable_specs():
     assert load_reward_funcs("klppo:sentiment") == ([positive_sentiment_reward], [1.0])
     with pytest.raises(ValueError, match="one weight per reward function"):
         load_reward_funcs(["klppo:sentiment", mine], weights=[1.0])
-    with pytest.raises(ValueError, match="valid built-ins are \\['klppo:list-items', 'klppo:long-words', 'klppo:sentiment'\\]"):
+    with pytest.raises(
+        ValueError, match="valid built-ins are \\['klppo:list-items', 'klppo:long-words', 'klppo:sentiment'\\]"
+    ):
         load_reward_funcs("klppo:toxicity")
 
 
@@ -133,8 +137,9 @@ def test_reward_model_object_and_label_checks(tiny_reward_model_path):
     (rm,), _ = load_reward_funcs([model])  # a model object is wrapped, not called as a function
     assert isinstance(rm, RewardModelFunction) and rm.model is model
 
-    two = AutoModelForSequenceClassification.from_pretrained(tiny_reward_model_path, num_labels=2,
-                                                             ignore_mismatched_sizes=True)
+    two = AutoModelForSequenceClassification.from_pretrained(
+        tiny_reward_model_path, num_labels=2, ignore_mismatched_sizes=True
+    )
     with pytest.raises(ValueError, match="has 2 labels.*label_index"):
         RewardModelFunction(two)
     assert len(RewardModelFunction(two, label_index=1)(["a"], ["b"])) == 1
@@ -158,14 +163,17 @@ def test_reward_func_name():
 # what the trainer accepts from a reward function
 
 
-@pytest.mark.parametrize("returned, message", [
-    ([1.0, 2.0], "returned 2 values for 4 completions"),
-    ("great", "returned str"),
-    (0.5, "returned float"),
-    (None, "returned NoneType"),
-    (["a", 1.0, 2.0, 3.0], "returned str 'a' for completion 0"),
-    ([1.0, [2.0], 3.0, 4.0], "returned list [2.0] for completion 1"),
-])
+@pytest.mark.parametrize(
+    "returned, message",
+    [
+        ([1.0, 2.0], "returned 2 values for 4 completions"),
+        ("great", "returned str"),
+        (0.5, "returned float"),
+        (None, "returned NoneType"),
+        (["a", 1.0, 2.0, 3.0], "returned str 'a' for completion 0"),
+        ([1.0, [2.0], 3.0, 4.0], "returned list [2.0] for completion 1"),
+    ],
+)
 def test_wrong_reward_results_name_the_function(returned, message):
     from klppo.rewards import reward_values
 

@@ -25,7 +25,9 @@ def run_script(*args, cwd) -> subprocess.CompletedProcess:
 
 def test_tiny_config_end_to_end(tmp_path):
     summary_file = tmp_path / "summary.json"
-    proc = run_script("--config", TINY, "--output_dir", str(tmp_path / "out"), "--summary_file", str(summary_file), cwd=tmp_path)
+    proc = run_script(
+        "--config", TINY, "--output_dir", str(tmp_path / "out"), "--summary_file", str(summary_file), cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "klppo run summary: 2 PPO updates" in proc.stdout
     assert "held-out perplexity" in proc.stdout
@@ -47,11 +49,35 @@ def test_cli_flag_overrides_yaml(tmp_path, capsys):
 
     with pytest.raises(ValueError, match="'fixed' has no constant 'horizon'"):
         parse(["--config", TINY, "--output_dir", str(tmp_path / "out"), "--kl_controller", "fixed"])
-    _, args, _ = parse(["--config", TINY, "--output_dir", str(tmp_path / "out"), "--kl_controller", "pid",
-                        "--kl_controller_kwargs", '{"kp": 0.2}'])  # fmt: skip
+    _, args, _ = parse(
+        [
+            "--config",
+            TINY,
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--kl_controller",
+            "pid",
+            "--kl_controller_kwargs",
+            '{"kp": 0.2}',
+        ]
+    )
     assert args.kl_controller == "pid" and args.kl_controller_kwargs == {"kp": 0.2}
-    code = cli(["--config", TINY, "--output_dir", str(tmp_path / "out"), "--max_steps", "1", "--kl_controller", "fixed",
-                "--kl_controller_kwargs", "{}", "--disable_tqdm", "true"])  # fmt: skip
+    code = cli(
+        [
+            "--config",
+            TINY,
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--max_steps",
+            "1",
+            "--kl_controller",
+            "fixed",
+            "--kl_controller_kwargs",
+            "{}",
+            "--disable_tqdm",
+            "true",
+        ]
+    )
     out = capsys.readouterr()
     assert code == 0, out.err[-4000:]
     assert "klppo run summary: 1 PPO updates" in out.out
@@ -104,8 +130,20 @@ def test_none_on_a_command_line_is_none():
     would keep the text, and `--stop_token None` would then stop responses at the token 'None'."""
     from klppo.cli import parse
 
-    script_args, training_args, _ = parse(["--config", TINY, "--output_dir", "out", "--stop_token", "None",
-                                           "--dataset_test_split", "null", "--hub_model_id", "None"])  # fmt: skip
+    script_args, training_args, _ = parse(
+        [
+            "--config",
+            TINY,
+            "--output_dir",
+            "out",
+            "--stop_token",
+            "None",
+            "--dataset_test_split",
+            "null",
+            "--hub_model_id",
+            "None",
+        ]
+    )
     assert (training_args.stop_token, script_args.dataset_test_split, training_args.hub_model_id) == (None, None, None)
     assert parse(["--config", TINY, "--output_dir", "out", "--stop_token", "eos"])[1].stop_token == "eos"
 
@@ -116,10 +154,22 @@ def test_lora_on_one_named_module_kind(tmp_path, targets):
     ModelConfig turns a one-name list into a string, which PEFT would read as a whole-name pattern)."""
     from klppo.cli import build_trainer, parse
 
-    parsed = parse(["--config", TINY, "--output_dir", str(tmp_path / "out"), "--use_peft", "true",
-                    "--lora_target_modules", *targets])  # fmt: skip
+    parsed = parse(
+        [
+            "--config",
+            TINY,
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--use_peft",
+            "true",
+            "--lora_target_modules",
+            *targets,
+        ]
+    )
     trainer = build_trainer(*parsed)
-    adapted = {name.split(".")[-1] for name, module in trainer.model.policy.named_modules() if hasattr(module, "lora_A")}
+    adapted = {
+        name.split(".")[-1] for name, module in trainer.model.policy.named_modules() if hasattr(module, "lora_A")
+    }
     assert adapted == set(targets)
 
 
@@ -136,8 +186,9 @@ def test_the_model_loading_flags_reach_the_loader(tmp_path):
 
 def test_the_script_exits_2_with_one_paragraph_on_a_user_error(tmp_path):
     """The same through `scripts/train.py` as a process: its exit status and stderr."""
-    proc = run_script("--config", write_config(tmp_path, kl_estimator="k5"), "--output_dir", str(tmp_path / "out"),
-                      cwd=tmp_path)  # fmt: skip
+    proc = run_script(
+        "--config", write_config(tmp_path, kl_estimator="k5"), "--output_dir", str(tmp_path / "out"), cwd=tmp_path
+    )
     assert proc.returncode == 2
     assert "k1" in proc.stderr and "Traceback" not in proc.stderr
     assert proc.stderr.strip().startswith("error:") or "\nerror:" in proc.stderr
@@ -161,9 +212,15 @@ def test_readme_python_example_runs(tmp_path, monkeypatch, capsys):
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
     start = readme.index("### From Python")
-    code = readme[readme.index("```python", start) + len("```python") : readme.index("```", readme.index("```python", start) + 9)]
-    for old, new in (("klppo:smollm2-135m-instruct", "klppo:tiny-llama"), ("max_steps=10", "max_steps=1"),
-                     ("response_length=24", "response_length=4"), ('output_dir="out"', f'output_dir="{tmp_path}"')):  # fmt: skip
+    code = readme[
+        readme.index("```python", start) + len("```python") : readme.index("```", readme.index("```python", start) + 9)
+    ]
+    for old, new in (
+        ("klppo:smollm2-135m-instruct", "klppo:tiny-llama"),
+        ("max_steps=10", "max_steps=1"),
+        ("response_length=24", "response_length=4"),
+        ('output_dir="out"', f'output_dir="{tmp_path}"'),
+    ):
         assert old in code, f"the README example no longer has {old!r}: update this test"
         code = code.replace(old, new)
     monkeypatch.chdir(tmp_path)
@@ -173,7 +230,10 @@ def test_readme_python_example_runs(tmp_path, monkeypatch, capsys):
     assert trainer.state.global_step == 1
     logged = [h for h in trainer.state.log_history if "kl/coef" in h]
     assert len(logged) == 1 and math.isfinite(logged[0]["kl/value"]) and logged[0]["kl/coef"] == 0.07
-    assert capsys.readouterr().out.strip().splitlines()[-1].split() == [str(trainer.kl_controller.value), str(logged[0]["kl/value"])]
+    assert capsys.readouterr().out.strip().splitlines()[-1].split() == [
+        str(trainer.kl_controller.value),
+        str(logged[0]["kl/value"]),
+    ]
 
 
 @pytest.mark.ranks
@@ -186,8 +246,22 @@ def test_tiny_config_under_torchrun_two_processes(tmp_path):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port), SCRIPT,
-           "--config", TINY, "--output_dir", str(tmp_path / "out"), "--per_device_train_batch_size", "2"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(port),
+        SCRIPT,
+        "--config",
+        TINY,
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--per_device_train_batch_size",
+        "2",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.count("klppo run summary") == 1  # printed by the main process only
@@ -225,8 +299,24 @@ def test_a_diverging_full_fine_tune_saves_no_diverged_model_and_ends_in_one_para
     from klppo.cli import cli
 
     out = tmp_path / "out"
-    code = cli(["--config", TINY, "--output_dir", str(out), "--learning_rate", "1e20", "--max_steps", "3",
-                "--save_strategy", "steps", "--save_steps", "1", "--disable_tqdm", "true"])  # fmt: skip
+    code = cli(
+        [
+            "--config",
+            TINY,
+            "--output_dir",
+            str(out),
+            "--learning_rate",
+            "1e20",
+            "--max_steps",
+            "3",
+            "--save_strategy",
+            "steps",
+            "--save_steps",
+            "1",
+            "--disable_tqdm",
+            "true",
+        ]
+    )
     stderr = capsys.readouterr().err
     assert code == 2 and stderr.count("error:") == 1, stderr[-4000:]
     assert "diverged" in stderr and "learning_rate" in stderr and "nonfinite_rollback" in stderr
@@ -247,8 +337,18 @@ def test_a_wrong_reward_result_is_one_paragraph(tmp_path, capsys, returned):
     from klppo.cli import cli
 
     (tmp_path / "bad_reward.py").write_text(f"def bad(prompts, completions, **kwargs):\n    return {returned}\n")
-    code = cli(["--config", TINY, "--output_dir", str(tmp_path / "out"), "--reward_funcs",
-                str(tmp_path / "bad_reward.py") + ":bad", "--disable_tqdm", "true"])  # fmt: skip
+    code = cli(
+        [
+            "--config",
+            TINY,
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--reward_funcs",
+            str(tmp_path / "bad_reward.py") + ":bad",
+            "--disable_tqdm",
+            "true",
+        ]
+    )
     stderr = capsys.readouterr().err
     assert code == 2 and stderr.count("error:") == 1, stderr[-4000:]
     assert "Reward function 'bad' returned" in stderr
@@ -260,11 +360,30 @@ def test_a_prompt_file_smaller_than_a_rollout_batch_is_cycled_and_summarised_as_
     from klppo.cli import cli
 
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"Tell me about {w}."}]}) + "\n"
-                               for w in ("rain", "bread", "trains")))  # fmt: skip
-    code = cli(["--config", TINY, "--output_dir", str(tmp_path / "out"), "--dataset_name", str(prompts),
-                "--dataset_test_split", "None", "--per_device_train_batch_size", "8", "--max_steps", "1",
-                "--disable_tqdm", "true"])  # fmt: skip
+    prompts.write_text(
+        "".join(
+            json.dumps({"prompt": [{"role": "user", "content": f"Tell me about {w}."}]}) + "\n"
+            for w in ("rain", "bread", "trains")
+        )
+    )
+    code = cli(
+        [
+            "--config",
+            TINY,
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--dataset_name",
+            str(prompts),
+            "--dataset_test_split",
+            "None",
+            "--per_device_train_batch_size",
+            "8",
+            "--max_steps",
+            "1",
+            "--disable_tqdm",
+            "true",
+        ]
+    )
     out = capsys.readouterr()
     assert code == 0, out.err[-4000:]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
@@ -279,7 +398,7 @@ def test_wandb_without_credentials_logs_every_update_offline(tmp_path, monkeypat
     evaluation's and the completions table; the wandb run is finished when the script returns."""
     import wandb
 
-    import klppo.ppo.callbacks as callbacks
+    import klppo.ppo.run.callbacks as callbacks
     from klppo.cli import cli
 
     monkeypatch.setenv("WANDB_MODE", "")  # so that the test's end restores the variable as it was
@@ -291,8 +410,20 @@ def test_wandb_without_credentials_logs_every_update_offline(tmp_path, monkeypat
     logged, log = [], wandb.Run.log  # `wandb.init` binds the module's `wandb.log` to its run's
     monkeypatch.setattr(wandb.Run, "log", lambda run, data, *a, **k: logged.append(data) or log(run, data, *a, **k))
     with pytest.warns(UserWarning, match="wandb has no credentials here: logging offline") as notices:
-        code = cli(["--config", TINY, "--output_dir", str(tmp_path / "out"), "--report_to", "wandb",
-                    "--num_sample_generations", "2", "--disable_tqdm", "true"])  # fmt: skip
+        code = cli(
+            [
+                "--config",
+                TINY,
+                "--output_dir",
+                str(tmp_path / "out"),
+                "--report_to",
+                "wandb",
+                "--num_sample_generations",
+                "2",
+                "--disable_tqdm",
+                "true",
+            ]
+        )
     assert code == 0
     assert len([n for n in notices if "no credentials" in str(n.message)]) == 1
     assert os.environ["WANDB_MODE"] == "offline" and wandb.run is None
@@ -300,9 +431,21 @@ def test_wandb_without_credentials_logs_every_update_offline(tmp_path, monkeypat
     updates = [d for d in logged if "train/kl/coef" in d]
     assert [d["train/global_step"] for d in updates] == [1, 2]
     for d in updates:
-        for name in ("kl/coef", "kl/value", "kl/k1", "kl/k3", "objective/scores", "objective/rlhf_reward",
-                     "policy/approxkl", "policy/clipfrac", "policy/entropy", "loss/policy", "loss/value",
-                     "val/clipfrac", "time/update"):  # fmt: skip
+        for name in (
+            "kl/coef",
+            "kl/value",
+            "kl/k1",
+            "kl/k3",
+            "objective/scores",
+            "objective/rlhf_reward",
+            "policy/approxkl",
+            "policy/clipfrac",
+            "policy/entropy",
+            "loss/policy",
+            "loss/value",
+            "val/clipfrac",
+            "time/update",
+        ):
             assert math.isfinite(d[f"train/{name}"]), (name, d)
     # transformers' callback files every key but `eval_*` under "train/"
     assert any(math.isfinite(d.get("train/eval/perplexity", math.nan)) for d in logged)
@@ -350,11 +493,23 @@ def test_python_m_klppo_prints_the_usage(module, tmp_path):
     """`python -m klppo` and `python -m klppo.cli` are the command (`--help` prints its usage); `train --help` lists
     the fields."""
     env = {**os.environ, "PYTHONPATH": ROOT}
-    proc = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, env=env,
-                          cwd=str(tmp_path), timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", module, "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(tmp_path),
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "usage: klppo train --config" in proc.stdout and "tiny" in proc.stdout
     if module == "klppo":
-        proc = subprocess.run([sys.executable, "-m", module, "train", "--help"], capture_output=True, text=True,
-                              env=env, cwd=str(tmp_path), timeout=300)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, "-m", module, "train", "--help"],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=str(tmp_path),
+            timeout=300,
+        )
         assert proc.returncode == 0 and "--kl_controller" in proc.stdout and "--dataset_name" in proc.stdout

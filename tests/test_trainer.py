@@ -14,17 +14,30 @@ from datasets import Dataset
 from klppo import KLPPOConfig, KLPPOTrainer
 from klppo.kl import kl_estimators
 from klppo.models import TINY_MODEL, resolve_model_path
-from klppo.ppo.steps import Advantages
+from klppo.ppo.results import Advantages
 from klppo.ppo.update import kl_loss_baseline
 from klppo.testing import klppo_config
 
-pytestmark = pytest.mark.numerics  # its verdicts rest on training or controller arithmetic: run under a second kernel set too
+# its verdicts rest on training or controller arithmetic: run under a second kernel set too
+pytestmark = pytest.mark.numerics
 
 LOGGED_METRICS = [
-    "kl/coef", "kl/value", "kl/k1", "kl/k2", "kl/k3", "kl/clamped_frac",
-    "objective/scores", "objective/rlhf_reward", "objective/non_score_reward",
-    "loss/policy", "loss/value", "policy/approxkl", "policy/clipfrac", "policy/entropy", "val/clipfrac",
-]  # fmt: skip
+    "kl/coef",
+    "kl/value",
+    "kl/k1",
+    "kl/k2",
+    "kl/k3",
+    "kl/clamped_frac",
+    "objective/scores",
+    "objective/rlhf_reward",
+    "objective/non_score_reward",
+    "loss/policy",
+    "loss/value",
+    "policy/approxkl",
+    "policy/clipfrac",
+    "policy/entropy",
+    "val/clipfrac",
+]
 
 
 def length_reward(prompts, completions, completion_ids=None, **kwargs):
@@ -108,7 +121,9 @@ def kl_loss_term(trainer, rollout, baseline: torch.Tensor | None = None) -> tupl
     it puts on the policy's weights. Advantages are 0 and the critic is separate, so the policy's gradient is
     the KL term's alone."""
     n = rollout.batch_size
-    advantages = Advantages(torch.zeros_like(rollout.values), rollout.values, kl_loss_coef=1.0, kl_loss_baseline=baseline)
+    advantages = Advantages(
+        torch.zeros_like(rollout.values), rollout.values, kl_loss_coef=1.0, kl_loss_baseline=baseline
+    )
     counts = dict(num_tokens=rollout.response_mask.sum(), num_seqs=n)
     trainer.model.zero_grad()
     loss, parts, _ = trainer.loss_function()(rollout, advantages, torch.arange(n), counts)
@@ -118,7 +133,9 @@ def kl_loss_term(trainer, rollout, baseline: torch.Tensor | None = None) -> tupl
 
 
 @pytest.mark.parametrize("critic", ["separate", "shared"])
-def test_a_micro_batch_without_its_padding_columns_gives_the_same_loss_and_gradients(tiny_path, prompts, tmp_path, critic):
+def test_a_micro_batch_without_its_padding_columns_gives_the_same_loss_and_gradients(
+    tiny_path, prompts, tmp_path, critic
+):
     """A micro-batch of short prompts from a rollout padded to a long one: dropping the columns that are padding in
     every row (what the PPO epochs and the scoring chunks do) changes no loss term and no gradient."""
     args = make_args(tmp_path, kl_mode="both", kl_estimator="k2", critic=critic)
@@ -129,10 +146,16 @@ def test_a_micro_batch_without_its_padding_columns_gives_the_same_loss_and_gradi
     short = rollout.select([0, 2, 3])
     trimmed = short.without_padding_columns()
     assert trimmed.query_responses.shape[1] < short.query_responses.shape[1]
-    assert trimmed.query_responses.shape[1] - trimmed.context_length == short.query_responses.shape[1] - short.context_length
+    assert (
+        trimmed.query_responses.shape[1] - trimmed.context_length
+        == short.query_responses.shape[1] - short.context_length
+    )
     assert bool(trimmed.attention_mask[:, 0].any()) and trimmed.without_padding_columns() is trimmed
-    advantages = Advantages(torch.randn(rollout.values.shape, generator=torch.Generator().manual_seed(1)),
-                            rollout.values + 0.5, kl_loss_coef=0.1)  # fmt: skip
+    advantages = Advantages(
+        torch.randn(rollout.values.shape, generator=torch.Generator().manual_seed(1)),
+        rollout.values + 0.5,
+        kl_loss_coef=0.1,
+    )
     idx = torch.tensor([0, 2, 3])
     counts = dict(num_tokens=short.response_mask.sum(), num_seqs=3)
     results = []
@@ -174,11 +197,17 @@ def test_the_kl_loss_baseline_is_the_token_mean_of_the_estimators_gradient_coeff
     """`kl_loss_baseline`'s b for a sequence is the token mean, over every OTHER sequence of the rollout, of the
     coefficient g that the estimator puts on `w * grad log pi`: `d` for `k2` and `corrected_k3`, `1 - exp(-d)` for
     `k3`, 1 for `k1` (d the log-ratio); the logged figure is the mean over all sequences."""
-    expected = {"k2": lambda d: d, "corrected_k3": lambda d: d, "k3": lambda d: 1 - torch.exp(-d), "k1": torch.ones_like}
+    expected = {
+        "k2": lambda d: d,
+        "corrected_k3": lambda d: d,
+        "k3": lambda d: 1 - torch.exp(-d),
+        "k1": torch.ones_like,
+    }
     rollout = None
     for estimator, g in expected.items():
-        args = make_args(tmp_path, kl_mode="loss", kl_estimator=estimator, critic="separate",
-                         experimental={"kl_loss_baseline": True})  # fmt: skip
+        args = make_args(
+            tmp_path, kl_mode="loss", kl_estimator=estimator, critic="separate", experimental={"kl_loss_baseline": True}
+        )
         trainer, own = moved_policy_rollout(tiny_path, prompts, args)
         rollout = rollout or own
         mask = rollout.response_mask.bool()
@@ -231,8 +260,14 @@ def test_the_loss_coefficient_is_beta_over_the_advantage_std_within_a_floor(tiny
 def test_seq_mean_token_sum_norm_divides_by_response_length_not_the_padded_width(tiny_path, prompts, tmp_path):
     """`seq-mean-token-sum-norm` normalises by a constant, `num_seqs * response_length` (Dr. GRPO, verl): the same
     rollout padded with masked columns gives the same KL term."""
-    args = make_args(tmp_path, kl_mode="loss", kl_estimator="k1", kl_loss_agg_mode="seq-mean-token-sum-norm",
-                     critic="separate", response_length=6)  # fmt: skip
+    args = make_args(
+        tmp_path,
+        kl_mode="loss",
+        kl_estimator="k1",
+        kl_loss_agg_mode="seq-mean-token-sum-norm",
+        critic="separate",
+        response_length=6,
+    )
     trainer, rollout = moved_policy_rollout(tiny_path, prompts, args)
     pad_id = trainer.processing_class.pad_token_id
 
@@ -240,11 +275,16 @@ def test_seq_mean_token_sum_norm_divides_by_response_length_not_the_padded_width
         return torch.nn.functional.pad(t, (0, 3), value=value)
 
     wide = dataclasses.replace(
-        rollout, responses=pad(rollout.responses, pad_id), response_mask=pad(rollout.response_mask, 0),
-        query_responses=pad(rollout.query_responses, pad_id), attention_mask=pad(rollout.attention_mask, 0),
-        logp=pad(rollout.logp, 0.0), ref_logp=pad(rollout.ref_logp, 0.0), values=pad(rollout.values, 0.0),
+        rollout,
+        responses=pad(rollout.responses, pad_id),
+        response_mask=pad(rollout.response_mask, 0),
+        query_responses=pad(rollout.query_responses, pad_id),
+        attention_mask=pad(rollout.attention_mask, 0),
+        logp=pad(rollout.logp, 0.0),
+        ref_logp=pad(rollout.ref_logp, 0.0),
+        values=pad(rollout.values, 0.0),
         log_ratio=pad(rollout.log_ratio, 0.0),
-    )  # fmt: skip
+    )
     k1_sum = float(((rollout.logp - rollout.ref_logp) * rollout.response_mask).sum())
     expected = k1_sum / (4 * 6)
     assert abs(k1_sum) > 1e-3
@@ -266,8 +306,9 @@ def test_reward_and_none_modes(tiny_path, prompts, tmp_path, mode):
 
 
 def test_adaptive_coefficient_follows_target_fixed_stays(tiny_path, prompts, tmp_path):
-    common = dict(kl_controller="adaptive", kl_coef=0.1, kl_controller_kwargs={"horizon": 8}, max_steps=3,
-                  kl_target_unit="token")
+    common = dict(
+        kl_controller="adaptive", kl_coef=0.1, kl_controller_kwargs={"horizon": 8}, max_steps=3, kl_target_unit="token"
+    )
 
     def steps(trainer):
         return [(h["kl/value"], h["kl/coef"], h["kl/coef_next"]) for h in trainer.state.log_history if "kl/coef" in h]
@@ -435,8 +476,13 @@ def test_missing_eos_penalty_without_stop_token_warns_once_with_what_happens(tmp
         make_args(tmp_path, stop_token=None, missing_eos_penalty=1.5)
     (message,) = [r.getMessage() for r in caplog.records if "missing_eos_penalty" in r.getMessage()]
     assert "\n" not in message
-    for says in ("full response_length (9 tokens)", "not suppressed", "scored like any other token",
-                 "contains no EOS token anywhere has 1.5 subtracted", "stop_token='eos'"):  # fmt: skip
+    for says in (
+        "full response_length (9 tokens)",
+        "not suppressed",
+        "scored like any other token",
+        "contains no EOS token anywhere has 1.5 subtracted",
+        "stop_token='eos'",
+    ):
         assert says in message, says
 
 
@@ -460,20 +506,27 @@ def policy_favouring_eos(tiny_path, logit: float):
 
 
 @pytest.mark.parametrize("penalty", [None, 1.5])
-def test_without_stop_token_eos_is_suppressed_unless_missing_eos_penalty_scores_it(tiny_path, prompts, tmp_path, penalty):
+def test_without_stop_token_eos_is_suppressed_unless_missing_eos_penalty_scores_it(
+    tiny_path, prompts, tmp_path, penalty
+):
     """`stop_token=None`: responses of `response_length` tokens. Alone (klppo's meaning), EOS is never sampled.
     With `missing_eos_penalty` (TRL 1.12's meaning), EOS is sampled like any token and does not end the response,
     nothing is masked out of the scored log-softmax (the scored distribution is the sampled one, EOS included),
     and exactly the responses that contain no EOS anywhere lose the penalty. The policy makes EOS likely (about
     0.2 per token)."""
     from klppo.models import load_tokenizer
-    from klppo.ppo.logprobs import position_ids_from_mask
+    from klppo.ppo.scoring.logprobs import position_ids_from_mask
 
     tokenizer = load_tokenizer(tiny_path)
     eos = tokenizer.eos_token_id
     args = make_args(tmp_path, stop_token=None, missing_eos_penalty=penalty, response_length=8, temperature=1.0)
-    trainer = KLPPOTrainer(model=policy_favouring_eos(tiny_path, 5.5), args=args, processing_class=tokenizer,
-                           train_dataset=prompts, reward_funcs=zero_reward)  # fmt: skip
+    trainer = KLPPOTrainer(
+        model=policy_favouring_eos(tiny_path, 5.5),
+        args=args,
+        processing_class=tokenizer,
+        train_dataset=prompts,
+        reward_funcs=zero_reward,
+    )
     assert trainer.sampler.generation_config.eos_token_id == []  # no token ends a response
     torch.manual_seed(0)
     rollout = trainer.rollout(trainer.prompt_batch(prompts["prompt"]))
@@ -481,7 +534,10 @@ def test_without_stop_token_eos_is_suppressed_unless_missing_eos_penalty_scores_
     has_eos = (rollout.responses == eos).any(dim=1)
     rewards = trainer.compute_rewards(rollout)
     if penalty is None:
-        assert trainer.sampler.suppressed_ids.tolist() == [eos] and eos in trainer.sampler.generation_config.suppress_tokens
+        assert (
+            trainer.sampler.suppressed_ids.tolist() == [eos]
+            and eos in trainer.sampler.generation_config.suppress_tokens
+        )
         assert not has_eos.any() and "objective/eos_frac" not in rewards.metrics
         return
     assert trainer.sampler.suppressed_ids is None and not trainer.sampler.generation_config.suppress_tokens
@@ -492,9 +548,14 @@ def test_without_stop_token_eos_is_suppressed_unless_missing_eos_penalty_scores_
     # every scored log-prob is the full softmax(logits / T)'s, as the tokens were sampled
     seq = rollout.sequences()
     with torch.no_grad():
-        logits = trainer.model.policy(input_ids=seq.query_responses, attention_mask=seq.attention_mask,
-                                      position_ids=position_ids_from_mask(seq.attention_mask)).logits  # fmt: skip
-    full = torch.log_softmax(logits[:, seq.context_length - 1 : -1].float(), -1).gather(2, seq.responses[..., None])[..., 0]
+        logits = trainer.model.policy(
+            input_ids=seq.query_responses,
+            attention_mask=seq.attention_mask,
+            position_ids=position_ids_from_mask(seq.attention_mask),
+        ).logits
+    full = torch.log_softmax(logits[:, seq.context_length - 1 : -1].float(), -1).gather(2, seq.responses[..., None])[
+        ..., 0
+    ]
     for logp in (rollout.logp, rollout.ref_logp, trainer.score(seq).logp):
         torch.testing.assert_close(logp, full, rtol=1e-4, atol=1e-4)
 
@@ -511,15 +572,18 @@ def test_log_probs_are_recomputed_under_mixed_precision_set_by_accelerate(tiny_p
 
 
 @pytest.mark.parametrize(
-    "critic, stop_token, penalty", [("shared", "eos", None), ("separate", "eos", None), ("shared", None, None),
-                                    ("shared", None, 1.0)],
-)  # fmt: skip
-def test_generation_logprobs_and_values_match_a_scoring_forward(tiny_path, prompts, tmp_path, critic, stop_token, penalty):
+    "critic, stop_token, penalty",
+    [("shared", "eos", None), ("separate", "eos", None), ("shared", None, None), ("shared", None, 1.0)],
+)
+def test_generation_logprobs_and_values_match_a_scoring_forward(
+    tiny_path, prompts, tmp_path, critic, stop_token, penalty
+):
     """Old log-probs (and a shared critic's values) are read from generation; they must equal what a
     separate forward pass over the finished sequences gives. With fixed-length responses (stop_token None)
     both mask the suppressed end-of-sequence token, unless missing_eos_penalty has it sampled."""
-    args = make_args(tmp_path, critic=critic, temperature=0.7, response_length=8, stop_token=stop_token,
-                     missing_eos_penalty=penalty)  # fmt: skip
+    args = make_args(
+        tmp_path, critic=critic, temperature=0.7, response_length=8, stop_token=stop_token, missing_eos_penalty=penalty
+    )
     trainer = make_trainer(tiny_path, prompts, args)
     batch = trainer.prompt_batch(prompts["prompt"][:6])
     torch.manual_seed(1)
@@ -576,15 +640,25 @@ def test_generation_samples_softmax_of_the_logits_over_temperature(tiny_model_an
     logits[suppressed] = float("-inf")
     probs = torch.softmax(logits.double(), -1)
     config = GenerationConfig(
-        do_sample=True, temperature=0.7, top_k=0, top_p=1.0, max_new_tokens=1, pad_token_id=tokenizer.pad_token_id,
+        do_sample=True,
+        temperature=0.7,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=1,
+        pad_token_id=tokenizer.pad_token_id,
         suppress_tokens=suppressed.tolist(),
-    )  # fmt: skip
+    )
     n = 4000
     torch.manual_seed(0)
     out = generate_responses(
-        model, enc.input_ids.repeat(n, 1), enc.attention_mask.repeat(n, 1), config, with_logprobs=True,
-        keep_logits=True, draw=draw,
-    )  # fmt: skip
+        model,
+        enc.input_ids.repeat(n, 1),
+        enc.attention_mask.repeat(n, 1),
+        config,
+        with_logprobs=True,
+        keep_logits=True,
+        draw=draw,
+    )
     tokens = out.tokens
     freq = torch.bincount(tokens[:, 0], minlength=probs.numel()).double() / n
     assert freq[suppressed].sum() == 0
@@ -624,9 +698,16 @@ def test_only_plain_temperature_sampling_is_accepted():
     assert plain_sampling_temperature(plain) == 0.7
     # the caller's explicit values win over the model's, as in `generate`
     assert plain_sampling_temperature(plain, GenerationConfig(temperature=0.2, top_p=0.9)) == 0.7
-    for model_default in ({"min_p": 0.05}, {"typical_p": 0.9}, {"epsilon_cutoff": 3e-4}, {"penalty_alpha": 0.6},
-                          {"repetition_penalty": 1.2}, {"no_repeat_ngram_size": 3}, {"min_new_tokens": 2},
-                          {"min_length": 30}):
+    for model_default in (
+        {"min_p": 0.05},
+        {"typical_p": 0.9},
+        {"epsilon_cutoff": 3e-4},
+        {"penalty_alpha": 0.6},
+        {"repetition_penalty": 1.2},
+        {"no_repeat_ngram_size": 3},
+        {"min_new_tokens": 2},
+        {"min_length": 30},
+    ):
         assert plain_sampling_temperature(plain, GenerationConfig(**model_default)) is None, model_default
     # the rollout's own config sets those processors to neutral values, which the model's defaults do not replace
     from types import SimpleNamespace
@@ -665,15 +746,16 @@ def test_the_rollouts_generation_config_makes_generate_warn_nothing(tiny_model_a
 def test_sampling_from_non_finite_logits_says_the_weights_diverged(tiny_model_and_tokenizer):
     from transformers import GenerationConfig
 
-    from klppo.ppo.health import TrainingDiverged
     from klppo.ppo.generation.sampling import generate_responses
+    from klppo.ppo.safety.nonfinite import TrainingDiverged
 
     model, tokenizer = tiny_model_and_tokenizer
     with torch.no_grad():
         model.get_output_embeddings().weight.fill_(float("nan"))
     enc = tokenizer(["a", "b"], return_tensors="pt", padding=True)
-    config = GenerationConfig(do_sample=True, temperature=0.7, top_k=0, top_p=1.0, max_new_tokens=3,
-                              pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    config = GenerationConfig(
+        do_sample=True, temperature=0.7, top_k=0, top_p=1.0, max_new_tokens=3, pad_token_id=tokenizer.pad_token_id
+    )
     with pytest.raises(TrainingDiverged, match="weights have diverged"):
         generate_responses(model, enc.input_ids, enc.attention_mask, config, with_logprobs=True)
     assert not generate_responses(model, enc.input_ids, enc.attention_mask, config, check_finite=False).finite
@@ -700,8 +782,10 @@ def test_a_lora_policy_samples_merged_and_its_base_weights_come_back_bit_for_bit
     layers = [m for m in policy.modules() if isinstance(m, LoraLayer)]
     seen = []
     # every pass with the adapter on (generation here; the reference pass disables it)
-    hooks = [layer.register_forward_pre_hook(lambda m, a: seen.append(m.merged) if not m.disable_adapters else None)
-             for layer in layers]  # fmt: skip
+    hooks = [
+        layer.register_forward_pre_hook(lambda m, a: seen.append(m.merged) if not m.disable_adapters else None)
+        for layer in layers
+    ]
     torch.manual_seed(1)
     rollout = trainer.rollout(trainer.prompt_batch(prompts["prompt"][:6]))
     for hook in hooks:
@@ -751,8 +835,9 @@ def test_evaluation_does_not_change_the_training_run(tiny_path, prompts, tmp_pat
 def test_pid_anti_windup_constants_reach_the_controller(tmp_path):
     from klppo.kl import build_kl_controller
 
-    args = make_args(tmp_path, kl_controller="pid", kl_target=1.0,
-                     kl_controller_kwargs={"integral_limit": 3.0, "error_clip": 0.5})  # fmt: skip
+    args = make_args(
+        tmp_path, kl_controller="pid", kl_target=1.0, kl_controller_kwargs={"integral_limit": 3.0, "error_clip": 0.5}
+    )
     state = build_kl_controller(args).state_dict()["hparams"]
     assert state["integral_limit"] == 3.0 and state["error_clip"] == 0.5
 
@@ -787,7 +872,10 @@ def test_learning_rate_defaults_differ_for_lora_and_full_fine_tuning(tiny_path, 
     assert full.args.automatic["learning_rate"] == 3e-5
     assert args.learning_rate is None and "learning_rate" not in args.automatic  # the caller's config is left as it was
     lora = make_trainer(
-        tiny_path, prompts, make_args(tmp_path, learning_rate=None), peft_config=LoraConfig(r=4, target_modules="all-linear")
+        tiny_path,
+        prompts,
+        make_args(tmp_path, learning_rate=None),
+        peft_config=LoraConfig(r=4, target_modules="all-linear"),
     )
     assert lora.args.learning_rate == DEFAULT_LORA_LEARNING_RATE == 5e-4
     lora.train()
@@ -803,14 +891,24 @@ def test_a_model_object_trains_with_the_default_config(tiny_model_and_tokenizer,
     with torch.no_grad():
         model.model.embed_tokens.weight.mul_(1.5)  # weights that differ from anything on disk
     args = KLPPOConfig(
-        output_dir=str(tmp_path / "obj"), max_steps=1, per_device_train_batch_size=2, response_length=4,
-        report_to="none", save_strategy="no", disable_tqdm=True, use_cpu=True, num_sample_generations=0,
-    )  # fmt: skip
+        output_dir=str(tmp_path / "obj"),
+        max_steps=1,
+        per_device_train_batch_size=2,
+        response_length=4,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        use_cpu=True,
+        num_sample_generations=0,
+    )
     trainer = KLPPOTrainer(
         model=model, args=args, processing_class=tokenizer, train_dataset=prompts, reward_funcs=length_reward
     )
     critic_embed = trainer.model.critic.backbone.embed_tokens.weight
-    assert torch.equal(critic_embed, model.model.embed_tokens.weight) and critic_embed is not model.model.embed_tokens.weight
+    assert (
+        torch.equal(critic_embed, model.model.embed_tokens.weight)
+        and critic_embed is not model.model.embed_tokens.weight
+    )
     trainer.train()
     assert trainer.state.global_step == 1
 
@@ -868,10 +966,18 @@ def test_a_diverging_update_is_undone_and_the_log_says_so(tiny_path, prompts, tm
     update is rolled back (weights and optimizer state), so "restored" in the log is true, and checkpoints
     hold finite weights."""
     args = make_args(
-        tmp_path, learning_rate=1e20, max_grad_norm=0.0, max_steps=2, num_ppo_epochs=3, num_mini_batches=2,
-        gradient_accumulation_steps=1, save_strategy="steps", save_steps=1, max_nonfinite_updates=5,
+        tmp_path,
+        learning_rate=1e20,
+        max_grad_norm=0.0,
+        max_steps=2,
+        num_ppo_epochs=3,
+        num_mini_batches=2,
+        gradient_accumulation_steps=1,
+        save_strategy="steps",
+        save_steps=1,
+        max_nonfinite_updates=5,
         nonfinite_rollback=True,  # full fine-tuning: off by default
-    )  # fmt: skip
+    )
     trainer = make_trainer(tiny_path, prompts, args)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     with caplog.at_level("WARNING"):
@@ -887,13 +993,14 @@ def test_a_diverging_update_is_undone_and_the_log_says_so(tiny_path, prompts, tm
     assert all(torch.isfinite(v).all() for v in saved.values())
 
 
-def test_an_update_that_leaves_overflowing_logits_is_undone_by_the_next_rollout(tiny_path, prompts, tmp_path, caplog,
-                                                                               monkeypatch):
+def test_an_update_that_leaves_overflowing_logits_is_undone_by_the_next_rollout(
+    tiny_path, prompts, tmp_path, caplog, monkeypatch
+):
     """An update whose loss and gradients were finite can still leave weights whose logits overflow. No extra forward
     pass looks for that after each update: the next rollout's own forwards find it, the update is undone from its
     copy and the rollout sampled again from the policy before it. Only the end of training checks with a forward of
     its own (one micro-batch), before anything samples from or saves the policy."""
-    import klppo.ppo.safety as safety_module
+    import klppo.ppo.safety.nonfinite as safety_module
 
     args = make_args(tmp_path, max_steps=3, nonfinite_rollback=True, max_nonfinite_updates=5)
     trainer = make_trainer(tiny_path, prompts, args)
@@ -915,8 +1022,10 @@ def test_an_update_that_leaves_overflowing_logits_is_undone_by_the_next_rollout(
         trainer.train()
     assert trainer.state.global_step == 3 and trainer.nonfinite_skips == 1
     assert checks == [1]  # the end of training's own check, and no other
-    assert any("after update 1" in r.getMessage() and "restored to the start of that update" in r.getMessage()
-               for r in caplog.records)  # fmt: skip
+    assert any(
+        "after update 1" in r.getMessage() and "restored to the start of that update" in r.getMessage()
+        for r in caplog.records
+    )
     assert torch.isfinite(head).all() and head.abs().max() < 1e3 and not torch.equal(head, before)
     assert trainer.state.log_history[1]["train/skipped_update"] == 1.0
 
@@ -926,19 +1035,32 @@ def test_rollback_is_on_by_default_with_lora_and_off_for_full_fine_tuning(tiny_p
     the shared critic).
     Without it, an update whose steps leave a policy with non-finite logits stops training, saying how many of its
     steps were applied and how to fix the run, and nothing is saved from then on."""
-    from klppo.ppo.health import TrainingDiverged
-
     from peft import LoraConfig
 
-    lora = make_trainer(tiny_path, prompts, make_args(tmp_path, critic="shared"),
-                        peft_config=LoraConfig(r=4, target_modules=["q_proj"]))
+    from klppo.ppo.safety.nonfinite import TrainingDiverged
+
+    lora = make_trainer(
+        tiny_path, prompts, make_args(tmp_path, critic="shared"), peft_config=LoraConfig(r=4, target_modules=["q_proj"])
+    )
     assert lora.rollback_updates
     # a separately trained critic is a full copy of the model: its undo copy is not small
-    separate = make_trainer(tiny_path, prompts, make_args(tmp_path, critic="separate"),
-                            peft_config=LoraConfig(r=4, target_modules=["q_proj"]))
+    separate = make_trainer(
+        tiny_path,
+        prompts,
+        make_args(tmp_path, critic="separate"),
+        peft_config=LoraConfig(r=4, target_modules=["q_proj"]),
+    )
     assert not separate.rollback_updates
-    args = make_args(tmp_path, learning_rate=1e20, max_grad_norm=0.0, max_steps=1, num_ppo_epochs=3,
-                     num_mini_batches=2, gradient_accumulation_steps=1, max_nonfinite_updates=5)
+    args = make_args(
+        tmp_path,
+        learning_rate=1e20,
+        max_grad_norm=0.0,
+        max_steps=1,
+        num_ppo_epochs=3,
+        num_mini_batches=2,
+        gradient_accumulation_steps=1,
+        max_nonfinite_updates=5,
+    )
     full = make_trainer(tiny_path, prompts, args)
     assert not full.rollback_updates
     assert make_trainer(tiny_path, prompts, make_args(tmp_path, nonfinite_rollback=True)).rollback_updates
@@ -985,7 +1107,7 @@ def test_the_guards_low_side_ends_an_update_that_pulls_the_kl_below_its_bound(ti
     of at least 1% of the reading, far above rounding, measured on the host that runs the test, whatever its kernels
     (the guarded run repeats the probe's computation exactly). (A fixed 10% margin
     between two different statistics, `k2` in the probe and `full` in the guarded run, was crossed on an AVX2 host.)"""
-    from klppo.ppo.guard import KLGuard, register_kl_guard, unregister_kl_guard
+    from klppo.ppo.safety.kl_guard import KLGuard, register_kl_guard, unregister_kl_guard
 
     events = []
 
@@ -1003,8 +1125,17 @@ def test_the_guards_low_side_ends_an_update_that_pulls_the_kl_below_its_bound(ti
 
     register_kl_guard("recorder")(Recorder)
     register_kl_guard("low_side_only")(LowSideOnly)
-    kw = dict(max_steps=3, num_ppo_epochs=2, num_mini_batches=2, kl_controller="fixed", kl_coef=50.0,
-              learning_rate=1e-2, kl_mode="loss", kl_estimator="k2", kl_statistic="full")
+    kw = dict(
+        max_steps=3,
+        num_ppo_epochs=2,
+        num_mini_batches=2,
+        kl_controller="fixed",
+        kl_coef=50.0,
+        learning_rate=1e-2,
+        kl_mode="loss",
+        kl_estimator="k2",
+        kl_statistic="full",
+    )
     try:
         probe = make_trainer(tiny_path, prompts, make_args(tmp_path, kl_target=1.0, kl_guard="recorder", **kw))
         probe.train()
@@ -1018,8 +1149,9 @@ def test_the_guards_low_side_ends_an_update_that_pulls_the_kl_below_its_bound(ti
         target = (r2 + min(pulled)) / 2
         both = make_trainer(tiny_path, prompts, make_args(tmp_path, kl_target=target, kl_guard=True, **kw))
         assert both.kl_guard.lower_on and both.kl_guard.upper_on  # kl_guard=True: both sides, at the target
-        guarded = make_trainer(tiny_path, prompts,
-                               make_args(tmp_path, kl_target=target, kl_guard="low_side_only", **kw))
+        guarded = make_trainer(
+            tiny_path, prompts, make_args(tmp_path, kl_target=target, kl_guard="low_side_only", **kw)
+        )
         assert isinstance(guarded.kl_guard, LowSideOnly) and not guarded.kl_guard.upper_on
         with caplog.at_level("INFO"):
             guarded.train()
@@ -1036,7 +1168,9 @@ def test_the_guards_low_side_ends_an_update_that_pulls_the_kl_below_its_bound(ti
     assert guarded.lr_scheduler.last_epoch < probe.lr_scheduler.last_epoch == 12
 
 
-def test_the_guard_holds_the_target_by_default_with_the_equilibrium_and_tracking_controllers(tiny_path, prompts, tmp_path):
+def test_the_guard_holds_the_target_by_default_with_the_equilibrium_and_tracking_controllers(
+    tiny_path, prompts, tmp_path
+):
     """Unset, `kl_guard` resolves to True with the equilibrium and tracking controllers (the defaults with a kl_target) and
     to False with every other controller and without a target; False turns it off and True turns it on with any
     controller; resolving a resolved config again changes nothing; True without a target is an error that names
@@ -1081,15 +1215,27 @@ def as_written_before_kl_controller_kwargs(checkpoint: str) -> str:
     return checkpoint
 
 
-def test_the_default_guard_fires_in_training_and_a_changed_guard_setting_is_named_on_resume(tiny_path, prompts, tmp_path, caplog):
+def test_the_default_guard_fires_in_training_and_a_changed_guard_setting_is_named_on_resume(
+    tiny_path, prompts, tmp_path, caplog
+):
     """The default controller's guard acts in `train()` (4 steps per update, a target the first step
     passes). Resumed with the same settings, nothing is reported; with `kl_guard` or `kl_controller_kwargs`
     changed, a warning names each (both are combined with the checkpoint's state, not refused); a checkpoint
     written before these two settings existed resumes without a word about them."""
-    kw = dict(kl_target=1e-6, num_mini_batches=2, num_ppo_epochs=2, per_device_train_batch_size=4,
-              gradient_accumulation_steps=1, max_steps=2, save_strategy="steps", save_steps=2)  # fmt: skip
+    kw = dict(
+        kl_target=1e-6,
+        num_mini_batches=2,
+        num_ppo_epochs=2,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=1,
+        max_steps=2,
+        save_strategy="steps",
+        save_steps=2,
+    )
     args = make_args(tmp_path, **kw)
-    assert args.kl_controller == "equilibrium" and args.experimental.kl_guard is True and args.kl_controller_kwargs is None
+    assert (
+        args.kl_controller == "equilibrium" and args.experimental.kl_guard is True and args.kl_controller_kwargs is None
+    )
     trainer = make_trainer(tiny_path, prompts, args)
     trainer.train()
     assert [h["kl/guard_fired"] for h in trainer.state.log_history if "kl/guard_fired" in h] == [1.0, 1.0]
@@ -1097,7 +1243,9 @@ def test_the_default_guard_fires_in_training_and_a_changed_guard_setting_is_name
 
     def resume(name, **changes):  # at its last update: loads and checks, trains nothing
         caplog.clear()
-        resumed = make_trainer(tiny_path, prompts, make_args(tmp_path, output_dir=str(tmp_path / name), **{**kw, **changes}))
+        resumed = make_trainer(
+            tiny_path, prompts, make_args(tmp_path, output_dir=str(tmp_path / name), **{**kw, **changes})
+        )
         with caplog.at_level("WARNING"):
             resumed.train(resume_from_checkpoint=checkpoint)
         assert resumed.state.global_step == 2
@@ -1114,12 +1262,22 @@ def test_the_default_guard_fires_in_training_and_a_changed_guard_setting_is_name
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_kl_guard_does_not_freeze_a_policy_whose_rollout_already_reads_above_the_bound(tiny_path, prompts, tmp_path, seed):
+def test_kl_guard_does_not_freeze_a_policy_whose_rollout_already_reads_above_the_bound(
+    tiny_path, prompts, tmp_path, seed
+):
     """A rollout whose KL is already far above the guard's bound (the target): the update still steps (the first
     mini-batch, at the rollout's own policy, has not been pushed up), so a higher beta can bring the policy back.
     A guard that fired there would take no step in this update or any later one."""
-    args = make_args(tmp_path, kl_guard=True, kl_target=1.5e-3, kl_controller="fixed", num_ppo_epochs=2,
-                     num_mini_batches=2, per_device_train_batch_size=4, gradient_accumulation_steps=1)  # fmt: skip
+    args = make_args(
+        tmp_path,
+        kl_guard=True,
+        kl_target=1.5e-3,
+        kl_controller="fixed",
+        num_ppo_epochs=2,
+        num_mini_batches=2,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=1,
+    )
     trainer = make_trainer(tiny_path, prompts, args)
     with torch.no_grad():
         head = trainer.accelerator.unwrap_model(trainer.model).policy.get_output_embeddings().weight
@@ -1164,13 +1322,25 @@ def test_kl_guard_reads_the_rollout_reading_plus_the_change_the_update_made(tiny
       reading; given a reading above the target, the update's rise fires it after one step."""
     applied = {}
     for target, reading in ((1.5e-6, "none"), (1.5e-6, "low"), (1.5e-6, "rollout"), (1.5, "none"), (1.5, "high")):
-        args = make_args(tmp_path, kl_guard=True, kl_target=target, kl_target_unit=unit, kl_controller="fixed",
-                         num_ppo_epochs=2, num_mini_batches=2, per_device_train_batch_size=4,
-                         gradient_accumulation_steps=1)  # fmt: skip
+        args = make_args(
+            tmp_path,
+            kl_guard=True,
+            kl_target=target,
+            kl_target_unit=unit,
+            kl_controller="fixed",
+            num_ppo_epochs=2,
+            num_mini_batches=2,
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=1,
+        )
         kl_reading = {"none": None, "low": -1e3, "high": 2.0, "rollout": "rollout"}[reading]
         _, penalty, result = guarded_update(tiny_path, prompts, args, kl_reading)
         assert abs(penalty.metrics["kl/value"]) < 1e-6  # the rollout is the reference's own
-        applied[target, reading] = (result.applied_steps, result.metrics["kl/guard_fired"], result.metrics["kl/during_update"])
+        applied[target, reading] = (
+            result.applied_steps,
+            result.metrics["kl/guard_fired"],
+            result.metrics["kl/during_update"],
+        )
     assert applied[1.5e-6, "none"][:2] == (1, 1.0) and applied[1.5e-6, "rollout"][:2] == (1, 1.0)
     assert applied[1.5e-6, "low"][:2] == (4, 0.0)
     assert applied[1.5, "none"][:2] == (4, 0.0) and applied[1.5, "none"][2] < 1.5  # the level stayed below
@@ -1182,8 +1352,16 @@ def test_kl_guard_clears_the_optimizers_momentum_when_it_fires(tiny_path, prompt
     """When the guard fires, Adam's first moments are zeroed (the push that made it fire does not carry into the
     next update's steps) and the second moments kept; with the guard's `reset_momentum` set to False both are
     kept."""
-    args = make_args(tmp_path, kl_guard=True, kl_target=1.5e-6, kl_controller="fixed", num_ppo_epochs=2,
-                     num_mini_batches=2, per_device_train_batch_size=4, gradient_accumulation_steps=1)  # fmt: skip
+    args = make_args(
+        tmp_path,
+        kl_guard=True,
+        kl_target=1.5e-6,
+        kl_controller="fixed",
+        num_ppo_epochs=2,
+        num_mini_batches=2,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=1,
+    )
     trainer, _, result = guarded_update(tiny_path, prompts, args, kl_reading=0.0, reset_momentum=reset)
     assert (result.applied_steps, result.metrics["kl/guard_fired"]) == (1, 1.0)
     states = [s for s in trainer.optimizer.optimizer.state.values() if "exp_avg" in s]
@@ -1199,7 +1377,7 @@ def test_a_resumed_run_continues_the_tracking_controller_exactly(tiny_path, prom
     trend history, hold / armed flags, beta), the same armed state of the guard's low side and the same per-update
     log as the run that was never interrupted. Each trainer's guard has its low bound at a tenth of the target
     (a `KLGuard` whose `lower_at` is 0.1 in place of the default one), which update 2's reading reaches."""
-    from klppo.ppo.guard import KLGuard
+    from klppo.ppo.safety.kl_guard import KLGuard
 
     class TenthLowBound(KLGuard):
         lower_at = 0.1
@@ -1207,7 +1385,9 @@ def test_a_resumed_run_continues_the_tracking_controller_exactly(tiny_path, prom
     kw = dict(kl_target=0.02, kl_coef=0.1, kl_target_unit="token", save_strategy="steps", save_steps=1, max_steps=3)
 
     def trainer_in(name, **changes):
-        trainer = make_trainer(tiny_path, prompts, make_args(tmp_path, output_dir=str(tmp_path / name), **{**kw, **changes}))
+        trainer = make_trainer(
+            tiny_path, prompts, make_args(tmp_path, output_dir=str(tmp_path / name), **{**kw, **changes})
+        )
         assert trainer.args.experimental.kl_guard is True
         trainer.run.guard = TenthLowBound(trainer.args.kl_target)
         return trainer
@@ -1215,8 +1395,10 @@ def test_a_resumed_run_continues_the_tracking_controller_exactly(tiny_path, prom
     whole = trainer_in("whole")
     whole.train()
     assert whole.args.kl_controller == "equilibrium"
-    saved = [json.load(open(tmp_path / "whole" / f"checkpoint-{n}" / "kl_controller.json"))["kl_guard_low_armed"]
-             for n in (1, 2)]
+    saved = [
+        json.load(open(tmp_path / "whole" / f"checkpoint-{n}" / "kl_controller.json"))["kl_guard_low_armed"]
+        for n in (1, 2)
+    ]
     assert saved == [False, True]  # update 1 reads 0 (the policy is the reference); update 2's reading arms it
     keys = ("kl/value", "kl/coef", "kl/coef_next", "objective/scores", "loss/policy", "kl/guard_low_fired")
     first = [[h[k] for k in keys] for h in whole.state.log_history if "kl/value" in h]
@@ -1262,15 +1444,29 @@ def test_reward_critic_needs_the_policy_vocabulary_and_causal_attention(tiny_pat
     words.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]", pad_token="[PAD]").save_pretrained(other)
     with pytest.raises(ValueError, match="vocabulary differs from the policy's.*critic_init='policy'"):
-        make_trainer(tiny_path, prompts, make_args(tmp_path, critic="separate", critic_init="reward"), reward_funcs=str(other))
+        make_trainer(
+            tiny_path, prompts, make_args(tmp_path, critic="separate", critic_init="reward"), reward_funcs=str(other)
+        )
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_path)
-    bert = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                      intermediate_size=64, num_labels=1, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    bert = BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     bidirectional = _sequence_classifier(tmp_path, "bert", bert)
     tokenizer.save_pretrained(bidirectional)
     with pytest.raises(ValueError, match="not a causal"):
-        make_trainer(tiny_path, prompts, make_args(tmp_path, critic="separate", critic_init="reward"), reward_funcs=str(bidirectional))
+        make_trainer(
+            tiny_path,
+            prompts,
+            make_args(tmp_path, critic="separate", critic_init="reward"),
+            reward_funcs=str(bidirectional),
+        )
 
 
 def test_the_kv_cache_generation_decodes_into(tiny_path, prompts, tmp_path, caplog):
@@ -1285,8 +1481,13 @@ def test_the_kv_cache_generation_decodes_into(tiny_path, prompts, tmp_path, capl
 
     auto = make_trainer(tiny_path, prompts, make_args(tmp_path, critic="shared"))
     assert auto.sampler.static_caches is None and auto.kl_plan.read_while_decoding
-    args = make_args(tmp_path, cache_implementation="static", max_prompt_length=8, critic="shared",
-                     experimental={"generation_compile_config": {"mode": "default"}})  # fmt: skip
+    args = make_args(
+        tmp_path,
+        cache_implementation="static",
+        max_prompt_length=8,
+        critic="shared",
+        experimental={"generation_compile_config": {"mode": "default"}},
+    )
     trainer = make_trainer(tiny_path, prompts, args, peft_config=LoraConfig(r=4, target_modules="all-linear"))
     assert trainer.sampler.static_caches is not None and trainer.sampler.static_caches.max_len == 8 + 6
     config = trainer.sampler.generation_config.compile_config
@@ -1310,7 +1511,7 @@ def test_updates_with_a_skipped_step_count_as_a_streak_without_rollback(tiny_pat
     """Full fine-tuning (no undo copy), two mini-batches per update, the second one's loss non-finite: every update
     applies one step and skips one. The next rollout finds the policy finite, but that does not end the streak of
     skipped updates: the second such update in a row stops training, as `max_nonfinite_updates=2` says."""
-    from klppo.ppo.health import TrainingDiverged
+    from klppo.ppo.safety.nonfinite import TrainingDiverged
 
     args = make_args(tmp_path, max_steps=4, num_mini_batches=2, gradient_accumulation_steps=1, max_nonfinite_updates=2)
     trainer = make_trainer(tiny_path, prompts, args)
@@ -1330,8 +1531,15 @@ def test_updates_with_a_skipped_step_count_as_a_streak_without_rollback(tiny_pat
 
 def test_a_stop_token_is_eos_or_any_one_token_given_as_its_text(tiny_path, prompts, tmp_path):
     trainer = make_trainer(tiny_path, prompts, make_args(tmp_path, stop_token="<|im_start|>"))
-    assert trainer.sampler.stop_token_id == trainer.processing_class.convert_tokens_to_ids("<|im_start|>") != trainer.processing_class.eos_token_id
-    assert make_trainer(tiny_path, prompts, make_args(tmp_path)).sampler.stop_token_id == trainer.processing_class.eos_token_id
+    assert (
+        trainer.sampler.stop_token_id
+        == trainer.processing_class.convert_tokens_to_ids("<|im_start|>")
+        != trainer.processing_class.eos_token_id
+    )
+    assert (
+        make_trainer(tiny_path, prompts, make_args(tmp_path)).sampler.stop_token_id
+        == trainer.processing_class.eos_token_id
+    )
     with pytest.raises(ValueError, match="not one token of this tokenizer.*'eos'"):
         make_trainer(tiny_path, prompts, make_args(tmp_path, stop_token="no such token here"))
     with pytest.raises(ValueError, match="`stop_token` must be 'eos'"):
@@ -1344,13 +1552,19 @@ def test_activation_checkpointing_comes_back_after_decoding_with_its_kwargs_even
 ):
     """Decoding runs with activation checkpointing off; after each rollout it is on again in every part of the
     actor-critic with the kwargs the run gave (not transformers' defaults), and so after a rollout that raised."""
-    args = make_args(tmp_path, critic=critic, activation_checkpointing=True,
-                     activation_checkpointing_kwargs={"use_reentrant": True})  # transformers' default is False
+    # use_reentrant=True: transformers' default is False
+    args = make_args(
+        tmp_path, critic=critic, activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": True}
+    )
     trainer = make_trainer(tiny_path, prompts, args)
     model = trainer.model
 
     def checkpointing() -> list[dict]:
-        return [m._gradient_checkpointing_func.keywords for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
+        return [
+            m._gradient_checkpointing_func.keywords
+            for m in model.modules()
+            if getattr(m, "gradient_checkpointing", False)
+        ]
 
     on = checkpointing()
     assert on and all(k == {"use_reentrant": True} for k in on)
@@ -1394,13 +1608,22 @@ def test_a_peft_policy_trains_with_a_separate_critic_started_from_its_merged_wei
         if "lora_B" in name:  # a trained adapter: not the identity
             torch.nn.init.normal_(param, std=0.1)
     merged = dict(copy.deepcopy(policy).merge_and_unload().named_parameters())
-    trainer = KLPPOTrainer(model=policy, args=make_args(tmp_path, critic="separate"), train_dataset=prompts,
-                           processing_class=load_tokenizer(tiny_path), reward_funcs=length_reward)  # fmt: skip
+    trainer = KLPPOTrainer(
+        model=policy,
+        args=make_args(tmp_path, critic="separate"),
+        train_dataset=prompts,
+        processing_class=load_tokenizer(tiny_path),
+        reward_funcs=length_reward,
+    )
     backbone = dict(trainer.model.critic.backbone.named_parameters())
     assert not any("lora" in name for name in backbone) and all(p.requires_grad for p in backbone.values())
-    torch.testing.assert_close(backbone["layers.0.self_attn.q_proj.weight"], merged["model.layers.0.self_attn.q_proj.weight"])
-    assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"],
-                           load_causal_lm(tiny_path).model.layers[0].self_attn.q_proj.weight)  # fmt: skip
+    torch.testing.assert_close(
+        backbone["layers.0.self_attn.q_proj.weight"], merged["model.layers.0.self_attn.q_proj.weight"]
+    )
+    assert not torch.equal(
+        merged["model.layers.0.self_attn.q_proj.weight"],
+        load_causal_lm(tiny_path).model.layers[0].self_attn.q_proj.weight,
+    )
     trainer.train()
     assert trainer.state.global_step == 1
 
@@ -1427,11 +1650,17 @@ def test_a_lora_folder_a_run_saved_is_a_policy_again(tiny_path, prompts, tmp_pat
     from klppo.models import TINY_MODEL, adapter_base
 
     assert adapter_base(str(tmp_path / "lora")) == TINY_MODEL  # the cache folder named by its id: portable
-    critic = make_trainer(tiny_path, prompts, make_args(tmp_path / "d", critic="separate"), value_model=str(tmp_path / "lora"))
+    critic = make_trainer(
+        tiny_path, prompts, make_args(tmp_path / "d", critic="separate"), value_model=str(tmp_path / "lora")
+    )
     assert not any("lora" in n for n, _ in critic.model.critic.backbone.named_parameters())
     with pytest.raises(ValueError, match="PeftModel.from_pretrained"):
-        make_trainer(AutoModelForCausalLM.from_pretrained(tmp_path / "lora"), prompts, make_args(tmp_path / "c"),
-                     processing_class=again.processing_class)  # fmt: skip
+        make_trainer(
+            AutoModelForCausalLM.from_pretrained(tmp_path / "lora"),
+            prompts,
+            make_args(tmp_path / "c"),
+            processing_class=again.processing_class,
+        )
 
 
 def test_a_second_train_call_says_what_to_do(tiny_path, prompts, tmp_path):
@@ -1448,13 +1677,16 @@ def test_evaluate_is_the_policy_evaluation(tiny_path, prompts, tmp_path):
     assert trainer.state.log_history[-1]["eval/perplexity"] == metrics["eval/perplexity"]
 
 
-def test_a_value_model_path_of_a_sequence_classifier_keeps_its_head(tiny_path, prompts, tmp_path, tiny_reward_model_path):
+def test_a_value_model_path_of_a_sequence_classifier_keeps_its_head(
+    tiny_path, prompts, tmp_path, tiny_reward_model_path
+):
     """`value_model` given as the path of a one-output sequence classifier is its backbone and its `score` head,
     as the same model given as a module is."""
     from transformers import AutoModelForSequenceClassification
 
-    trainer = make_trainer(tiny_path, prompts, make_args(tmp_path, critic="separate"),
-                           value_model=str(tiny_reward_model_path))  # fmt: skip
+    trainer = make_trainer(
+        tiny_path, prompts, make_args(tmp_path, critic="separate"), value_model=str(tiny_reward_model_path)
+    )
     score = AutoModelForSequenceClassification.from_pretrained(tiny_reward_model_path).score.weight
     head = [p for n, p in trainer.model.critic.head.named_parameters() if n.endswith("weight")]
     assert len(head) == 1 and torch.equal(head[0].detach(), score.detach())
@@ -1498,9 +1730,15 @@ def test_numbered_names_never_repeat():
 
 
 def test_reward_functions_of_the_same_name_log_apart(tiny_path, prompts, tmp_path):
-    trainer = make_trainer(tiny_path, prompts, make_args(tmp_path),
-                           reward_funcs=[lambda completions, **kw: [1.0] * len(completions),
-                                         lambda completions, **kw: [2.0] * len(completions)])  # fmt: skip
+    trainer = make_trainer(
+        tiny_path,
+        prompts,
+        make_args(tmp_path),
+        reward_funcs=[
+            lambda completions, **kw: [1.0] * len(completions),
+            lambda completions, **kw: [2.0] * len(completions),
+        ],
+    )
     assert trainer.reward_func_names == ["<lambda>", "<lambda>_2"]
     trainer.train()
     assert (last_log(trainer)["rewards/<lambda>"], last_log(trainer)["rewards/<lambda>_2"]) == (1.0, 2.0)

@@ -18,7 +18,8 @@ import sys
 import pytest
 import torch
 
-pytestmark = pytest.mark.numerics  # its verdicts rest on training or controller arithmetic: run under a second kernel set too
+# its verdicts rest on training or controller arithmetic: run under a second kernel set too
+pytestmark = pytest.mark.numerics
 
 WORKER = os.path.join(os.path.dirname(__file__), "dist_trainer_worker.py")
 
@@ -52,7 +53,20 @@ def run(cmd: list[str], tmp_path, timeout: float = 600) -> tuple[str, str]:
 
 
 def torchrun(args: list[str], tmp_path) -> None:
-    run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), WORKER, *args], tmp_path)
+    run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            WORKER,
+            *args,
+        ],
+        tmp_path,
+    )
 
 
 def read_engine_run(out) -> tuple[list[dict], dict]:

@@ -20,8 +20,8 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from klppo import KLPPOConfig, KLPPOTrainer, PPOConfig, PPOTrainer
 from klppo.models import TINY_MODEL, load_causal_lm, load_tokenizer, resolve_model_path
+from klppo.ppo.actor_critic import CriticModel
 from klppo.ppo.prompts import collate_prompts
-from klppo.ppo.value import CriticModel
 from klppo.rewards import RewardModelFunction, load_reward_funcs
 from klppo.trl_compat import TRL_METRIC_NAMES
 
@@ -30,22 +30,64 @@ ROOT = Path(__file__).resolve().parents[1]
 # every field of TRL 1.12's `trl.experimental.ppo.PPOConfig` (its own and the defaults it overrode), plus the
 # older `exp_name`
 TRL_112_FIELDS = {
-    "dataset_num_proc": 2, "num_mini_batches": 1, "total_episodes": 8, "local_rollout_forward_batch_size": 4,
-    "num_sample_generations": 0, "response_length": 6, "stop_token": "eos", "stop_token_id": None,
-    "temperature": 0.7, "missing_eos_penalty": 1.0, "sft_model_path": "a/b", "world_size": None,
-    "num_total_batches": None, "micro_batch_size": None, "local_batch_size": None, "batch_size": None,
-    "local_mini_batch_size": None, "mini_batch_size": None, "push_to_hub": False, "reward_model_path": "c/d",
-    "model_adapter_name": None, "ref_adapter_name": None, "num_ppo_epochs": 1, "whiten_rewards": False,
-    "kl_coef": 0.05, "kl_estimator": "k3", "cliprange": 0.2, "vf_coef": 0.1, "cliprange_value": 0.2, "gamma": 1.0,
-    "lam": 0.95, "ds3_gather_for_generation": True, "learning_rate": 3e-6, "logging_steps": 10,
-    "gradient_checkpointing": False, "bf16": False, "lr_scheduler_kwargs": None, "use_liger_kernel": False,
-    "torch_empty_cache_steps": None, "exp_name": "my-run",
-}  # fmt: skip
+    "dataset_num_proc": 2,
+    "num_mini_batches": 1,
+    "total_episodes": 8,
+    "local_rollout_forward_batch_size": 4,
+    "num_sample_generations": 0,
+    "response_length": 6,
+    "stop_token": "eos",
+    "stop_token_id": None,
+    "temperature": 0.7,
+    "missing_eos_penalty": 1.0,
+    "sft_model_path": "a/b",
+    "world_size": None,
+    "num_total_batches": None,
+    "micro_batch_size": None,
+    "local_batch_size": None,
+    "batch_size": None,
+    "local_mini_batch_size": None,
+    "mini_batch_size": None,
+    "push_to_hub": False,
+    "reward_model_path": "c/d",
+    "model_adapter_name": None,
+    "ref_adapter_name": None,
+    "num_ppo_epochs": 1,
+    "whiten_rewards": False,
+    "kl_coef": 0.05,
+    "kl_estimator": "k3",
+    "cliprange": 0.2,
+    "vf_coef": 0.1,
+    "cliprange_value": 0.2,
+    "gamma": 1.0,
+    "lam": 0.95,
+    "ds3_gather_for_generation": True,
+    "learning_rate": 3e-6,
+    "logging_steps": 10,
+    "gradient_checkpointing": False,
+    "bf16": False,
+    "lr_scheduler_kwargs": None,
+    "use_liger_kernel": False,
+    "torch_empty_cache_steps": None,
+    "exp_name": "my-run",
+}
 TRL_METRICS = [
-    "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward", "objective/scores",
-    "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg", "loss/value_avg", "val/clipfrac_avg",
-    "policy/entropy_avg", "val/ratio", "val/ratio_var", "val/num_eos_tokens", "episode",
-]  # fmt: skip
+    "objective/kl",
+    "objective/entropy",
+    "objective/non_score_reward",
+    "objective/rlhf_reward",
+    "objective/scores",
+    "policy/approxkl_avg",
+    "policy/clipfrac_avg",
+    "loss/policy_avg",
+    "loss/value_avg",
+    "val/clipfrac_avg",
+    "policy/entropy_avg",
+    "val/ratio",
+    "val/ratio_var",
+    "val/num_eos_tokens",
+    "episode",
+]
 
 
 def length_reward(prompts, completions, completion_ids=None, **kwargs):
@@ -64,18 +106,46 @@ def reward_model_path(tiny_reward_model_path):
 
 
 def base_args(tmp_path, **overrides) -> dict:
-    args = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                num_ppo_epochs=1, response_length=6, report_to="none", save_strategy="no", logging_steps=1, seed=0,
-                disable_tqdm=True, use_cpu=True, num_sample_generations=0)  # fmt: skip
+    args = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        num_ppo_epochs=1,
+        response_length=6,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        seed=0,
+        disable_tqdm=True,
+        use_cpu=True,
+        num_sample_generations=0,
+    )
     args.update(overrides)
     return args
 
 
 def run_script(script: str, tmp_path, monkeypatch, *flags: str):
     """Run an example as `python <script> <flags>` in this process; returns its globals (`trainer` included)."""
-    common = ["--output_dir", str(tmp_path / "out"), "--report_to", "none", "--use_cpu", "true", "--disable_tqdm",
-              "true", "--logging_steps", "1", "--num_ppo_epochs", "1", "--response_length", "6", "--seed", "0",
-              "--per_device_eval_batch_size", "2"]  # fmt: skip
+    common = [
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--report_to",
+        "none",
+        "--use_cpu",
+        "true",
+        "--disable_tqdm",
+        "true",
+        "--logging_steps",
+        "1",
+        "--num_ppo_epochs",
+        "1",
+        "--response_length",
+        "6",
+        "--seed",
+        "0",
+        "--per_device_eval_batch_size",
+        "2",
+    ]
     monkeypatch.setattr(sys, "argv", [script, *common, *flags])
     return runpy.run_path(str(ROOT / "examples" / script), run_name="__main__")
 
@@ -93,7 +163,12 @@ def test_ppo_config_accepts_every_trl_112_field(tmp_path):
 
 def test_ppo_config_keeps_trl_defaults(tmp_path):
     args = PPOConfig(output_dir=str(tmp_path), use_cpu=True)
-    assert (args.learning_rate, args.logging_steps, args.stop_token, args.rollout_forward_batch_size) == (3e-6, 10, None, 64)
+    assert (args.learning_rate, args.logging_steps, args.stop_token, args.rollout_forward_batch_size) == (
+        3e-6,
+        10,
+        None,
+        64,
+    )
     assert args.sft_model_path == args.reward_model_path == "EleutherAI/pythia-160m"
     assert args.bf16 is False  # TRL's bf16 default applies on a GPU only
 
@@ -109,7 +184,9 @@ def test_ppo_config_mini_batches_follow_trl(tmp_path):
     again = dataclasses.replace(args)  # converting a converted config changes nothing
     assert (again.local_rollout_batch_size, again.gradient_accumulation_steps) == (8, 2)
     # a mini-batch smaller than a micro-batch: micro-batches of the mini-batch's size
-    small = PPOConfig(**base_args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=1, num_mini_batches=2))
+    small = PPOConfig(
+        **base_args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=1, num_mini_batches=2)
+    )
     assert (small.local_rollout_batch_size, small.per_device_train_batch_size) == (4, 2)
 
 
@@ -141,8 +218,20 @@ def test_trl_flags_without_stop_token_parse_with_trl_meaning(tmp_path, caplog, m
     from klppo.ppo.generation.sampling import sampling_setup
 
     monkeypatch.setattr(config_module, "_WARNED", set())
-    flags = ["--dataset_name", "d", "--output_dir", str(tmp_path), "--per_device_train_batch_size", "64",
-             "--gradient_accumulation_steps", "1", "--total_episodes", "10000", "--missing_eos_penalty", "1.0"]  # fmt: skip
+    flags = [
+        "--dataset_name",
+        "d",
+        "--output_dir",
+        str(tmp_path),
+        "--per_device_train_batch_size",
+        "64",
+        "--gradient_accumulation_steps",
+        "1",
+        "--total_episodes",
+        "10000",
+        "--missing_eos_penalty",
+        "1.0",
+    ]
     with caplog.at_level("WARNING"):
         _, args, _ = HfArgumentParser((ScriptArguments, PPOConfig, ModelConfig)).parse_args_into_dataclasses(flags)
     assert (args.stop_token, args.stop_token_id, args.missing_eos_penalty) == (None, None, 1.0)
@@ -158,8 +247,13 @@ def test_trl_flags_klppo_treats_otherwise_warn_once(tmp_path, caplog, monkeypatc
     from klppo.ppo import config as config_module
 
     monkeypatch.setattr(config_module, "_WARNED", set())
-    overrides = dict(per_device_train_batch_size=1, gradient_accumulation_steps=16, local_rollout_forward_batch_size=1,
-                     eval_strategy="steps", eval_steps=100)  # fmt: skip
+    overrides = dict(
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=16,
+        local_rollout_forward_batch_size=1,
+        eval_strategy="steps",
+        eval_steps=100,
+    )
     with caplog.at_level("WARNING"):
         PPOConfig(**base_args(tmp_path))  # TRL's defaults: nothing to say
         assert not caplog.records
@@ -186,12 +280,32 @@ def test_trl_shaped_script_runs_with_the_import_changed(tiny_path, reward_model_
     source = (ROOT / "examples" / "ppo.py").read_text()
     assert "from klppo import PPOConfig, PPOTrainer" in source and "trl.experimental" not in source.split('"""')[-1]
     out = run_script(
-        "ppo.py", tmp_path, monkeypatch, "--dataset_name", "klppo:offline-prompts",
-        "--model_name_or_path", tiny_path, "--sft_model_path", tiny_path, "--reward_model_path", reward_model_path,
-        "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4", "--num_mini_batches", "2",
-        "--total_episodes", "20", "--local_rollout_forward_batch_size", "4", "--missing_eos_penalty", "1.0",
-        "--stop_token", "eos",
-    )  # fmt: skip
+        "ppo.py",
+        tmp_path,
+        monkeypatch,
+        "--dataset_name",
+        "klppo:offline-prompts",
+        "--model_name_or_path",
+        tiny_path,
+        "--sft_model_path",
+        tiny_path,
+        "--reward_model_path",
+        reward_model_path,
+        "--per_device_train_batch_size",
+        "2",
+        "--gradient_accumulation_steps",
+        "4",
+        "--num_mini_batches",
+        "2",
+        "--total_episodes",
+        "20",
+        "--local_rollout_forward_batch_size",
+        "4",
+        "--missing_eos_penalty",
+        "1.0",
+        "--stop_token",
+        "eos",
+    )
     trainer = out["trainer"]
     assert isinstance(trainer, PPOTrainer) and isinstance(trainer.args, PPOConfig)
     updates = [h for h in trainer.state.log_history if "objective/kl" in h]
@@ -207,19 +321,45 @@ def test_trl_shaped_script_runs_with_the_import_changed(tiny_path, reward_model_
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     trained = trainer.model.policy.state_dict()
     assert all(torch.equal(v, trained[k]) for k, v in saved.state_dict().items())
-    assert not torch.equal(saved.state_dict()["lm_head.weight"], load_causal_lm(tiny_path).state_dict()["lm_head.weight"])
+    assert not torch.equal(
+        saved.state_dict()["lm_head.weight"], load_causal_lm(tiny_path).state_dict()["lm_head.weight"]
+    )
     table = trainer.generate_completions(sampling=True)
     assert list(table.columns) == ["query", "model response", "score"] and len(table) == 2
 
 
 def test_tldr_example_runs_offline(tiny_path, reward_model_path, tmp_path, monkeypatch):
     out = run_script(
-        "ppo_tldr.py", tmp_path, monkeypatch, "--dataset_name", "klppo:tldr", "--dataset_test_split", "validation",
-        "--model_name_or_path", tiny_path, "--sft_model_path", tiny_path, "--reward_model_path", reward_model_path,
-        "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", "--total_episodes", "4",
-        "--stop_token", "eos", "--missing_eos_penalty", "1.0", "--eval_strategy", "steps", "--eval_steps", "1",
-        "--heldout_eval_texts", "2",
-    )  # fmt: skip
+        "ppo_tldr.py",
+        tmp_path,
+        monkeypatch,
+        "--dataset_name",
+        "klppo:tldr",
+        "--dataset_test_split",
+        "validation",
+        "--model_name_or_path",
+        tiny_path,
+        "--sft_model_path",
+        tiny_path,
+        "--reward_model_path",
+        reward_model_path,
+        "--per_device_train_batch_size",
+        "2",
+        "--gradient_accumulation_steps",
+        "2",
+        "--total_episodes",
+        "4",
+        "--stop_token",
+        "eos",
+        "--missing_eos_penalty",
+        "1.0",
+        "--eval_strategy",
+        "steps",
+        "--eval_steps",
+        "1",
+        "--heldout_eval_texts",
+        "2",
+    )
     trainer = out["trainer"]
     assert trainer.state.global_step == 1
     assert any("eval/scores" in h for h in trainer.state.log_history)
@@ -270,8 +410,13 @@ def test_pretrained_adapter_reference_is_a_frozen_copy_of_it(tiny_path, tmp_path
     start = {n: p.detach().clone() for n, p in sft.named_parameters() if "lora" in n}
     prompts = Dataset.from_dict({"prompt": ["The day was", "My friend said", "A letter came", "It rained"] * 2})
     args = KLPPOConfig(**base_args(tmp_path, max_steps=1, learning_rate=1e-2, critic="shared"))
-    trainer = KLPPOTrainer(model=sft, args=args, processing_class=load_tokenizer(tiny_path), reward_funcs=length_reward,
-                           train_dataset=prompts)  # fmt: skip
+    trainer = KLPPOTrainer(
+        model=sft,
+        args=args,
+        processing_class=load_tokenizer(tiny_path),
+        reward_funcs=length_reward,
+        train_dataset=prompts,
+    )
     assert trainer.use_adapter_reference and trainer.ref_adapter_name == "ref"
     batch = trainer.prompt_batch(prompts["prompt"][:4])
     rollout = trainer.rollout(batch)
@@ -296,8 +441,14 @@ def test_critic_is_saved_beside_the_policy_and_reloads(tiny_path, reward_model_p
     prompts = Dataset.from_dict({"prompt": ["The day was", "My friend said", "A letter came", "It rained"] * 2})
     args = PPOConfig(**base_args(tmp_path, total_episodes=4, learning_rate=1e-2))
     value_model = AutoModelForSequenceClassification.from_pretrained(reward_model_path, num_labels=1)
-    trainer = PPOTrainer(args=args, processing_class=load_tokenizer(tiny_path), model=load_causal_lm(tiny_path),
-                         reward_model=reward_model_path, value_model=value_model, train_dataset=prompts)  # fmt: skip
+    trainer = PPOTrainer(
+        args=args,
+        processing_class=load_tokenizer(tiny_path),
+        model=load_causal_lm(tiny_path),
+        reward_model=reward_model_path,
+        value_model=value_model,
+        train_dataset=prompts,
+    )
     before = {k: v.clone() for k, v in trainer.model.critic.state_dict().items()}
     trainer.train()
     trainer.save_model(str(tmp_path / "run1"))
@@ -307,9 +458,14 @@ def test_critic_is_saved_beside_the_policy_and_reloads(tiny_path, reward_model_p
     loaded = CriticModel.from_pretrained(folder)
     assert all(torch.equal(v, trained[k]) for k, v in loaded.state_dict().items())
     # another run starts its critic from it
-    again = PPOTrainer(args=PPOConfig(**base_args(tmp_path, total_episodes=4, output_dir=str(tmp_path / "run2"))),
-                       processing_class=load_tokenizer(tiny_path), model=load_causal_lm(tiny_path),
-                       reward_model=reward_model_path, value_model=str(folder), train_dataset=prompts)  # fmt: skip
+    again = PPOTrainer(
+        args=PPOConfig(**base_args(tmp_path, total_episodes=4, output_dir=str(tmp_path / "run2"))),
+        processing_class=load_tokenizer(tiny_path),
+        model=load_causal_lm(tiny_path),
+        reward_model=reward_model_path,
+        value_model=str(folder),
+        train_dataset=prompts,
+    )
     assert all(torch.equal(v, trained[k]) for k, v in again.model.critic.state_dict().items())
 
 
@@ -321,8 +477,14 @@ def test_generate_completions_without_stop_token_runs_past_eos(tiny_path, reward
     prompts = Dataset.from_dict({"prompt": ["The day was", "My friend said", "A letter came", "It rained"]})
     args = PPOConfig(**base_args(tmp_path, total_episodes=4, missing_eos_penalty=1.0, per_device_eval_batch_size=2))
     tokenizer = load_tokenizer(tiny_path)
-    trainer = PPOTrainer(args=args, processing_class=tokenizer, model=policy_favouring_eos(tiny_path, 50.0),
-                         reward_model=reward_model_path, train_dataset=prompts, eval_dataset=prompts)  # fmt: skip
+    trainer = PPOTrainer(
+        args=args,
+        processing_class=tokenizer,
+        model=policy_favouring_eos(tiny_path, 50.0),
+        reward_model=reward_model_path,
+        train_dataset=prompts,
+        eval_dataset=prompts,
+    )
     seen, compute_rewards = [], trainer.compute_rewards
     trainer.compute_rewards = lambda sequences: seen.append(sequences) or compute_rewards(sequences)
     table = trainer.generate_completions()
@@ -334,8 +496,12 @@ def test_generate_completions_without_stop_token_runs_past_eos(tiny_path, reward
 def test_trainer_refuses_trl_misuse(tiny_path, reward_model_path, tmp_path):
     prompts = Dataset.from_dict({"prompt": ["The day was"] * 4})
     policy = load_causal_lm(tiny_path)
-    common = dict(args=PPOConfig(**base_args(tmp_path)), processing_class=load_tokenizer(tiny_path),
-                  reward_model=reward_model_path, train_dataset=prompts)  # fmt: skip
+    common = dict(
+        args=PPOConfig(**base_args(tmp_path)),
+        processing_class=load_tokenizer(tiny_path),
+        reward_model=reward_model_path,
+        train_dataset=prompts,
+    )
     with pytest.raises(ValueError, match="cannot be the same object"):
         PPOTrainer(model=policy, ref_model=policy, **common)
     with pytest.raises(ValueError, match="data_collator"):
@@ -493,8 +659,16 @@ def trl_command(name: str, tmp_path, reward_model: str) -> tuple[list[str], dict
         argv, script_at = [sys.executable, RUNNER], 1
     else:  # accelerate launch --config_file <config>
         assert words[:3] == ["accelerate", "launch", "--config_file"], words
-        argv = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", words[3],
-                "--main_process_port", str(free_port()), RUNNER]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            words[3],
+            "--main_process_port",
+            str(free_port()),
+            RUNNER,
+        ]
         script_at = 4
     script_flags = words[script_at + 1 :]
     flags = dict(zip(script_flags[::2], script_flags[1::2]))
@@ -502,7 +676,9 @@ def trl_command(name: str, tmp_path, reward_model: str) -> tuple[list[str], dict
         if flag not in flags:
             script_flags += [flag, value]
     ranks = 1 if words[0] == "python" else 2
-    episodes = UPDATES * int(flags["--per_device_train_batch_size"]) * int(flags["--gradient_accumulation_steps"]) * ranks
+    episodes = (
+        UPDATES * int(flags["--per_device_train_batch_size"]) * int(flags["--gradient_accumulation_steps"]) * ranks
+    )
     script_flags += ["--total_episodes", str(episodes)]
     flags = dict(zip(script_flags[::2], script_flags[1::2]))  # the last value of each flag, as the parser keeps it
     return [*argv, words[script_at], *script_flags], flags
@@ -521,8 +697,10 @@ def test_a_documented_command_not_run_reads_as_the_one_run(name, runs_as, tmp_pa
         at = argv.index(RUNNER)
         launch = [w for i, w in enumerate(argv[:at]) if "--main_process_port" not in argv[i - 1 : i + 1]]
         parser = HfArgumentParser((ScriptArguments, PPOConfig, ModelConfig))
-        parsed = [{f.name: getattr(a, f.name) for f in dataclasses.fields(a)}
-                  for a in parser.parse_args_into_dataclasses(args=argv[at + 2 :])]
+        parsed = [
+            {f.name: getattr(a, f.name) for f in dataclasses.fields(a)}
+            for a in parser.parse_args_into_dataclasses(args=argv[at + 2 :])
+        ]
         return launch, argv[at + 1], parsed
 
     (launch, script, parsed), (launch_run, script_run, parsed_run) = read(name), read(runs_as)
@@ -532,10 +710,14 @@ def test_a_documented_command_not_run_reads_as_the_one_run(name, runs_as, tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [
-    pytest.param(name, marks=[pytest.mark.ranks] if command.lstrip().startswith("accelerate launch") else [])
-    for name, command in TRL_PPO_COMMANDS.items() if name not in RUNS_AS
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(name, marks=[pytest.mark.ranks] if command.lstrip().startswith("accelerate launch") else [])
+        for name, command in TRL_PPO_COMMANDS.items()
+        if name not in RUNS_AS
+    ],
+)
 def test_trl_112_documented_command_runs(name, tiny_path, reward_model_path, tmp_path, monkeypatch):
     """Each PPO command line TRL 1.12 documents (but those of `RUNS_AS`) runs with its flags unchanged, through
     klppo's TRL-shaped examples (only the import differs), on the offline tiny models: the hub's ids, TRL's script and config paths

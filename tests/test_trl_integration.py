@@ -32,7 +32,8 @@ from klppo.testing.bandit import (
     tilted,
 )
 
-pytestmark = pytest.mark.numerics  # its verdicts rest on training or controller arithmetic: run under a second kernel set too
+# its verdicts rest on training or controller arithmetic: run under a second kernel set too
+pytestmark = pytest.mark.numerics
 
 TRAINERS = {"grpo": (GRPOConfig, GRPOTrainer), "rloo": (RLOOConfig, RLOOTrainer)}
 
@@ -58,10 +59,20 @@ def prompts():
 def make_trainer(kind, tiny_path, prompts, output_dir, **overrides):
     config_cls, trainer_cls = TRAINERS[kind]
     base = dict(
-        output_dir=str(output_dir), per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
-        max_steps=5, logging_steps=1, report_to="none", beta=0.05, learning_rate=1e-3, use_cpu=True,
-        save_strategy="no", seed=0, disable_tqdm=True,
-    )  # fmt: skip
+        output_dir=str(output_dir),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        max_steps=5,
+        logging_steps=1,
+        report_to="none",
+        beta=0.05,
+        learning_rate=1e-3,
+        use_cpu=True,
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+    )
     args = config_cls(**{**base, **overrides})
     return trainer_cls(model=tiny_path, reward_funcs=even_reward, args=args, train_dataset=prompts)
 
@@ -76,8 +87,12 @@ def test_beta_moves_toward_the_target_and_kl_coef_is_logged_every_step(kind, tin
     policy): beta ends above where it started. Far above (100 per token): beta falls and never
     rises. The exponential controller moves beta up after every reading above the target and down after every
     reading below (RLOO's k1 reading can be negative)."""
-    below = add_kl_control(make_trainer(kind, tiny_path, prompts, tmp_path / "below", learning_rate=1e-2),
-                           kl_controller="tracking", kl_target=1e-6, kl_target_unit="token")  # fmt: skip
+    below = add_kl_control(
+        make_trainer(kind, tiny_path, prompts, tmp_path / "below", learning_rate=1e-2),
+        kl_controller="tracking",
+        kl_target=1e-6,
+        kl_target_unit="token",
+    )
     below.train()
     logs = step_logs(below)
     assert [h["step"] for h in logs] == [1, 2, 3, 4, 5]  # kl/coef on every step
@@ -85,16 +100,24 @@ def test_beta_moves_toward_the_target_and_kl_coef_is_logged_every_step(kind, tin
     assert all(h["kl/value"] == h["kl"] and h["kl/target"] == 1e-6 for h in logs)  # TRL's KL is the reading
     assert below.beta > 0.05 and below.beta == below.kl_control.controller.value
 
-    above = add_kl_control(make_trainer(kind, tiny_path, prompts, tmp_path / "above"), kl_controller="tracking",
-                           kl_target=100.0, kl_target_unit="token")  # fmt: skip
+    above = add_kl_control(
+        make_trainer(kind, tiny_path, prompts, tmp_path / "above"),
+        kl_controller="tracking",
+        kl_target=100.0,
+        kl_target_unit="token",
+    )
     above.train()
     coefs = [h["kl/coef"] for h in step_logs(above)] + [above.beta]
     assert all(b <= a for a, b in zip(coefs, coefs[1:])) and above.beta < 0.05, coefs
 
     target = 1e-4
-    steady = add_kl_control(make_trainer(kind, tiny_path, prompts, tmp_path / "exp", learning_rate=1e-2),
-                            kl_controller="exponential", kl_target=target, kl_target_unit="token",
-                            kl_controller_kwargs={"rate": 100.0})  # fmt: skip
+    steady = add_kl_control(
+        make_trainer(kind, tiny_path, prompts, tmp_path / "exp", learning_rate=1e-2),
+        kl_controller="exponential",
+        kl_target=target,
+        kl_target_unit="token",
+        kl_controller_kwargs={"rate": 100.0},
+    )
     assert steady.kl_control.controller.rate == 100.0
     steady.train()
     logs = step_logs(steady)
@@ -108,7 +131,9 @@ def bandit_state(trainer) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact `log softmax` of the policy's and the reference's next token after the bandit's prompt (float64)."""
     ids = torch.tensor([trainer.processing_class(PROMPT)["input_ids"]])
     with torch.no_grad():
-        logp, ref = (torch.log_softmax(m(input_ids=ids).logits[0, -1].double(), -1) for m in (trainer.model, trainer.ref_model))
+        logp, ref = (
+            torch.log_softmax(m(input_ids=ids).logits[0, -1].double(), -1) for m in (trainer.model, trainer.ref_model)
+        )
     return logp, ref
 
 
@@ -123,12 +148,27 @@ def test_equilibrium_holds_a_bandit_target_at_the_beta_of_its_fixed_point(kind, 
     beta* itself ends GRPO at 1.14-1.21x the target KL: the noise of the steps adds KL.)"""
     config_cls, trainer_cls = TRAINERS[kind]
     args = config_cls(
-        output_dir=str(tmp_path), per_device_train_batch_size=64, num_generations=4, max_completion_length=1,
-        max_steps=200, logging_steps=1, report_to="none", beta=1.0, learning_rate=3e-3, lr_scheduler_type="constant",
-        use_cpu=True, save_strategy="no", seed=0, disable_tqdm=True,
-    )  # fmt: skip
-    trainer = trainer_cls(model=tiny_path, reward_funcs=one_token_reward(), args=args,
-                          train_dataset=Dataset.from_dict({"prompt": [PROMPT] * 64}))  # fmt: skip
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=64,
+        num_generations=4,
+        max_completion_length=1,
+        max_steps=200,
+        logging_steps=1,
+        report_to="none",
+        beta=1.0,
+        learning_rate=3e-3,
+        lr_scheduler_type="constant",
+        use_cpu=True,
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+    )
+    trainer = trainer_cls(
+        model=tiny_path,
+        reward_funcs=one_token_reward(),
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": [PROMPT] * 64}),
+    )
     logp, ref = bandit_state(trainer)
     reward = in_set(torch.arange(ref.shape[0]))
     target = kl(tilted(ref, reward, 0.5), ref)
@@ -161,8 +201,9 @@ def test_the_sequences_read_are_trls(tiny_path, prompts, tmp_path):
     """RLOO: the reader's log-ratios and lengths give TRL's own logged KL (its token mean of k1), and its scores
     are TRL's rewards. GRPO: the scores are TRL's rewards times the slope of TRL's advantages on them."""
     for kind in ("rloo", "grpo"):
-        trainer = add_kl_control(make_trainer(kind, tiny_path, prompts, tmp_path / kind, max_steps=3, learning_rate=1e-2),
-                                 kl_target=1.0)  # fmt: skip
+        trainer = add_kl_control(
+            make_trainer(kind, tiny_path, prompts, tmp_path / kind, max_steps=3, learning_rate=1e-2), kl_target=1.0
+        )
         seen = read_batches(trainer)
         trainer.train()
         assert len(seen) == 3  # one generation batch per step
@@ -182,13 +223,24 @@ def test_the_sequences_read_are_trls(tiny_path, prompts, tmp_path):
 def test_grpo_off_policy_and_several_generations_per_step_are_read(tiny_path, prompts, tmp_path):
     """Off-policy (one generation for two steps) the reader takes TRL's own log-probs of the sampling policy; two
     generations in one optimizer step are read together."""
-    off = add_kl_control(make_trainer("grpo", tiny_path, prompts, tmp_path / "off", max_steps=4, steps_per_generation=2),
-                         kl_target=1.0)  # fmt: skip
+    off = add_kl_control(
+        make_trainer("grpo", tiny_path, prompts, tmp_path / "off", max_steps=4, steps_per_generation=2), kl_target=1.0
+    )
     seen = read_batches(off)
     off.train()
     assert [len(batch[0]) for batch in seen] == [8, 8]  # a generation batch every second step
-    two = add_kl_control(make_trainer("grpo", tiny_path, prompts, tmp_path / "two", max_steps=2,
-                                      gradient_accumulation_steps=2, steps_per_generation=1), kl_target=1.0)  # fmt: skip
+    two = add_kl_control(
+        make_trainer(
+            "grpo",
+            tiny_path,
+            prompts,
+            tmp_path / "two",
+            max_steps=2,
+            gradient_accumulation_steps=2,
+            steps_per_generation=1,
+        ),
+        kl_target=1.0,
+    )
     seen = read_batches(two)
     two.train()
     assert [len(batch[0]) for batch in seen] == [8, 8]  # two generations of 4 per optimizer step
@@ -202,13 +254,17 @@ def test_grpo_settings_that_change_its_objective_get_the_tracking_controller(tin
     assert trainer.kl_control.settings.kl_controller == "tracking" and trainer.kl_control.reader is None
     assert "top_entropy_quantile=0.5 masks the policy term" in caplog.text
     with pytest.raises(ValueError, match="'equilibrium'.*top_entropy_quantile.*kl_controller='tracking'"):
-        add_kl_control(make_trainer("grpo", tiny_path, prompts, tmp_path, top_entropy_quantile=0.5),
-                       kl_controller="equilibrium", kl_target=1.0)  # fmt: skip
+        add_kl_control(
+            make_trainer("grpo", tiny_path, prompts, tmp_path, top_entropy_quantile=0.5),
+            kl_controller="equilibrium",
+            kl_target=1.0,
+        )
 
 
 def test_sequence_unit_is_the_token_mean_times_the_mean_completion_length(tiny_path, prompts, tmp_path):
-    trainer = add_kl_control(make_trainer("rloo", tiny_path, prompts, tmp_path, max_steps=2), kl_target=1e-3,
-                             kl_controller="exponential")  # fmt: skip
+    trainer = add_kl_control(
+        make_trainer("rloo", tiny_path, prompts, tmp_path, max_steps=2), kl_target=1e-3, kl_controller="exponential"
+    )
     assert trainer.kl_control.settings.kl_target_unit == "sequence"  # KLPPOConfig's default
     trainer.train()
     for h in step_logs(trainer):
@@ -220,8 +276,10 @@ def test_resume_continues_with_the_checkpointed_controller(kind, tiny_path, prom
     """4 steps saved every 2; a new trainer (another output folder) resumed from checkpoint-2 logs, at step 3,
     the coefficient the uninterrupted run logged there, not the trainer's initial beta."""
     kw = dict(kl_target=1e-6, kl_target_unit="token")
-    full = add_kl_control(make_trainer(kind, tiny_path, prompts, tmp_path / "full", max_steps=4,
-                                       save_strategy="steps", save_steps=2), **kw)  # fmt: skip
+    full = add_kl_control(
+        make_trainer(kind, tiny_path, prompts, tmp_path / "full", max_steps=4, save_strategy="steps", save_steps=2),
+        **kw,
+    )
     full.train()
     coefs = {h["step"]: h["kl/coef"] for h in step_logs(full)}
     checkpoint = tmp_path / "full" / "checkpoint-2"
@@ -273,7 +331,9 @@ def test_the_example_runs_offline_on_the_tiny_model(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("grpo_kl_control", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    trainer = example.main(["--model", "klppo:tiny-llama", "--max_steps", "2", "--batch", "16", "--output_dir", str(tmp_path)])
+    trainer = example.main(
+        ["--model", "klppo:tiny-llama", "--max_steps", "2", "--batch", "16", "--output_dir", str(tmp_path)]
+    )
     assert [h["step"] for h in step_logs(trainer)] == [1, 2]
     assert trainer.kl_control.settings.kl_controller == "equilibrium" and "kl/coef" in capsys.readouterr().out
 
@@ -287,8 +347,21 @@ def test_two_processes_read_every_ranks_completions_and_hold_one_beta(tiny_path,
     from test_trainer_distributed import free_port, run
 
     worker = str(Path(__file__).parent / "trl_kl_control_worker.py")
-    run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-         worker, str(tmp_path), str(tiny_path)], tmp_path)  # fmt: skip
+    run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            worker,
+            str(tmp_path),
+            str(tiny_path),
+        ],
+        tmp_path,
+    )
     for kind in ("rloo", "grpo"):
         ranks = [json.loads((tmp_path / f"{kind}_rank{r}.json").read_text()) for r in range(2)]
         assert [r["world"] for r in ranks] == [2, 2]

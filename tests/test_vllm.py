@@ -10,7 +10,6 @@ from __future__ import annotations
 import gc
 
 import pytest
-import torch
 
 pytest.importorskip("vllm")
 
@@ -42,14 +41,33 @@ def vllm_trainer(name: str, tmp_path, peft_config=None, **overrides):
     from klppo.testing import klppo_config
     from klppo.testing.bandit import PROMPT, two_token_reward
 
-    base = dict(output_dir=str(tmp_path / "bandit"), per_device_train_batch_size=16, num_ppo_epochs=1,
-                lr_scheduler_type="constant", kl_coef=0.5, critic="shared", lam=1.0, report_to="none",
-                save_strategy="no", eval_strategy="no", logging_steps=1, seed=0, disable_tqdm=True, use_cpu=True,
-                num_sample_generations=0, temperature=1.0)  # fmt: skip
+    base = dict(
+        output_dir=str(tmp_path / "bandit"),
+        per_device_train_batch_size=16,
+        num_ppo_epochs=1,
+        lr_scheduler_type="constant",
+        kl_coef=0.5,
+        critic="shared",
+        lam=1.0,
+        report_to="none",
+        save_strategy="no",
+        eval_strategy="no",
+        logging_steps=1,
+        seed=0,
+        disable_tqdm=True,
+        use_cpu=True,
+        num_sample_generations=0,
+        temperature=1.0,
+    )
     base.update(overrides)
     prompts = Dataset.from_dict({"prompt": [PROMPT] * base["per_device_train_batch_size"]})
-    return KLPPOTrainer(model=resolve_model_path(name), args=klppo_config(**base), train_dataset=prompts,
-                        reward_funcs=two_token_reward, peft_config=peft_config)  # fmt: skip
+    return KLPPOTrainer(
+        model=resolve_model_path(name),
+        args=klppo_config(**base),
+        train_dataset=prompts,
+        reward_funcs=two_token_reward,
+        peft_config=peft_config,
+    )
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
@@ -64,9 +82,18 @@ def test_the_engine_decodes_the_trainers_weights_after_every_update(tmp_path, ti
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"])
-    trainer = vllm_trainer(name, tmp_path, peft_config, response_length=4, max_steps=3, use_vllm=True,
-                           per_device_train_batch_size=16, rollout_forward_batch_size=16, learning_rate=1e-2,
-                           stop_token="eos")  # fmt: skip
+    trainer = vllm_trainer(
+        name,
+        tmp_path,
+        peft_config,
+        response_length=4,
+        max_steps=3,
+        use_vllm=True,
+        per_device_train_batch_size=16,
+        rollout_forward_batch_size=16,
+        learning_rate=1e-2,
+        stop_token="eos",
+    )
     trainer.train()
     syncs = [h["time/weight_sync"] for h in trainer.state.log_history if "time/weight_sync" in h]
     assert len(syncs) == 3
@@ -87,9 +114,17 @@ def test_a_tied_head_left_packed_from_the_old_embedding_is_caught(tmp_path, monk
 
     original = engine_module._reload
     monkeypatch.setattr(engine_module, "_reload", lambda worker, weights, repack: original(worker, weights, False))
-    trainer = bandit_trainer(resolve_model_path("klppo:tiny-llama-vllm-tied"), tmp_path, response_length=4,
-                             max_steps=3, use_vllm=True, per_device_train_batch_size=16, rollout_forward_batch_size=16,
-                             learning_rate=1e-2, stop_token="eos")  # fmt: skip
+    trainer = bandit_trainer(
+        resolve_model_path("klppo:tiny-llama-vllm-tied"),
+        tmp_path,
+        response_length=4,
+        max_steps=3,
+        use_vllm=True,
+        per_device_train_batch_size=16,
+        rollout_forward_batch_size=16,
+        learning_rate=1e-2,
+        stop_token="eos",
+    )
     trainer.train()
     rollout = trainer.rollout(trainer.prompt_batch(["The day was"] * 16))
     keep = rollout.response_mask.bool()
@@ -98,8 +133,14 @@ def test_a_tied_head_left_packed_from_the_old_embedding_is_caught(tmp_path, monk
 
 
 def one_token_bandit(tmp_path, **overrides):
-    return bandit_trainer(resolve_model_path("klppo:tiny-llama-vllm"), tmp_path, kl_mode="reward", kl_estimator="k1",
-                          use_vllm=True, **overrides)  # fmt: skip
+    return bandit_trainer(
+        resolve_model_path("klppo:tiny-llama-vllm"),
+        tmp_path,
+        kl_mode="reward",
+        kl_estimator="k1",
+        use_vllm=True,
+        **overrides,
+    )
 
 
 @pytest.mark.numerics
@@ -161,8 +202,17 @@ def test_two_cpu_ranks_each_decode_with_their_own_engine(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):  # a test before set them
         env.pop(name, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           worker, str(tmp_path)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        worker,
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-6000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

@@ -12,16 +12,17 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
-from test_trl_integration import PROMPTS, make_trainer, read_batches, step_logs
 
 from klppo.integrations.trl import add_kl_control
+from test_trl_integration import PROMPTS, make_trainer, read_batches, step_logs
 
 
 def main(out: Path, model: str) -> None:
     prompts = Dataset.from_dict({"prompt": PROMPTS})
     for kind in ("rloo", "grpo"):
-        trainer = add_kl_control(make_trainer(kind, model, prompts, out / kind, max_steps=4, learning_rate=1e-2),
-                                 kl_target=1.0)  # fmt: skip
+        trainer = add_kl_control(
+            make_trainer(kind, model, prompts, out / kind, max_steps=4, learning_rate=1e-2), kl_target=1.0
+        )
         seen = read_batches(trainer)
         trainer.train()
         logs = step_logs(trainer)

@@ -18,11 +18,25 @@ import sys
 from klppo import PPOTrainer
 
 ARGS_RECORDED = (
-    "per_device_train_batch_size", "gradient_accumulation_steps", "local_batch_size", "batch_size", "num_mini_batches",
-    "num_ppo_epochs", "learning_rate", "response_length", "missing_eos_penalty", "stop_token", "stop_token_id",
-    "total_episodes", "num_total_batches", "local_rollout_forward_batch_size", "rollout_forward_batch_size",
-    "eval_steps", "output_dir", "world_size",
-)  # fmt: skip
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "local_batch_size",
+    "batch_size",
+    "num_mini_batches",
+    "num_ppo_epochs",
+    "learning_rate",
+    "response_length",
+    "missing_eos_penalty",
+    "stop_token",
+    "stop_token_id",
+    "total_episodes",
+    "num_total_batches",
+    "local_rollout_forward_batch_size",
+    "rollout_forward_batch_size",
+    "eval_steps",
+    "output_dir",
+    "world_size",
+)
 
 
 def main() -> None:

@@ -22,25 +22,48 @@ from klppo.testing.bandit import PROMPT, two_token_reward
 
 def main(out: str) -> None:
     args = klppo_config(
-        output_dir=os.path.join(out, "run"), per_device_train_batch_size=8, num_ppo_epochs=1, max_steps=3,
-        response_length=4, learning_rate=1e-2, lr_scheduler_type="constant", kl_coef=0.5, kl_controller="adaptive",
-        kl_target=2.0, critic="shared", report_to="none", save_strategy="no", eval_strategy="no", logging_steps=1,
-        seed=0, disable_tqdm=True, use_cpu=True, num_sample_generations=0, temperature=1.0, use_vllm=True,
-    )  # fmt: skip
+        output_dir=os.path.join(out, "run"),
+        per_device_train_batch_size=8,
+        num_ppo_epochs=1,
+        max_steps=3,
+        response_length=4,
+        learning_rate=1e-2,
+        lr_scheduler_type="constant",
+        kl_coef=0.5,
+        kl_controller="adaptive",
+        kl_target=2.0,
+        critic="shared",
+        report_to="none",
+        save_strategy="no",
+        eval_strategy="no",
+        logging_steps=1,
+        seed=0,
+        disable_tqdm=True,
+        use_cpu=True,
+        num_sample_generations=0,
+        temperature=1.0,
+        use_vllm=True,
+    )
     prompts = Dataset.from_dict({"prompt": [PROMPT] * 32})
-    trainer = KLPPOTrainer(model=resolve_model_path("klppo:tiny-llama-vllm"), args=args, train_dataset=prompts,
-                           reward_funcs=two_token_reward)  # fmt: skip
+    trainer = KLPPOTrainer(
+        model=resolve_model_path("klppo:tiny-llama-vllm"),
+        args=args,
+        train_dataset=prompts,
+        reward_funcs=two_token_reward,
+    )
     trainer.train()
     rollout = trainer.rollout(trainer.prompt_batch([PROMPT] * 8))
     keep = rollout.response_mask.bool()
     rank = trainer.accelerator.process_index
     record = {
-        "rank": rank, "world": trainer.accelerator.num_processes,
+        "rank": rank,
+        "world": trainer.accelerator.num_processes,
         "gap": float((rollout.logp - rollout.sampling_logp).abs()[keep].max()),
         "moved": float((rollout.ref_logp - rollout.sampling_logp).abs()[keep].max()),
         "syncs": sum("time/weight_sync" in h for h in trainer.state.log_history),
-        "coef": trainer.kl_controller.value, "responses": rollout.responses.tolist(),
-    }  # fmt: skip
+        "coef": trainer.kl_controller.value,
+        "responses": rollout.responses.tolist(),
+    }
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
     trainer.shutdown()

@@ -67,8 +67,8 @@ from trl.models.utils import disable_gradient_checkpointing
 from ..kl import build_kl_controller
 from ..kl.config import KLControlConfig
 from ..ppo.advantages import advantage_slope
-from ..ppo.checkpoint import CONTROLLER_STATE_NAME, latest_checkpoint  # the same file as klppo's own checkpoints
 from ..ppo.config import warn_once
+from ..ppo.run.checkpoint import CONTROLLER_STATE_NAME, latest_checkpoint  # the same file as klppo's own checkpoints
 
 logger = logging.getLogger(__name__)
 
@@ -119,14 +119,17 @@ def _objective_unknown(trainer, kind: str) -> str:
         return ""
     args, why = trainer.args, []
     if getattr(args, "top_entropy_quantile", 1.0) < 1.0:
-        why.append(f"top_entropy_quantile={args.top_entropy_quantile} masks the policy term, not the KL, on some tokens")
+        why.append(
+            f"top_entropy_quantile={args.top_entropy_quantile} masks the policy term, not the KL, on some tokens"
+        )
     if getattr(args, "off_policy_mask_threshold", None) is not None:
         why.append("off_policy_mask_threshold masks the policy term, not the KL, on some sequences")
     if getattr(trainer, "_entropy_bonus_enabled", False):
         why.append("an entropy bonus (entropy_coef) adds a term to the objective")
-    if getattr(trainer, "multi_objective_aggregation", "sum_then_normalize") != "sum_then_normalize" and len(
-        trainer.reward_funcs
-    ) > 1:
+    if (
+        getattr(trainer, "multi_objective_aggregation", "sum_then_normalize") != "sum_then_normalize"
+        and len(trainer.reward_funcs) > 1
+    ):
         why.append("multi_objective_aggregation='normalize_then_sum' normalises each reward function by its own spread")
     return "; ".join(why)
 
@@ -206,8 +209,7 @@ class SequenceReader:
                 with disable_gradient_checkpointing(model, self.trainer.args.gradient_checkpointing_kwargs):
                     policy = self._logps(model, *args[1:], **kwargs)[0]
         rewards = self._rewards
-        if (ref is None or policy is None or rewards is None or policy.shape != mask.shape
-                or ref.shape != mask.shape):  # fmt: skip
+        if ref is None or policy is None or rewards is None or policy.shape != mask.shape or ref.shape != mask.shape:
             warn_once(
                 "add_kl_control reader",
                 f"add_kl_control found no rewards or no sampling and reference log-probs in {self.kind}'s scoring of "
@@ -247,11 +249,15 @@ def resolve_kl_fields(trainer, kl_fields: dict) -> TRLKLControl:
     if kind == "GRPOTrainer" and getattr(trainer.args, "use_bias_correction_kl", False):
         estimator = "corrected_k3"
     unknown = _objective_unknown(trainer, kind)
-    settings = TRLKLControl(kl_mode=mode, kl_estimator=estimator, kl_coef=float(trainer.beta), objective_unknown=unknown,
-                            **kl_fields)  # fmt: skip
+    settings = TRLKLControl(
+        kl_mode=mode, kl_estimator=estimator, kl_coef=float(trainer.beta), objective_unknown=unknown, **kl_fields
+    )
     if unknown and "kl_controller" not in kl_fields and settings.kl_target is not None:
-        logger.warning("add_kl_control: the tracking controller holds kl_target, as the equilibrium controller does "
-                       "not apply here: %s.", unknown)  # fmt: skip
+        logger.warning(
+            "add_kl_control: the tracking controller holds kl_target, as the equilibrium controller does "
+            "not apply here: %s.",
+            unknown,
+        )
     return settings
 
 
@@ -315,8 +321,12 @@ class KLControlCallback(TrainerCallback):
         if state.is_world_process_zero and args.should_save:
             folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
             os.makedirs(folder, exist_ok=True)
-            payload = {"kl_controller": self.controller.state_dict(), "trainer": self.kind,
-                       "kl_target_unit": self.settings.kl_target_unit, "mean_length": self._mean_length}  # fmt: skip
+            payload = {
+                "kl_controller": self.controller.state_dict(),
+                "trainer": self.kind,
+                "kl_target_unit": self.settings.kl_target_unit,
+                "mean_length": self._mean_length,
+            }
             with open(os.path.join(folder, CONTROLLER_STATE_NAME), "w") as f:
                 json.dump(payload, f, indent=1)
         return control
@@ -335,8 +345,11 @@ class KLControlCallback(TrainerCallback):
         if not os.path.isfile(path):
             logger.warning(
                 "Resuming from %s, which holds no %s (written by add_kl_control): the KL controller starts afresh "
-                "from beta=%g.", folder, CONTROLLER_STATE_NAME, self.controller.value,
-            )  # fmt: skip
+                "from beta=%g.",
+                folder,
+                CONTROLLER_STATE_NAME,
+                self.controller.value,
+            )
             return
         with open(path) as f:
             payload = json.load(f)
@@ -348,8 +361,12 @@ class KLControlCallback(TrainerCallback):
             )
         self.controller.load_state_dict(payload["kl_controller"])
         self._mean_length = payload.get("mean_length")
-        logger.info("KL controller restored from %s: beta=%g after %d updates.", path, self.controller.value,
-                    self.controller.n_updates)  # fmt: skip
+        logger.info(
+            "KL controller restored from %s: beta=%g after %d updates.",
+            path,
+            self.controller.value,
+            self.controller.n_updates,
+        )
 
 
 def add_kl_control(trainer, **kl_fields):
@@ -402,8 +419,13 @@ def add_kl_control(trainer, **kl_fields):
     train_with_kl_control.__doc__ = train.__doc__
     trainer.train = train_with_kl_control
     logger.info(
-        "KL control on %s: controller %s, beta from %g, target %s per %s (TRL's %s in the %s).", kind,
-        settings.kl_controller, trainer.beta, settings.kl_target, settings.kl_target_unit,
-        settings.kl_estimator, settings.kl_mode,
-    )  # fmt: skip
+        "KL control on %s: controller %s, beta from %g, target %s per %s (TRL's %s in the %s).",
+        kind,
+        settings.kl_controller,
+        trainer.beta,
+        settings.kl_target,
+        settings.kl_target_unit,
+        settings.kl_estimator,
+        settings.kl_mode,
+    )
     return trainer

@@ -32,12 +32,12 @@ from .estimators import (
     BUILTIN_KL_ESTIMATORS,
     KLGradient,
     compute_kl,
-    kl_from_log_ratio,
     estimate_kl,
     full_kl,
     get_kl_estimator,
     get_kl_estimator_spec,
     kl_estimators,
+    kl_from_log_ratio,
     register_kl_estimator,
     unregister_kl_estimator,
 )

@@ -10,8 +10,8 @@ import re
 from dataclasses import dataclass, field
 
 from .controllers import build_kl_controller, get_kl_controller, kl_controllers
-from .optimum import KLOptimum
 from .estimators import kl_estimators
+from .optimum import KLOptimum
 from .penalty import KL_MODES, LOSS_AGG_MODES
 from .reduce import KL_STATISTIC_UNITS
 
@@ -132,8 +132,10 @@ class KLControlConfig:
         token-mean KL term weighs 1; the other aggregations weigh by a share of the responses' lengths."""
         if self.kl_loss_agg_mode == "token-mean":
             return 1.0, ""
-        return None, (f"kl_loss_agg_mode={self.kl_loss_agg_mode!r} weighs the KL against the policy gradient (a token "
-                      "mean) by the responses' lengths, which move with the policy")  # fmt: skip
+        return None, (
+            f"kl_loss_agg_mode={self.kl_loss_agg_mode!r} weighs the KL against the policy gradient (a token "
+            "mean) by the responses' lengths, which move with the policy"
+        )
 
     def kl_optimum(self) -> KLOptimum | None:
         """The optimum the configured KL term trains toward, as a function of beta (`klppo.kl.optimum.KLOptimum`),
@@ -144,16 +146,20 @@ class KLControlConfig:
         from .optimum import kl_optimum_of
 
         if not self._undiscounted() or self.kl_value_clamp is not None:
-            return None, (f"with gamma={getattr(self, 'gamma', 1.0)} or kl_value_clamp={self.kl_value_clamp} that "
-                          "optimum is not the one trained (it needs gamma 1 and no kl_value_clamp)")  # fmt: skip
+            return None, (
+                f"with gamma={getattr(self, 'gamma', 1.0)} or kl_value_clamp={self.kl_value_clamp} that "
+                "optimum is not the one trained (it needs gamma 1 and no kl_value_clamp)"
+            )
         weight, why = self._loss_weight() if "loss" in self.kl_modes_applied else (1.0, "")
         optimum = kl_optimum_of(self.kl_mode, self.kl_estimator, weight)
         if optimum is not None:
             return optimum, ""
         if weight is None and kl_optimum_of(self.kl_mode, self.kl_estimator, 1.0) is not None:
             return None, why
-        return None, (f"{self.kl_estimator} in kl_mode={self.kl_mode!r} trains toward no optimum klppo knows in "
-                      "closed form (docs/kl.md, 'Which optimum each KL trains toward')")  # fmt: skip
+        return None, (
+            f"{self.kl_estimator} in kl_mode={self.kl_mode!r} trains toward no optimum klppo knows in "
+            "closed form (docs/kl.md, 'Which optimum each KL trains toward')"
+        )
 
     def default_controller(self) -> str:
         """`kl_controller=None`: with a `kl_target`, `"equilibrium"` where the optimum the KL trains toward is known

@@ -149,13 +149,21 @@ def register_kl_estimator(
         for key in names:
             if key in _KL_ESTIMATORS:
                 raise ValueError(f"KL estimator {key!r} is already registered")
-        _KL_ESTIMATORS[name] = KLEstimatorSpec(name, fn, formula, uses_old_logp, output_clamp, name, inputs, reward,
-                                               loss, off_policy_loss)  # fmt: skip
+        _KL_ESTIMATORS[name] = KLEstimatorSpec(
+            name, fn, formula, uses_old_logp, output_clamp, name, inputs, reward, loss, off_policy_loss
+        )
         if straight_through:
             _KL_ESTIMATORS[name + "+"] = KLEstimatorSpec(
-                name + "+", _make_straight_through(fn, name), f"value of {name}, gradient of k2", uses_old_logp,
-                output_clamp, name, reward=reward, loss=_twin_loss(name), off_policy_loss=TWIN_OFF_POLICY_LOSS,
-            )  # fmt: skip
+                name + "+",
+                _make_straight_through(fn, name),
+                f"value of {name}, gradient of k2",
+                uses_old_logp,
+                output_clamp,
+                name,
+                reward=reward,
+                loss=_twin_loss(name),
+                off_policy_loss=TWIN_OFF_POLICY_LOSS,
+            )
         return fn
 
     return decorator
@@ -214,15 +222,21 @@ def _k2(d, log_ratio_clamp):
 
 
 def _twin_loss(base: str) -> KLGradient:
-    return KLGradient(REVERSE_KL, True, f"{{name}} as a loss: value of {base}, gradient of k2 (d * s), the unbiased "
-                      "per-token gradient of KL(pi||ref) on-policy.", {"path": 1.0})  # fmt: skip
+    return KLGradient(
+        REVERSE_KL,
+        True,
+        f"{{name}} as a loss: value of {base}, gradient of k2 (d * s), the unbiased "
+        "per-token gradient of KL(pi||ref) on-policy.",
+        {"path": 1.0},
+    )
 
 
 TWIN_OFF_POLICY_LOSS = KLGradient(
-    "neither KL direction (k2 gradient without importance weight)", False,
+    "neither KL direction (k2 gradient without importance weight)",
+    False,
     "{name} as a loss off-policy (pi != pi_old): the straight-through k2 gradient E_old[d * s] has no importance "
     "weight, so it follows neither KL; use corrected_k3.",
-)  # fmt: skip
+)
 
 
 def _make_straight_through(fn: KLEstimatorFn, name: str) -> KLEstimatorFn:

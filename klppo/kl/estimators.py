@@ -98,22 +98,33 @@ def _k3(d, log_ratio_clamp):
 
 def _off_policy(gradient: str) -> KLGradient:
     """The loss off-policy (pi != pi_old) of an estimator without an importance weight."""
-    return KLGradient("neither KL direction (no importance weight)", False,
-                      f"{{name}} as a loss off-policy (pi != pi_old): the expected gradient {gradient} has no importance "
-                      "weight and follows neither KL; use corrected_k3 (or k2 weighted by stopgrad(pi/pi_old)).")  # fmt: skip
+    return KLGradient(
+        "neither KL direction (no importance weight)",
+        False,
+        f"{{name}} as a loss off-policy (pi != pi_old): the expected gradient {gradient} has no importance "
+        "weight and follows neither KL; use corrected_k3 (or k2 weighted by stopgrad(pi/pi_old)).",
+    )
 
 
 def _reward_mix(extra: str = "", terms=None) -> KLGradient:
     """k3's family in the reward: the value estimates KL(pi||ref), the score-function gradient adds -grad KL(ref||pi)."""
-    return KLGradient(f"biased mix: grad {REVERSE_KL} - grad {FORWARD_KL}", False,
-                      f"{{name}} in the reward follows grad KL(pi||ref) - grad KL(ref||pi), not grad KL(pi||ref){extra}; "
-                      "reported to destabilise training: use k1 in the reward, or this estimator as a loss.", terms)  # fmt: skip
+    return KLGradient(
+        f"biased mix: grad {REVERSE_KL} - grad {FORWARD_KL}",
+        False,
+        f"{{name}} in the reward follows grad KL(pi||ref) - grad KL(ref||pi), not grad KL(pi||ref){extra}; "
+        "reported to destabilise training: use k1 in the reward, or this estimator as a loss.",
+        terms,
+    )
 
 
 def _forward_loss(extra: str = "", terms=None) -> KLGradient:
-    return KLGradient(FORWARD_KL, False,
-                      "{name} as a loss follows KL(ref||pi), the FORWARD KL: its value estimates KL(pi||ref) but its "
-                      f"gradient (1 - r) * s is that of KL(ref||pi){extra}; use k3+ or k2 for the reverse KL.", terms)  # fmt: skip
+    return KLGradient(
+        FORWARD_KL,
+        False,
+        "{name} as a loss follows KL(ref||pi), the FORWARD KL: its value estimates KL(pi||ref) but its "
+        f"gradient (1 - r) * s is that of KL(ref||pi){extra}; use k3+ or k2 for the reverse KL.",
+        terms,
+    )
 
 
 _LOW_VAR_CLAMP_NOTE = "; the [-10, 10] output clamp also removes the gradient of the most divergent tokens"
@@ -124,13 +135,24 @@ _LOW_VAR_CLAMP_NOTE = "; the [-10, 10] output clamp also removes the gradient of
 
 
 @register_kl_estimator(
-    "k1", formula="d",
-    reward=KLGradient(REVERSE_KL, True, "{name} in the reward: with reward-to-go (gamma = 1) the policy gradient "
-                      "E[k1 * s] is the unbiased gradient of the sequence-level KL(pi||ref).", {"seq": 1.0}),
-    loss=KLGradient(NO_GRADIENT, False, "{name} as a loss: its gradient is the score s, whose expectation is 0: noise, "
-                    "no regularisation; use k1 in the reward or k2 / k3+ as a loss.", {}),
+    "k1",
+    formula="d",
+    reward=KLGradient(
+        REVERSE_KL,
+        True,
+        "{name} in the reward: with reward-to-go (gamma = 1) the policy gradient "
+        "E[k1 * s] is the unbiased gradient of the sequence-level KL(pi||ref).",
+        {"seq": 1.0},
+    ),
+    loss=KLGradient(
+        NO_GRADIENT,
+        False,
+        "{name} as a loss: its gradient is the score s, whose expectation is 0: noise, "
+        "no regularisation; use k1 in the reward or k2 / k3+ as a loss.",
+        {},
+    ),
     off_policy_loss=_off_policy("E_old[s] = grad E_old[log pi] (pushes pi away from pi_old)"),
-)  # fmt: skip
+)
 def kl_k1(log_ratio, old_log_ratio=None, log_ratio_clamp=40.0):
     """k1 = d = logp - ref_logp.  Shapes: ``[...] -> [...]``.
 
@@ -144,13 +166,23 @@ def kl_k1(log_ratio, old_log_ratio=None, log_ratio_clamp=40.0):
 
 
 @register_kl_estimator(
-    "k2", formula="d^2 / 2",
-    reward=KLGradient(f"biased mix: grad E_pi[k2] - grad {REVERSE_KL}", False, "{name} in the reward follows grad "
-                      "E_pi[d^2/2] - grad KL(pi||ref), not a KL: use k1 in the reward (k2 belongs in the loss)."),
-    loss=KLGradient(REVERSE_KL, True, "{name} as a loss: gradient d * s, the unbiased per-token gradient of KL(pi||ref) "
-                    "on-policy (k2 loss == k1 reward, token-wise).", {"path": 1.0}),
+    "k2",
+    formula="d^2 / 2",
+    reward=KLGradient(
+        f"biased mix: grad E_pi[k2] - grad {REVERSE_KL}",
+        False,
+        "{name} in the reward follows grad "
+        "E_pi[d^2/2] - grad KL(pi||ref), not a KL: use k1 in the reward (k2 belongs in the loss).",
+    ),
+    loss=KLGradient(
+        REVERSE_KL,
+        True,
+        "{name} as a loss: gradient d * s, the unbiased per-token gradient of KL(pi||ref) "
+        "on-policy (k2 loss == k1 reward, token-wise).",
+        {"path": 1.0},
+    ),
     off_policy_loss=_off_policy("E_old[d * s]"),
-)  # fmt: skip
+)
 def kl_k2(log_ratio, old_log_ratio=None, log_ratio_clamp=40.0):
     """k2 = d**2 / 2.  Shapes: ``[...] -> [...]``.
 
@@ -164,9 +196,12 @@ def kl_k2(log_ratio, old_log_ratio=None, log_ratio_clamp=40.0):
 
 
 @register_kl_estimator(
-    "k3", formula="exp(-d) - 1 + d", reward=_reward_mix(terms={"seq": 1.0, "fpath": -1.0}),
-    loss=_forward_loss(terms={"fpath": 1.0}), off_policy_loss=_off_policy("E_old[(1 - r) * s]"),
-)  # fmt: skip
+    "k3",
+    formula="exp(-d) - 1 + d",
+    reward=_reward_mix(terms={"seq": 1.0, "fpath": -1.0}),
+    loss=_forward_loss(terms={"fpath": 1.0}),
+    off_policy_loss=_off_policy("E_old[(1 - r) * s]"),
+)
 def kl_k3(log_ratio, old_log_ratio=None, log_ratio_clamp=40.0):
     """k3 = r - 1 - log r = expm1(-d) + d.  Shapes: ``[...] -> [...]``.
 
@@ -180,10 +215,13 @@ def kl_k3(log_ratio, old_log_ratio=None, log_ratio_clamp=40.0):
 
 
 @register_kl_estimator(
-    "low_var_kl", formula="clamp(k3, -10, 10)", output_clamp=LOW_VAR_KL_CLAMP,
+    "low_var_kl",
+    formula="clamp(k3, -10, 10)",
+    output_clamp=LOW_VAR_KL_CLAMP,
     reward=_reward_mix(" (and the [-10, 10] output clamp biases the value further)"),
-    loss=_forward_loss(_LOW_VAR_CLAMP_NOTE), off_policy_loss=_off_policy("E_old[(1 - r) * s]"),
-)  # fmt: skip
+    loss=_forward_loss(_LOW_VAR_CLAMP_NOTE),
+    off_policy_loss=_off_policy("E_old[(1 - r) * s]"),
+)
 def kl_low_var_kl(log_ratio, old_log_ratio=None, log_ratio_clamp=40.0):
     """low_var_kl = clamp(k3, -10, 10).  Shapes: ``[...] -> [...]``.
 
@@ -197,13 +235,21 @@ def kl_low_var_kl(log_ratio, old_log_ratio=None, log_ratio_clamp=40.0):
 
 
 @register_kl_estimator(
-    "abs", formula="abs(d)",
-    reward=KLGradient("biased mix: grad E_pi|d| - grad sum_x |pi(x) - ref(x)|", False,
-                      "{name} in the reward follows grad E_pi|d| - grad sum|pi - ref|, not a KL: use k1 in the reward."),
-    loss=KLGradient("total variation: sum_x |pi(x) - ref(x)|", False, "{name} as a loss: gradient sign(d) * s, whose "
-                    "expectation is the gradient of sum|pi - ref| (twice the total variation), not of a KL."),
+    "abs",
+    formula="abs(d)",
+    reward=KLGradient(
+        "biased mix: grad E_pi|d| - grad sum_x |pi(x) - ref(x)|",
+        False,
+        "{name} in the reward follows grad E_pi|d| - grad sum|pi - ref|, not a KL: use k1 in the reward.",
+    ),
+    loss=KLGradient(
+        "total variation: sum_x |pi(x) - ref(x)|",
+        False,
+        "{name} as a loss: gradient sign(d) * s, whose "
+        "expectation is the gradient of sum|pi - ref| (twice the total variation), not of a KL.",
+    ),
     off_policy_loss=_off_policy("E_old[sign(d) * s]"),
-)  # fmt: skip
+)
 def kl_abs(log_ratio, old_log_ratio=None, log_ratio_clamp=40.0):
     """abs = |d|.  Shapes: ``[...] -> [...]``.
 
@@ -216,17 +262,24 @@ def kl_abs(log_ratio, old_log_ratio=None, log_ratio_clamp=40.0):
 
 
 _CORRECTED_K3_LOSS = KLGradient(
-    REVERSE_KL, True, "{name} as a loss: grad(w * k3) = w * d * s, the unbiased per-token gradient of KL(pi||ref) on- "
-    "and off-policy (DeepSeek-V3.2 Eq. 7); without old_logp it falls back to k3 (forward KL).", {"path": 1.0},
-)  # fmt: skip
+    REVERSE_KL,
+    True,
+    "{name} as a loss: grad(w * k3) = w * d * s, the unbiased per-token gradient of KL(pi||ref) on- "
+    "and off-policy (DeepSeek-V3.2 Eq. 7); without old_logp it falls back to k3 (forward KL).",
+    {"path": 1.0},
+)
 
 
 @register_kl_estimator(
-    "corrected_k3", formula="w * k3, w = pi / pi_old", uses_old_logp=True,
-    reward=_reward_mix(" (rewards are computed at rollout time where pi = pi_old, so w = 1)",
-                       {"seq": 1.0, "fpath": -1.0}),
-    loss=_CORRECTED_K3_LOSS, off_policy_loss=_CORRECTED_K3_LOSS,
-)  # fmt: skip
+    "corrected_k3",
+    formula="w * k3, w = pi / pi_old",
+    uses_old_logp=True,
+    reward=_reward_mix(
+        " (rewards are computed at rollout time where pi = pi_old, so w = 1)", {"seq": 1.0, "fpath": -1.0}
+    ),
+    loss=_CORRECTED_K3_LOSS,
+    off_policy_loss=_CORRECTED_K3_LOSS,
+)
 def kl_corrected_k3(log_ratio, old_log_ratio=None, log_ratio_clamp=40.0):
     """corrected_k3 = w * k3 with w = exp(clamp(logp - old_logp)) = pi_theta / pi_old.
 
@@ -324,8 +377,14 @@ def compute_kl(
     gradient), ``ref_logp`` and ``old_logp`` (log pi_ref and log pi_old of the same tokens, constants; ``old_logp``
     is read by ``corrected_k3`` only). The other arguments and the result are ``kl_from_log_ratio``'s."""
     old_log_ratio = None if old_logp is None else logp - old_logp.detach()
-    return kl_from_log_ratio(logp - ref_logp.detach(), estimator, old_log_ratio, log_ratio_clamp=log_ratio_clamp,
-                             value_clamp=value_clamp, return_clamped=return_clamped)  # fmt: skip
+    return kl_from_log_ratio(
+        logp - ref_logp.detach(),
+        estimator,
+        old_log_ratio,
+        log_ratio_clamp=log_ratio_clamp,
+        value_clamp=value_clamp,
+        return_clamped=return_clamped,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -333,19 +392,30 @@ def compute_kl(
 
 
 def _full_loss(where: str = "") -> KLGradient:
-    return KLGradient(REVERSE_KL, True, f"full as a loss: the exact gradient of the per-position KL(pi||ref){where}; "
-                      "the effect of a token on later positions is not included (use k1 in the reward for that).",
-                      {"path": 1.0})  # fmt: skip
+    return KLGradient(
+        REVERSE_KL,
+        True,
+        f"full as a loss: the exact gradient of the per-position KL(pi||ref){where}; "
+        "the effect of a token on later positions is not included (use k1 in the reward for that).",
+        {"path": 1.0},
+    )
 
 
 @register_kl_estimator(
-    "full", formula="sum_v pi_v * (log pi_v - log ref_v)", inputs="logits",
-    reward=KLGradient(f"partial: score-function part of grad {REVERSE_KL}", False, "full in the reward: the per-position "
-                      "KL depends on theta directly too, and only the loss path sees that part; the gradient of the "
-                      "sequence KL(pi||ref) is exact only with full also in the loss (same coefficient).",
-                      {"seq": 1.0, "path": -1.0}),
-    loss=_full_loss(), off_policy_loss=_full_loss(" (positions are those sampled by pi_old)"),
-)  # fmt: skip
+    "full",
+    formula="sum_v pi_v * (log pi_v - log ref_v)",
+    inputs="logits",
+    reward=KLGradient(
+        f"partial: score-function part of grad {REVERSE_KL}",
+        False,
+        "full in the reward: the per-position "
+        "KL depends on theta directly too, and only the loss path sees that part; the gradient of the "
+        "sequence KL(pi||ref) is exact only with full also in the loss (same coefficient).",
+        {"seq": 1.0, "path": -1.0},
+    ),
+    loss=_full_loss(),
+    off_policy_loss=_full_loss(" (positions are those sampled by pi_old)"),
+)
 def kl_full(logits, ref_logits, chunk_size=1024):
     """Exact per-position KL(pi || ref) over the vocabulary (``full_kl``)."""
     return full_kl(logits, ref_logits, chunk_size=chunk_size)

@@ -115,8 +115,7 @@ def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor, chunk_size: int = 10
     """
     if logits.shape != ref_logits.shape:
         raise ValueError(
-            f"logits and ref_logits must have the same shape, got {tuple(logits.shape)} "
-            f"and {tuple(ref_logits.shape)}"
+            f"logits and ref_logits must have the same shape, got {tuple(logits.shape)} and {tuple(ref_logits.shape)}"
         )
     if logits.dim() == 0:
         raise ValueError("full_kl expects logits of shape [..., V]")
@@ -133,4 +132,3 @@ def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor, chunk_size: int = 10
     y = _as_3d(ref_logits, vocab, flat)
     out = _ChunkedFullKL.apply(x, y, chunk_size, compute_dtype)
     return out.reshape(lead)
-

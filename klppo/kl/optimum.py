@@ -78,8 +78,9 @@ class KLOptimum:
         gap = (top - r).clamp(min=0).log()
 
         def log_mass(s):  # log sum_y b * ref(y) / (lam - r(y)), lam = top + exp(s)
-            return math.log(b) + float(torch.logsumexp(ref[keep] - torch.logaddexp(torch.full_like(gap[keep], s),
-                                                                                  gap[keep]), dim=0))  # fmt: skip
+            return math.log(b) + float(
+                torch.logsumexp(ref[keep] - torch.logaddexp(torch.full_like(gap[keep], s), gap[keep]), dim=0)
+            )
 
         lo, hi = math.log(b) + float(torch.logsumexp(ref[keep & (r == top)], dim=0)), math.log(b)  # mass >= 1, <= 1
         for _ in range(200):
@@ -175,8 +176,7 @@ def _forward_s_bracket(lo_b: float, hi_b: float, r, d) -> tuple[float, float]:
 
     log_n = math.log(r.numel())
     best = r == r.max()
-    return (lo_b - log_n + float(torch.logsumexp(-d[best], dim=0)),
-            hi_b - log_n + float(torch.logsumexp(-d, dim=0)))  # fmt: skip
+    return (lo_b - log_n + float(torch.logsumexp(-d[best], dim=0)), hi_b - log_n + float(torch.logsumexp(-d, dim=0)))
 
 
 def _forward_s(log_b: float, r, d) -> float:

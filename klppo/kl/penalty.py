@@ -71,9 +71,7 @@ def aggregate_loss(
     if mode not in LOSS_AGG_MODES:
         raise ValueError(f"Unknown loss aggregation mode {mode!r}; choose one of {', '.join(LOSS_AGG_MODES)}")
     if values.shape != mask.shape or values.dim() != 2:
-        raise ValueError(
-            f"values and mask must both be [B, T], got {tuple(values.shape)} and {tuple(mask.shape)}"
-        )
+        raise ValueError(f"values and mask must both be [B, T], got {tuple(values.shape)} and {tuple(mask.shape)}")
     keep = mask.bool()
     masked = torch.where(keep, values, torch.zeros((), dtype=values.dtype, device=values.device))
     weights = keep.to(values.dtype)

@@ -68,10 +68,12 @@ def reduce_sum_count(total, count, accelerator=None) -> tuple[torch.Tensor, torc
     ``total``, ``count``: numbers or 0-dim tensors (this rank's contribution). One collective.
     """
     device = _device_for(total, count, accelerator)
-    packed = torch.stack([
-        torch.as_tensor(total, dtype=torch.float64, device=device).detach().reshape(()),
-        torch.as_tensor(count, dtype=torch.float64, device=device).detach().reshape(()),
-    ])
+    packed = torch.stack(
+        [
+            torch.as_tensor(total, dtype=torch.float64, device=device).detach().reshape(()),
+            torch.as_tensor(count, dtype=torch.float64, device=device).detach().reshape(()),
+        ]
+    )
     packed = all_reduce_sum(packed, accelerator)
     return packed[0], packed[1]
 
@@ -119,8 +121,12 @@ class GlobalSums:
         if device is None:
             on_accelerator = [t.device for t in self.sums.values() if t.device.type != "cpu"]
             device = on_accelerator[0] if on_accelerator else "cpu"
-        packed = torch.stack([torch.stack([self.sums[n].to(device) for n in names]),
-                              torch.stack([self.counts[n].to(device) for n in names])])
+        packed = torch.stack(
+            [
+                torch.stack([self.sums[n].to(device) for n in names]),
+                torch.stack([self.counts[n].to(device) for n in names]),
+            ]
+        )
         totals, counts = all_reduce_sum(packed, accelerator).tolist()
         return {n: t / c if c > 0 else float("nan") for n, t, c in zip(names, totals, counts)}
 

@@ -143,5 +143,7 @@ def sequence_advantages(estimator: str, returns: torch.Tensor, num_generations: 
     try:
         fn = CRITIC_FREE_ADVANTAGES[estimator]
     except KeyError:
-        raise ValueError(f"No critic-free advantage estimator {estimator!r}; choose one of {sorted(CRITIC_FREE_ADVANTAGES)}.") from None
+        raise ValueError(
+            f"No critic-free advantage estimator {estimator!r}; choose one of {sorted(CRITIC_FREE_ADVANTAGES)}."
+        ) from None
     return fn(returns, num_generations)

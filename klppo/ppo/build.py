@@ -12,8 +12,8 @@ from torch import nn
 from trl.trainer.utils import disable_dropout_in_model
 
 from ..models import ensure_pad_token, load_causal_lm, load_tokenizer
+from .actor_critic import ActorCritic, CriticModel, ValueHead, hidden_size_of
 from .config import KLPPOConfig
-from .value import ActorCritic, CriticModel, ValueHead, hidden_size_of
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,9 @@ def check_prompt_dataset(name: str, dataset) -> None:
     from datasets import Dataset, DatasetDict
 
     if isinstance(dataset, DatasetDict):
-        raise TypeError(f"`{name}` is a DatasetDict with splits {list(dataset)}: pass one split, e.g. dataset['train'].")
+        raise TypeError(
+            f"`{name}` is a DatasetDict with splits {list(dataset)}: pass one split, e.g. dataset['train']."
+        )
     if not isinstance(dataset, Dataset):
         raise TypeError(
             f"`{name}` must be a datasets.Dataset, got {type(dataset).__name__}: build one with "
@@ -65,10 +67,16 @@ def check_prompt_dataset(name: str, dataset) -> None:
             f"it has {dataset.column_names}. Rename the prompt column with `dataset.rename_column(old, 'prompt')`."
         )
     rows = dataset[column]
-    bad = next(((i, p) for i, p in enumerate(rows) if not isinstance(p, (str, list))), None) if column == "prompt" else None
+    bad = (
+        next(((i, p) for i, p in enumerate(rows) if not isinstance(p, (str, list))), None)
+        if column == "prompt"
+        else None
+    )
     if bad is not None:
-        raise ValueError(f"`{name}`'s prompts must be text or conversations (lists of messages); row {bad[0]} holds "
-                         f"{type(bad[1]).__name__} {bad[1]!r}.")  # fmt: skip
+        raise ValueError(
+            f"`{name}`'s prompts must be text or conversations (lists of messages); row {bad[0]} holds "
+            f"{type(bad[1]).__name__} {bad[1]!r}."
+        )
     if len(dataset) == 0 or not any(len(p) for p in rows):
         raise ValueError(f"`{name}` has no non-empty prompt ({len(dataset)} rows): PPO needs prompts to continue.")
 
@@ -110,8 +118,16 @@ def load_policy_and_tokenizer(model, processing_class=None):
     return model, path or None, processing_class
 
 
-def build_models(model, given_path: str | None, args: KLPPOConfig, ref_model, value_model, peft_config, reward_funcs,
-                 ref_adapter_name: str | None = None):
+def build_models(
+    model,
+    given_path: str | None,
+    args: KLPPOConfig,
+    ref_model,
+    value_model,
+    peft_config,
+    reward_funcs,
+    ref_adapter_name: str | None = None,
+):
     """`(actor_critic, ref_model, use_adapter_reference, ref_adapter_name)`; `given_path` is the policy's path when
     it was given as one.
 
@@ -127,8 +143,10 @@ def build_models(model, given_path: str | None, args: KLPPOConfig, ref_model, va
     if args.critic_free:
         logger.info(
             "advantage_estimator='%s' needs no critic: none is built or trained (critic=%r%s ignored).",
-            args.advantage_estimator, args.critic, ", value_model" if value_model is not None else "",
-        )  # fmt: skip
+            args.advantage_estimator,
+            args.critic,
+            ", value_model" if value_model is not None else "",
+        )
     elif args.critic == "separate" and value_model is None and args.critic_init == "policy":
         if hasattr(model, "peft_config"):  # the policy's weights as they are: its adapter merged into a plain copy
             critic_start = copy_model(model).merge_and_unload().requires_grad_(True)
@@ -152,7 +170,9 @@ def build_models(model, given_path: str | None, args: KLPPOConfig, ref_model, va
             )
         use_adapter_reference = ref_model is None
         with warnings.catch_warnings():  # peft reads the name transformers 5.20 deprecated; not the user's setting
-            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+            warnings.filterwarnings(
+                "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
+            )
             model = get_peft_model(model, peft_config)
     elif ref_model is None and hasattr(model, "peft_config"):
         use_adapter_reference = True
@@ -292,8 +312,13 @@ def check_critic_reads_policy_tokens(reward_fn) -> None:
     causal = bool(flags) and all(flags)  # transformers' attention modules say whether they mask the future
     shared = bool(getattr(reward_fn, "token_ids", False))  # set when its vocabulary is the policy's
     if not (causal and shared):
-        why = "its tokenizer's vocabulary differs from the policy's" if not shared else (
-            f"{type(reward_fn.model).__name__} is not a causal (decoder-only) model: its values would see later tokens")
+        why = (
+            "its tokenizer's vocabulary differs from the policy's"
+            if not shared
+            else (
+                f"{type(reward_fn.model).__name__} is not a causal (decoder-only) model: its values would see later tokens"
+            )
+        )
         raise ValueError(
             f"critic_init='reward' cannot start the critic from this reward model: {why}. The critic scores the "
             "policy's own token ids at every response position. Use critic_init='policy' (the default), "

@@ -73,7 +73,7 @@ EXPERIMENTAL_DOC = r"""
             (`num_mini_batches * num_ppo_epochs > 1`). Logged as `kl/guard_fired` and `kl/guard_low_fired`. Unset,
             it is on with the `equilibrium` and `tracking` controllers (klppo's defaults whenever `kl_target` is
             set) and off with every other controller, so that they behave as published. Needs `kl_target`. A
-            string names a guard registered with `klppo.ppo.guard.register_kl_guard` (`"default"` is klppo's).
+            string names a guard registered with `klppo.ppo.safety.kl_guard.register_kl_guard` (`"default"` is klppo's).
         kl_loss_scale (`str`, *optional*, defaults to `"advantage_std"`):
             How the loss-mode coefficient relates to `kl_coef`. With whitened advantages the policy-gradient
             term is divided by the advantages' standard deviation `s`, so adding `beta * KL` to the loss
@@ -143,7 +143,7 @@ EXPERIMENTAL_DOC = r"""
         health_patience (`int`, *optional*, defaults to `3`):
             Warn, naming the fix, when `policy/approxkl` (> 0.02), `policy/clipfrac` (> 0.2), `policy/entropy`
             (< half its first value) or `val/clipfrac` (> 0.5) stays outside its healthy range for this many
-            consecutive updates (`klppo.ppo.health`).
+            consecutive updates (`klppo.ppo.safety.health`).
         max_nonfinite_updates (`int`, *optional*, defaults to `3`):
             Updates with a non-finite loss or KL are skipped; this many in a row abort training.
         generation_compile_config (`dict` or `None`, *optional*, defaults to `None`):
@@ -238,10 +238,14 @@ class ExperimentalSettings:
             try:
                 given = json.loads(given)
             except json.JSONDecodeError as err:
-                raise ValueError(f"`experimental` must be a mapping (JSON on a command line), got {given!r}: {err}.") from None
+                raise ValueError(
+                    f"`experimental` must be a mapping (JSON on a command line), got {given!r}: {err}."
+                ) from None
         if given is not None and not isinstance(given, dict):
-            raise ValueError(f"`experimental` must be a mapping of settings to values, got {given!r}; its settings are: "
-                             f"{', '.join(EXPERIMENTAL_KEYS)} (e.g. `experimental: {{kl_guard: false}}`).")
+            raise ValueError(
+                f"`experimental` must be a mapping of settings to values, got {given!r}; its settings are: "
+                f"{', '.join(EXPERIMENTAL_KEYS)} (e.g. `experimental: {{kl_guard: false}}`)."
+            )
         unknown = sorted(set(given or {}) - set(EXPERIMENTAL_KEYS))
         if unknown:
             raise ValueError(
@@ -432,12 +436,12 @@ _WARNED: set[str] = set()
 # TrainingArguments fields that transformers' own training loop acts on and klppo's PPO loop does not: set, they warn
 IGNORED_TRAINING_ARGUMENTS = {
     "load_best_model_at_end": "it keeps no best checkpoint; the model at the end is the last update's (choose a "
-                              "checkpoint by its eval/* figures)",
+    "checkpoint by its eval/* figures)",
     "eval_on_start": "scripts/train.py evaluates before the first update anyway; in Python, call "
-                     "`trainer.evaluate_policy()` before `train()`",
+    "`trainer.evaluate_policy()` before `train()`",
     "neftune_noise_alpha": "it adds no noise to the embeddings",
     "auto_find_batch_size": "it does not search for a batch size; set per_device_train_batch_size and "
-                            "rollout_forward_batch_size",
+    "rollout_forward_batch_size",
     "use_liger_kernel": "its log-probs and losses do not use Liger kernels",
 }
 
@@ -516,12 +520,15 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
             return None, "whiten_rewards=True divides the score by the rewards' spread, which moves with the policy"
         if self.advantage_estimator == "grpo":  # the KL weighs beta against the group-normalised reward, as in TRL
             if self.kl_mode == "both":
-                return None, ("advantage_estimator='grpo' with kl_mode='both' divides each group's return, KL "
-                              "included, by its own spread, which moves with the policy")  # fmt: skip
+                return None, (
+                    "advantage_estimator='grpo' with kl_mode='both' divides each group's return, KL "
+                    "included, by its own spread, which moves with the policy"
+                )
             # otherwise its optimum is the one for the reward Delta * r (`_observe_sequences`), at the aggregation's weight
         elif self.experimental.kl_loss_scale == "none" and self.experimental.whiten_advantages:
-            return None, ("kl_loss_scale='none' weighs the KL against the whitened advantage, whose scale moves with "
-                          "the policy")  # fmt: skip
+            return None, (
+                "kl_loss_scale='none' weighs the KL against the whitened advantage, whose scale moves with the policy"
+            )
         fixed_length = self.stop_token is None and getattr(self, "stop_token_id", None) is None
         if fixed_length and self.kl_loss_agg_mode == "seq-mean-token-sum":
             return float(self.response_length), ""
@@ -539,8 +546,11 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
         if optimum is not None and optimum.divergence == REVERSE and "jackknife_groups" not in kwargs:
             self.kl_controller_kwargs = {**kwargs, "jackknife_groups": LOSS_JACKKNIFE_GROUPS}
             self.automatic["kl_controller_kwargs"] = self.kl_controller_kwargs
-            logger.info("Set by klppo: kl_controller_kwargs=%s (the equilibrium controller's filter with a KL in the "
-                        "loss; `jackknife_groups: 0` turns it off).", self.kl_controller_kwargs)
+            logger.info(
+                "Set by klppo: kl_controller_kwargs=%s (the equilibrium controller's filter with a KL in the "
+                "loss; `jackknife_groups: 0` turns it off).",
+                self.kl_controller_kwargs,
+            )
 
     def _resolve_automatic(self) -> None:
         """Every setting left unset for klppo to choose, chosen here (the model-dependent `learning_rate` in
@@ -552,8 +562,9 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
                 logger.warning(
                     "kl_target is held by the tracking controller, which reads only the KL statistic: the equilibrium "
                     "controller, which solves for the coefficient whose optimum has the target KL, does not apply, as "
-                    "%s.", self._optimum_and_why()[1],
-                )  # fmt: skip
+                    "%s.",
+                    self._optimum_and_why()[1],
+                )
         x, resolved = self.experimental, {}
         if x.kl_statistic is None:  # the exact KL over the vocabulary, when a controller reads it
             resolved["kl_statistic"] = "full" if self.kl_target is not None else self.kl_estimator
@@ -586,13 +597,16 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
             return resolved
         resolved.learning_rate = DEFAULT_LORA_LEARNING_RATE if lora else DEFAULT_FULL_LEARNING_RATE
         resolved.automatic = {**self.automatic, "learning_rate": resolved.learning_rate}
-        logger.info("Settings chosen by klppo: learning_rate=%g (%s)", resolved.learning_rate,
-                    "LoRA" if lora else "full fine-tuning")  # fmt: skip
+        logger.info(
+            "Settings chosen by klppo: learning_rate=%g (%s)",
+            resolved.learning_rate,
+            "LoRA" if lora else "full fine-tuning",
+        )
         return resolved
 
     def _validate_experimental(self) -> None:
         """Check the experimental settings, naming the valid values and the fix."""
-        from .guard import kl_guards
+        from .safety.kl_guard import kl_guards
 
         x = self.experimental
         if x.kl_statistic not in kl_estimators():
@@ -616,13 +630,24 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
             raise ValueError(
                 f"`kl_log_ratio_clamp` must be > 0 or None, got {x.kl_log_ratio_clamp} (40 keeps float32 finite)."
             )
-        for name, low in (("kl_drift_patience", 1), ("full_kl_chunk_size", 1), ("health_patience", 1),
-                          ("max_nonfinite_updates", 1), ("generation_logits_max_mb", 0),
-                          ("logits_block_mb", 0)):  # fmt: skip
+        for name, low in (
+            ("kl_drift_patience", 1),
+            ("full_kl_chunk_size", 1),
+            ("health_patience", 1),
+            ("max_nonfinite_updates", 1),
+            ("generation_logits_max_mb", 0),
+            ("logits_block_mb", 0),
+        ):
             if not getattr(x, name) >= low:
                 raise ValueError(f"`{name}` must be >= {low}, got {getattr(x, name)}.")
-        for name in ("kl_loss_baseline", "merge_adapter_for_generation", "shared_critic_detach", "whiten_advantages",
-                     "ref_reset_optimizer", "checkpoint_on_sigterm"):  # fmt: skip
+        for name in (
+            "kl_loss_baseline",
+            "merge_adapter_for_generation",
+            "shared_critic_detach",
+            "whiten_advantages",
+            "ref_reset_optimizer",
+            "checkpoint_on_sigterm",
+        ):
             if not isinstance(getattr(x, name), bool):
                 raise ValueError(f"`{name}` must be true or false, got {getattr(x, name)!r}.")
         if x.nonfinite_rollback is not None and not isinstance(x.nonfinite_rollback, bool):
@@ -645,8 +670,11 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
             )
         if deepspeed and (self.critic_warmup_steps or self.ref_reset_steps):
             name = "critic_warmup_steps" if self.critic_warmup_steps else "ref_reset_steps"
-            why = ("its optimizer steps every weight it holds, so a warm-up would still move the policy"
-                   if name == "critic_warmup_steps" else "its partitioned reference cannot take the policy's weights")
+            why = (
+                "its optimizer steps every weight it holds, so a warm-up would still move the policy"
+                if name == "critic_warmup_steps"
+                else "its partitioned reference cannot take the policy's weights"
+            )
             raise ValueError(
                 f"`{name}` is not available under DeepSpeed: {why}. Run it under plain accelerate or DDP, or set {name} "
                 "to 0."
@@ -661,8 +689,10 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
         if x.vllm_importance_sampling_mode not in IS_MODES:
             raise choice_error("vllm_importance_sampling_mode", x.vllm_importance_sampling_mode, IS_MODES)
         if not x.vllm_importance_sampling_clip_max >= 1:
-            raise ValueError(f"`vllm_importance_sampling_clip_max` must be >= 1 (a cap on the importance ratio), got "
-                             f"{x.vllm_importance_sampling_clip_max}.")  # fmt: skip
+            raise ValueError(
+                f"`vllm_importance_sampling_clip_max` must be >= 1 (a cap on the importance ratio), got "
+                f"{x.vllm_importance_sampling_clip_max}."
+            )
         if x.vllm_mode != "colocate":
             raise ValueError(
                 f"vllm_mode={x.vllm_mode!r}: klppo runs vLLM colocated in each training process only (TRL's "
@@ -718,7 +748,11 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
                 f"`stop_token` must be 'eos', the text of one token of the tokenizer, or None (fixed-length responses), "
                 f"got {self.stop_token!r}."
             )
-        if self.missing_eos_penalty is not None and self.stop_token is None and getattr(self, "stop_token_id", None) is None:
+        if (
+            self.missing_eos_penalty is not None
+            and self.stop_token is None
+            and getattr(self, "stop_token_id", None) is None
+        ):
             warn_once(
                 "missing_eos_penalty without a stop token",
                 f"missing_eos_penalty={self.missing_eos_penalty} with no stop token (stop_token=None, "
@@ -727,7 +761,7 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
                 "other token and does not end a response; a response that contains no EOS token anywhere has "
                 f"{self.missing_eos_penalty} subtracted from its score. Set stop_token='eos' to end responses at EOS "
                 "(the penalty then goes to those that do not reach it).",
-            )  # fmt: skip
+            )
         if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
             raise ValueError(f"`gamma` and `lam` must lie in [0, 1], got gamma={self.gamma}, lam={self.lam}.")
         if self.cliprange <= 0 or self.cliprange_value <= 0:
@@ -741,8 +775,12 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
             value = getattr(self, name, None)
             if value is not None and not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"`{name}` must be a finite number >= 0, got {value}.")
-        for name, low in (("per_device_train_batch_size", 1), ("gradient_accumulation_steps", 1),
-                          ("heldout_eval_texts", 0), ("num_sample_generations", 0)):
+        for name, low in (
+            ("per_device_train_batch_size", 1),
+            ("gradient_accumulation_steps", 1),
+            ("heldout_eval_texts", 0),
+            ("num_sample_generations", 0),
+        ):
             if getattr(self, name) < low:
                 raise ValueError(f"`{name}` must be >= {low}, got {getattr(self, name)}.")
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
@@ -826,7 +864,8 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
             least = 2 if self.critic_free else 1
             raise ValueError(
                 f"`num_generations` must be >= {least} with advantage_estimator='{self.advantage_estimator}', got "
-                f"{self.num_generations}" + (": its baseline is the other responses to the same prompt." if least == 2 else ".")
+                f"{self.num_generations}"
+                + (": its baseline is the other responses to the same prompt." if least == 2 else ".")
             )
         rollout = self.local_rollout_batch_size
         if rollout % self.num_generations:

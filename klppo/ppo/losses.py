@@ -46,13 +46,15 @@ def ppo_statistics(entropy, log_ratio, pg_clipped, vf_clipped, mask, share: floa
     fmask = mask.to(log_ratio.dtype)
     n_tok, log_ratio = fmask.sum(), log_ratio.detach()
     parts = {f"loss/{name}": (loss.detach(), share) for name, loss in losses.items() if loss is not None}
-    parts.update({
-        "policy/approxkl": ((0.5 * log_ratio**2 * fmask).sum(), n_tok),
-        "policy/clipfrac": ((pg_clipped.to(fmask.dtype) * fmask).sum(), n_tok),
-        "policy/entropy": ((entropy.detach() * fmask).sum(), n_tok),
-        "val/ratio": ((log_ratio.exp() * fmask).sum(), n_tok),
-        "val/ratio_sq": (((2 * log_ratio).exp() * fmask).sum(), n_tok),
-    })  # fmt: skip
+    parts.update(
+        {
+            "policy/approxkl": ((0.5 * log_ratio**2 * fmask).sum(), n_tok),
+            "policy/clipfrac": ((pg_clipped.to(fmask.dtype) * fmask).sum(), n_tok),
+            "policy/entropy": ((entropy.detach() * fmask).sum(), n_tok),
+            "val/ratio": ((log_ratio.exp() * fmask).sum(), n_tok),
+            "val/ratio_sq": (((2 * log_ratio).exp() * fmask).sum(), n_tok),
+        }
+    )
     if vf_clipped is not None:
         parts["val/clipfrac"] = ((vf_clipped.to(fmask.dtype) * fmask).sum(), n_tok)
     return parts

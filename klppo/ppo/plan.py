@@ -93,19 +93,32 @@ class KLPlan:
         `estimates`)."""
         return self.estimate(name, logits=logits, ref_logits=ref_logits)
 
-    def estimate(self, name: str, log_ratio=None, old_log_ratio=None, logits=None, ref_logits=None,
-                 return_clamped: bool = False):  # fmt: skip
+    def estimate(
+        self, name: str, log_ratio=None, old_log_ratio=None, logits=None, ref_logits=None, return_clamped: bool = False
+    ):
         """Per-position KL by the estimator `name`, with this run's clamps (`klppo.kl.estimate_kl`): a per-token
         estimator reads the log-ratios `logp - ref_logp` and `logp - old_logp`, a logits-based one the logits."""
         return estimate_kl(
-            name, log_ratio=log_ratio, old_log_ratio=old_log_ratio, logits=logits, ref_logits=ref_logits,
-            chunk_size=self.chunk_size, return_clamped=return_clamped, log_ratio_clamp=self.log_ratio_clamp,
+            name,
+            log_ratio=log_ratio,
+            old_log_ratio=old_log_ratio,
+            logits=logits,
+            ref_logits=ref_logits,
+            chunk_size=self.chunk_size,
+            return_clamped=return_clamped,
+            log_ratio_clamp=self.log_ratio_clamp,
             value_clamp=self.value_clamp,
-        )  # fmt: skip
+        )
 
 
-def make_kl_plan(args, policy: torch.nn.Module, mixed_precision: bool, vocab_size: int,
-                 compiled_decoding: bool = False, decode_reads: bool = True) -> KLPlan:  # fmt: skip
+def make_kl_plan(
+    args,
+    policy: torch.nn.Module,
+    mixed_precision: bool,
+    vocab_size: int,
+    compiled_decoding: bool = False,
+    decode_reads: bool = True,
+) -> KLPlan:
     """The plan of a run from its `KLPPOConfig`, the policy (its weights' dtype), whether accelerate or the
     arguments set mixed precision and whether generation runs a compiled decoding step (a static cache: the scoring
     forward then gives the log-probs, which costs far less than reading them in every compiled step, where a shared
@@ -115,20 +128,41 @@ def make_kl_plan(args, policy: torch.nn.Module, mixed_precision: bool, vocab_siz
     x = args.experimental
     estimator = get_kl_estimator_spec(args.kl_estimator)
     statistic = get_kl_estimator_spec(x.kl_statistic)
-    float32 = not mixed_precision and all(p.dtype == torch.float32 for p in policy.parameters() if p.is_floating_point())
+    float32 = not mixed_precision and all(
+        p.dtype == torch.float32 for p in policy.parameters() if p.is_floating_point()
+    )
     # a rollout's response logits, float32, per process: decided from the configured size, so every process agrees
     logits_bytes = args.local_rollout_batch_size * args.response_length * vocab_size * 4
     fits = logits_bytes <= x.generation_logits_max_mb * 2**20
-    read = decode_reads and float32 and not compiled_decoding and not estimator.needs_logits and (fits or not statistic.needs_logits)
+    read = (
+        decode_reads
+        and float32
+        and not compiled_decoding
+        and not estimator.needs_logits
+        and (fits or not statistic.needs_logits)
+    )
     places, grpo = args.kl_modes_applied, args.advantage_estimator == "grpo"
     return KLPlan(
-        estimator=args.kl_estimator, statistic=x.kl_statistic, places=places,
-        unit=args.kl_target_unit, log_ratio_clamp=x.kl_log_ratio_clamp, value_clamp=args.kl_value_clamp,
-        chunk_size=x.full_kl_chunk_size, read_while_decoding=read,
-        keep_generation_logits=read and statistic.needs_logits and fits, mode=args.kl_mode, target=args.kl_target,
-        guard=x.kl_guard, drift_patience=x.kl_drift_patience, loss_agg_mode=args.kl_loss_agg_mode,
+        estimator=args.kl_estimator,
+        statistic=x.kl_statistic,
+        places=places,
+        unit=args.kl_target_unit,
+        log_ratio_clamp=x.kl_log_ratio_clamp,
+        value_clamp=args.kl_value_clamp,
+        chunk_size=x.full_kl_chunk_size,
+        read_while_decoding=read,
+        keep_generation_logits=read and statistic.needs_logits and fits,
+        mode=args.kl_mode,
+        target=args.kl_target,
+        guard=x.kl_guard,
+        drift_patience=x.kl_drift_patience,
+        loss_agg_mode=args.kl_loss_agg_mode,
         loss_scale_by_advantage_std=x.kl_loss_scale == "advantage_std" and not grpo,
-        loss_baseline=(x.kl_loss_baseline and "loss" in places and not estimator.needs_logits
-                       and args.kl_loss_agg_mode != "seq-mean-token-mean"),
+        loss_baseline=(
+            x.kl_loss_baseline
+            and "loss" in places
+            and not estimator.needs_logits
+            and args.kl_loss_agg_mode != "seq-mean-token-mean"
+        ),
         grpo_slope=grpo and "loss" in places,
-    )  # fmt: skip
+    )

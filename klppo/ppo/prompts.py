@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ..rewards.text import is_conversational
-from .steps import PromptBatch
+from .results import PromptBatch
 
 logger = logging.getLogger(__name__)
 
@@ -73,13 +73,22 @@ def endless_prompt_batches(dataset, batch_size: int, collate, accelerator, seed:
     global_batch = batch_size * accelerator.num_processes
     if len(dataset) < global_batch:
         repeats = -(-global_batch // len(dataset))
-        logger.info("The prompt set (%d prompts) is smaller than one rollout batch of all processes (%d): each pass "
-                    "over it holds every prompt %d times.", len(dataset), global_batch, repeats)  # fmt: skip
+        logger.info(
+            "The prompt set (%d prompts) is smaller than one rollout batch of all processes (%d): each pass "
+            "over it holds every prompt %d times.",
+            len(dataset),
+            global_batch,
+            repeats,
+        )
         dataset = dataset.select([i % len(dataset) for i in range(repeats * len(dataset))])
     loader = DataLoader(
-        dataset, batch_size=batch_size, shuffle=True, drop_last=True, collate_fn=collate,
+        dataset,
+        batch_size=batch_size,
+        shuffle=True,
+        drop_last=True,
+        collate_fn=collate,
         generator=torch.Generator().manual_seed(seed),
-    )  # fmt: skip
+    )
     loader = accelerator.prepare_data_loader(loader)
     seen, epoch = 0, 0
     while True:

@@ -1,11 +1,11 @@
 """`KLPPOTrainer`: PPO for causal LMs with KL control, on transformers' `Trainer` and accelerate.
 
-One PPO update (`ppo_update`), each step a public method that returns a typed result (`klppo.ppo.steps`):
+One PPO update (`ppo_update`), each step a public method that returns a typed result (`klppo.ppo.results`):
 
 0. draw a batch of prompts (`_train`, the endless prompt loader)   `prompt_batch`       -> `PromptBatch`
 1. sample responses (a `GenerationEngine`, `generation/`)         `rollout`
 2. truncate at the stop token, build masks                         `rollout`
-3. score: policy / reference log-probs, values, the KL             `rollout`            -> `Rollout` (`scoring.py`)
+3. score: policy / reference log-probs, values, the KL             `rollout`            -> `Rollout` (`scoring/`)
 4. rewards, missing-EOS penalty                                    `compute_rewards`    -> `Rewards`
 5. the KL: every estimator logged; in reward mode the configured   `apply_kl`           -> `KLPenalty`
    one charged to each token's reward
@@ -13,7 +13,7 @@ One PPO update (`ppo_update`), each step a public method that returns a typed re
 7. advantages (GAE, or critic-free RLOO / GRPO), whitening         `compute_advantages` -> `Advantages`
 8. PPO epochs over mini-batches; each micro-batch's loss           `optimise`           -> `OptimiseResult`
    (`micro_batch_loss`), and beside it the step's checks
-   (`StepChecks`, `safety.py`: non-finite loss, the KL guard)
+   (`StepChecks`, `safety/step_checks.py`: non-finite loss, the KL guard)
 9. log, evaluate, checkpoint                                       `_train` -> `_log_evaluate_save`
 
 Steps 4-7 and step 8's loss are functions of what they read, in `update.py`; step 8's loop over epochs and
@@ -22,10 +22,11 @@ trainer, which owns the optimizer and the run's state. Every KL decision they fo
 it acts, the statistic and its unit, the loss term's weight and baseline, the guard, the target) is decided once
 when the trainer is built (`self.kl_plan`, `plan.py`). What an update leaves for the next ones (the controller, the
 guard, the monitors, the update no rollout has checked yet, the reference resets and the reference before the
-first) is one object, `self.run` (`RunState`, `state.py`), saved in every checkpoint. Every statistic is reduced
+first) is one object, `self.run` (`RunState`, `run/state.py`), saved in every checkpoint. Every statistic is reduced
 across ranks as `(sum, count)` (`klppo.kl.GlobalSums`), so each rank logs, and the controller sees, the same global
 value.
 """
+
 from __future__ import annotations
 
 import logging
@@ -40,48 +41,48 @@ from functools import partial
 import torch
 from torch.profiler import record_function
 from transformers import PreTrainedTokenizerBase, Trainer, set_seed
-from transformers.trainer_callback import ProgressCallback
 from transformers.trainer import OPTIMIZER_NAME
+from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
 
 from ..kl import (
     GlobalSums,
     reduce_sum_count,
 )
-from . import checkpoint as ckpt
+from . import update
 from .build import (
-    load_rewards,
     as_prompt_dataset,
     build_models,
     check_trainer_inputs,
     enable_activation_checkpointing,
     load_policy_and_tokenizer,
+    load_rewards,
     prepare_frozen_models,
 )
-from .callbacks import KLProgressCallback, now, offline_wandb, timed
 from .config import KLPPOConfig
-from .engines import backward, destroy_process_group_at_exit, is_fsdp2, optimizer_step, root_unsharded, unwrap
-from .guard import LOWER, UPPER, reset_momentum
-from .health import TrainingDiverged, rollout_outputs_finite
+from .distributed import backward, destroy_process_group_at_exit, is_fsdp2, optimizer_step, root_unsharded, unwrap
+from .generation import make_engine
+from .generation.correction import correct_rollout, weight_advantages
+from .generation.sampling import DIVERGED_SAMPLING, eos_scored_as_any_token
 from .plan import make_kl_plan
-from .preemption import StopRequest
-from .reference import (
+from .prompts import collate_prompts, endless_prompt_batches
+from .results import Advantages, KLPenalty, OptimiseResult, PromptBatch, Rewards, Rollout, Sequences
+from .run import checkpoint as ckpt
+from .run.callbacks import KLProgressCallback, now, offline_wandb, timed
+from .run.preemption import StopRequest
+from .run.reference_resets import (
     check_reference_resets,
     clear_optimizer_state,
     kl_to_initial,
     reference_tensors,
     reset_reference,
 )
-from .rollback import snapshot_optimisation
-from .prompts import collate_prompts, endless_prompt_batches
-from .generation import make_engine
-from .generation.correction import correct_rollout, weight_advantages
-from .generation.sampling import DIVERGED_SAMPLING, eos_scored_as_any_token
-from .safety import APPLIED, NONFINITE, StepChecks
-from .scoring import RolloutScorer
-from .state import RunState
-from . import update
-from .steps import Advantages, KLPenalty, OptimiseResult, PromptBatch, Rewards, Rollout, Sequences
+from .run.state import RunState
+from .safety.kl_guard import LOWER, UPPER, reset_momentum
+from .safety.nonfinite import TrainingDiverged, rollout_outputs_finite
+from .safety.rollback import snapshot_optimisation
+from .safety.step_checks import APPLIED, NONFINITE, StepChecks
+from .scoring.scorer import RolloutScorer
 
 logger = logging.getLogger(__name__)
 
@@ -134,30 +135,47 @@ class KLPPOTrainer(Trainer):
         set_seed(args.seed)  # value heads and copies are created below, before Trainer seeds (see the docstring)
         given_path = model if isinstance(model, str) else None
         model, _, processing_class = load_policy_and_tokenizer(model, processing_class)
-        self.reward_funcs, self.reward_weights, self.reward_func_names = load_rewards(reward_funcs, args, processing_class)
+        self.reward_funcs, self.reward_weights, self.reward_func_names = load_rewards(
+            reward_funcs, args, processing_class
+        )
         args = args.for_model(lora=peft_config is not None or hasattr(model, "peft_config"))
         actor_critic, self.ref_model, self.use_adapter_reference, self.ref_adapter_name = build_models(
-            model, given_path, args, ref_model, value_model, peft_config, self.reward_funcs,
+            model,
+            given_path,
+            args,
+            ref_model,
+            value_model,
+            peft_config,
+            self.reward_funcs,
             ref_adapter_name=getattr(args, "ref_adapter_name", None),
-        )  # fmt: skip
+        )
         self.checkpointing_kwargs = enable_activation_checkpointing(actor_critic, args)  # kept for after decoding
         self.heldout_texts, self.eval_prompts = heldout_texts, eval_dataset
         # Trainer insists on an eval_dataset when eval_strategy is set; evaluation here is held-out perplexity
         # (+ eval prompts when given), so a one-row placeholder satisfies that check.
         placeholder = train_dataset.select(range(1)) if args.eval_strategy != "no" else None
         super().__init__(
-            model=actor_critic, args=args, data_collator=lambda features: features, train_dataset=train_dataset,
+            model=actor_critic,
+            args=args,
+            data_collator=lambda features: features,
+            train_dataset=train_dataset,
             eval_dataset=eval_dataset if eval_dataset is not None else placeholder,
-            processing_class=processing_class, callbacks=callbacks,
-        )  # fmt: skip
+            processing_class=processing_class,
+            callbacks=callbacks,
+        )
         self._build_update_parts(self.model.policy)
         self.completion_samples: list[dict] = []
         self.stop_request = StopRequest.for_trainer(self)  # SIGTERM while training (`checkpoint_on_sigterm`)
         self.stopped_by_signal: int | None = None  # the update a SIGTERM stopped the run after
         self._last_saved_step: int | None = None
         if args.ref_reset_steps:
-            check_reference_resets(self.is_fsdp_enabled, self.model.policy, self.ref_model,
-                                   self.use_adapter_reference, self.ref_adapter_name)  # fmt: skip
+            check_reference_resets(
+                self.is_fsdp_enabled,
+                self.model.policy,
+                self.ref_model,
+                self.use_adapter_reference,
+                self.ref_adapter_name,
+            )
         self.decide_rollback_on_all_ranks()
         logger.info("%s; controller %s", self.kl_plan.describe(), self.kl_controller.name)
 
@@ -171,20 +189,44 @@ class KLPPOTrainer(Trainer):
             destroy_process_group_at_exit()
         if not args.disable_tqdm:
             self.add_callback(KLProgressCallback())
-        self.ref_model = prepare_frozen_models(self.ref_model, self.reward_funcs, self.accelerator,
-                                               deepspeed=self.is_deepspeed_enabled, fsdp=self.is_fsdp_enabled)  # fmt: skip
+        self.ref_model = prepare_frozen_models(
+            self.ref_model,
+            self.reward_funcs,
+            self.accelerator,
+            deepspeed=self.is_deepspeed_enabled,
+            fsdp=self.is_fsdp_enabled,
+        )
         engine = "deepspeed" if self.is_deepspeed_enabled else "fsdp" if self.is_fsdp_enabled else None
         # the generation engine (`klppo.ppo.generation`): the trainer asks it for sequences and syncs its weights
-        self.sampler = make_engine(args, self.accelerator, self.processing_class, policy, engine,
-                                   self.checkpointing_kwargs, (self.train_dataset, self.eval_prompts))  # fmt: skip
-        self.kl_plan = make_kl_plan(args, policy, self._mixed_precision(), self._vocab_size(policy),
-                                    compiled_decoding=self.sampler.compiled,
-                                    decode_reads=self.sampler.reads_while_decoding)  # fmt: skip
+        self.sampler = make_engine(
+            args,
+            self.accelerator,
+            self.processing_class,
+            policy,
+            engine,
+            self.checkpointing_kwargs,
+            (self.train_dataset, self.eval_prompts),
+        )
+        self.kl_plan = make_kl_plan(
+            args,
+            policy,
+            self._mixed_precision(),
+            self._vocab_size(policy),
+            compiled_decoding=self.sampler.compiled,
+            decode_reads=self.sampler.reads_while_decoding,
+        )
         self.scorer = RolloutScorer(
-            self.kl_plan, self.accelerator, self.ref_model, self.use_adapter_reference, self.ref_adapter_name,
-            args.temperature, self.sampler.suppressed_ids, args.rollout_forward_batch_size, args.critic_free,
+            self.kl_plan,
+            self.accelerator,
+            self.ref_model,
+            self.use_adapter_reference,
+            self.ref_adapter_name,
+            args.temperature,
+            self.sampler.suppressed_ids,
+            args.rollout_forward_batch_size,
+            args.critic_free,
             args.experimental.logits_block_mb,
-        )  # fmt: skip
+        )
         # what one update leaves for the next: the KL controller, the guard, the monitors, the non-finite path
         self.run = RunState.build(args, self.kl_plan, self.accelerator, log=self.is_world_process_zero())
 
@@ -232,7 +274,7 @@ class KLPPOTrainer(Trainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
         """Run the PPO updates. One run per `output_dir`: a second run on the same folder stops at once
         (`OutputDirInUse`). `resume_from_checkpoint`: a checkpoint folder, or True for the latest complete one."""
-        from .lock import OutputDirLock
+        from .run.lock import OutputDirLock
 
         if self.state.global_step and not resume_from_checkpoint:
             raise RuntimeError(
@@ -257,16 +299,22 @@ class KLPPOTrainer(Trainer):
         self.state.max_steps = num_updates
         self.state.num_train_epochs = math.ceil(num_updates * self._prompts_per_update() / len(self.train_dataset))
         self.state.compute_steps(args, num_updates)
-        self.state.is_local_process_zero, self.state.is_world_process_zero = self.is_local_process_zero(), self.is_world_process_zero()
+        self.state.is_local_process_zero, self.state.is_world_process_zero = (
+            self.is_local_process_zero(),
+            self.is_world_process_zero(),
+        )
         checkpoint = ckpt.resolve_resume_target(resume_from_checkpoint, args.output_dir)
         if checkpoint:
             self._resume(checkpoint)
         generations = args.num_generations or 1  # each prompt's responses in consecutive rows, on this rank
         batches = endless_prompt_batches(
-            self.train_dataset, args.local_prompts_per_rollout,
-            lambda rows: self.prompt_batch([row for row in rows for _ in range(generations)]), self.accelerator,
-            args.seed, skip=self.state.global_step,
-        )  # fmt: skip
+            self.train_dataset,
+            args.local_prompts_per_rollout,
+            lambda rows: self.prompt_batch([row for row in rows for _ in range(generations)]),
+            self.accelerator,
+            args.seed,
+            skip=self.state.global_step,
+        )
         with offline_wandb(args):  # wandb starts its run here: offline without credentials, the environment kept
             self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         start_time, metrics = time.time(), {}
@@ -285,8 +333,11 @@ class KLPPOTrainer(Trainer):
         self._settle_last_update()  # the last update's policy, checked before anything samples from or saves it
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         self.is_in_train = False
-        return TrainOutput(self.state.global_step, metrics.get("loss/policy", float("nan")),
-                           {"train_runtime": time.time() - start_time})  # fmt: skip
+        return TrainOutput(
+            self.state.global_step,
+            metrics.get("loss/policy", float("nan")),
+            {"train_runtime": time.time() - start_time},
+        )
 
     def _stop_on_signal(self, num_updates: int) -> None:
         """A SIGTERM reached a rank: save this update's checkpoint (unless one was just written) through the usual
@@ -299,9 +350,11 @@ class KLPPOTrainer(Trainer):
         if self.is_world_process_zero():
             logger.warning(
                 "SIGTERM: the run stopped after update %d of %d and saved %s. Resume with --resume_from_checkpoint true "
-                "(Python: train(resume_from_checkpoint=True)).", step, num_updates,
+                "(Python: train(resume_from_checkpoint=True)).",
+                step,
+                num_updates,
                 os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}"),
-            )  # fmt: skip
+            )
 
     def _prompts_per_update(self) -> int:
         """Prompts per update, all ranks (each sampled `num_generations` times)."""
@@ -330,7 +383,9 @@ class KLPPOTrainer(Trainer):
         args = self.args
         if self.optimizer is None:
             num_updates = self.num_updates() if num_updates is None else num_updates
-            self.create_optimizer_and_scheduler(num_training_steps=num_updates * args.num_ppo_epochs * args.num_mini_batches)
+            self.create_optimizer_and_scheduler(
+                num_training_steps=num_updates * args.num_ppo_epochs * args.num_mini_batches
+            )
             # checkpoints hold every trainable weight in full: ZeRO-3 gathers them when saving, FSDP saves a full
             # state dict (a sharded one would bypass klppo's checkpoint files)
             if self.is_deepspeed_enabled:
@@ -379,15 +434,24 @@ class KLPPOTrainer(Trainer):
         with timed(timings, "time/kl", acc):
             penalty = self.apply_kl(rollout, rewards)  # step 5
             controller = self.update_controller(rollout, rewards, penalty)  # step 6
-        metrics = {**rewards.metrics, **penalty.metrics, **controller, **(undone or {}), **initial,
-                   **getattr(rollout, "sampling_metrics", {})}
+        metrics = {
+            **rewards.metrics,
+            **penalty.metrics,
+            **controller,
+            **(undone or {}),
+            **initial,
+            **getattr(rollout, "sampling_metrics", {}),
+        }
         if self.args.critic_warmup_steps:
             metrics["train/critic_warmup"] = float(self.critic_warming_up)
         if steps:
             metrics["kl/reference_resets"] = float(self.reference_resets)
         if not penalty.finite:
-            metrics.update(self.run.safety.record(self.state.global_step + 1, "rollout scores or KL", "no optimizer step was taken",
-                                              self.optimizer))  # fmt: skip
+            metrics.update(
+                self.run.safety.record(
+                    self.state.global_step + 1, "rollout scores or KL", "no optimizer step was taken", self.optimizer
+                )
+            )
         else:
             with timed(timings, "time/advantages", acc):
                 advantages = self.compute_advantages(rollout, rewards, penalty)  # step 7
@@ -398,9 +462,16 @@ class KLPPOTrainer(Trainer):
             with timed(timings, "time/optimise", acc):
                 result = self.optimise(rollout, advantages, kl_reading=penalty.reading)  # step 8
             metrics.update(result.metrics, **advantages.metrics)
-            metrics.update(self.run.safety.after_optimise(self.state.global_step + 1, result, snapshot,
-                                                      unwrap(acc, self.model_wrapped), self.optimizer,
-                                                      self.lr_scheduler))  # fmt: skip
+            metrics.update(
+                self.run.safety.after_optimise(
+                    self.state.global_step + 1,
+                    result,
+                    snapshot,
+                    unwrap(acc, self.model_wrapped),
+                    self.optimizer,
+                    self.lr_scheduler,
+                )
+            )
             self.run.safety.checked_rows = rollout.sequences()  # what a check before a save feeds this update's policy
         timings["time/update"] = now(acc) - start
         metrics.update(timings, **{"train/nonfinite_skips": float(self.nonfinite_skips), "lr": lr})
@@ -418,7 +489,9 @@ class KLPPOTrainer(Trainer):
         reads) comes from generation; scoring runs the rest."""
         timings = timings if timings is not None else defaultdict(float)
         acc, engine = self.accelerator, self.sampler
-        batch = replace(batch, input_ids=batch.input_ids.to(acc.device), attention_mask=batch.attention_mask.to(acc.device))
+        batch = replace(
+            batch, input_ids=batch.input_ids.to(acc.device), attention_mask=batch.attention_mask.to(acc.device)
+        )
         if engine.holds_weights:  # the engine decodes from its own copy: the policy's weights now, every rollout
             with timed(timings, "time/weight_sync", acc):
                 engine.sync_weights(self.model_wrapped)
@@ -431,8 +504,13 @@ class KLPPOTrainer(Trainer):
             with timed(timings, "time/generation", acc):  # ZeRO-3 partitions the weights again
                 generation_context.close()
         x = self.args.experimental  # an inexact engine's drift, measured and corrected (`generation/correction.py`)
-        return correct_rollout(rollout, x.vllm_importance_sampling_correction, x.vllm_importance_sampling_mode,
-                               x.vllm_importance_sampling_clip_max, acc)
+        return correct_rollout(
+            rollout,
+            x.vllm_importance_sampling_correction,
+            x.vllm_importance_sampling_mode,
+            x.vllm_importance_sampling_clip_max,
+            acc,
+        )
 
     def score(self, sequences: Sequences, timings: dict | None = None) -> Rollout:
         """Step 3 alone: the `Rollout` of `sequences` from forward passes only (nothing read while decoding)."""
@@ -442,10 +520,17 @@ class KLPPOTrainer(Trainer):
     def compute_rewards(self, rollout: Sequences) -> Rewards:
         """Step 4: the reward functions' scores, and the missing-EOS penalty (`klppo.ppo.update.compute_rewards`)."""
         return update.compute_rewards(
-            rollout, self.reward_funcs, self.reward_weights, self.reward_func_names, self.processing_class,
-            self.sampler.stop_token_id, eos_scored_as_any_token(self.args, self.sampler.stop_token_id),
-            self.args.missing_eos_penalty, self.accelerator, log=self.is_world_process_zero(),
-        )  # fmt: skip
+            rollout,
+            self.reward_funcs,
+            self.reward_weights,
+            self.reward_func_names,
+            self.processing_class,
+            self.sampler.stop_token_id,
+            eos_scored_as_any_token(self.args, self.sampler.stop_token_id),
+            self.args.missing_eos_penalty,
+            self.accelerator,
+            log=self.is_world_process_zero(),
+        )
 
     # ------------------------------------------------------------------ steps 5-6: KL and controller
     def apply_kl(self, rollout: Rollout, rewards: Rewards) -> KLPenalty:
@@ -461,8 +546,18 @@ class KLPPOTrainer(Trainer):
             return {"kl/coef_next": self.kl_controller.value}
         if self.critic_warming_up:  # the controller keeps still; what it reports is logged all the same
             return {"kl/coef_next": self.kl_controller.value, **self.kl_controller.metrics()}
-        return update.update_controller(self.kl_controller, self.kl_guard, self.run.drift, self.kl_plan, rollout, rewards,
-                                 penalty, self.accelerator, self.args.num_generations, self.is_world_process_zero())
+        return update.update_controller(
+            self.kl_controller,
+            self.kl_guard,
+            self.run.drift,
+            self.kl_plan,
+            rollout,
+            rewards,
+            penalty,
+            self.accelerator,
+            self.args.num_generations,
+            self.is_world_process_zero(),
+        )
 
     # ------------------------------------------------------------------ step 7: advantages
     def compute_advantages(self, rollout: Rollout, rewards: Rewards, penalty: KLPenalty) -> Advantages:
@@ -475,7 +570,7 @@ class KLPPOTrainer(Trainer):
         """Step 8: `num_ppo_epochs` passes over shuffled mini-batches. A mini-batch accumulates gradients over
         micro-batches (`klppo.ppo.update.micro_batch_loss`); before the last one's backward pass (under DeepSpeed,
         the accumulation boundary that reduces the gradients), the step's checks (`StepChecks`: a non-finite loss,
-        the KL guard `klppo.ppo.guard.KLGuard`) decide, the same on every rank, whether its gradients are kept; then
+        the KL guard `klppo.ppo.safety.kl_guard.KLGuard`) decide, the same on every rank, whether its gradients are kept; then
         one optimizer step (`_end_step`). A non-finite step ends the update when updates are rolled back (`rollback_updates`); the
         guard ends it once the KL to the reference leaves its bounds. `kl_reading` (the rollout's controller
         statistic, `KLPenalty.reading`) is where the guard's estimate starts."""
@@ -495,10 +590,16 @@ class KLPPOTrainer(Trainer):
                     boundary = i == len(micro_batches) - 1
                     # DDP reduces at the boundary only; DeepSpeed is told the boundary in `backward` (its ZeRO-2/3
                     # refuse no_sync)
-                    with nullcontext() if boundary or acc.num_processes == 1 or self.is_deepspeed_enabled else acc.no_sync(model):
+                    with (
+                        nullcontext()
+                        if boundary or acc.num_processes == 1 or self.is_deepspeed_enabled
+                        else acc.no_sync(model)
+                    ):
                         with record_function("klppo/forward"):
                             mb = rollout.select(idx).without_padding_columns()
-                            loss, parts, sample = micro_batch_loss(mb, advantages, idx, dict(num_tokens=tokens, num_seqs=seqs))
+                            loss, parts, sample = micro_batch_loss(
+                                mb, advantages, idx, dict(num_tokens=tokens, num_seqs=seqs)
+                            )
                         checks.add(loss, sample)
                         if boundary:  # one collective and host sync per step
                             verdict = checks.verdict(acc, self.kl_guard, kl_reading, applied)
@@ -528,16 +629,23 @@ class KLPPOTrainer(Trainer):
         "guard_low")."""
         acc, model = self.accelerator, self.model_wrapped
         if verdict is None:
-            grad_norm = optimizer_step(acc, model, self.optimizer, self.lr_scheduler, self.args.max_grad_norm,
-                                       self.is_deepspeed_enabled)  # fmt: skip
+            grad_norm = optimizer_step(
+                acc, model, self.optimizer, self.lr_scheduler, self.args.max_grad_norm, self.is_deepspeed_enabled
+            )
             if grad_norm is not None and math.isfinite(grad_norm):
-                stats.add("train/grad_norm", torch.tensor(grad_norm / acc.num_processes, dtype=torch.float64), 1.0 / acc.num_processes)
+                stats.add(
+                    "train/grad_norm",
+                    torch.tensor(grad_norm / acc.num_processes, dtype=torch.float64),
+                    1.0 / acc.num_processes,
+                )
             verdict = APPLIED if grad_norm is None or math.isfinite(grad_norm) else NONFINITE
         elif self.is_deepspeed_enabled:
             model.step()  # finds the poisoned gradients non-finite: drops them and skips the step
         if verdict in (UPPER, LOWER) and self.kl_guard.clears_momentum and not reset_momentum(self.optimizer):
-            logger.warning("kl_guard: the optimizer keeps no exp_avg or momentum_buffer tensor, so its momentum was not "
-                           "cleared when the KL guard fired.")  # fmt: skip
+            logger.warning(
+                "kl_guard: the optimizer keeps no exp_avg or momentum_buffer tensor, so its momentum was not "
+                "cleared when the KL guard fired."
+            )
         self.optimizer.zero_grad(set_to_none=True)
         return verdict
 
@@ -546,9 +654,16 @@ class KLPPOTrainer(Trainer):
         the run's model, settings and KL plan bound): the loss of one micro-batch `mb` (rows `idx` of the rollout),
         normalised by the mini-batch's GLOBAL counts, its logging parts and its reading for the KL guard."""
         share = 1.0 / (self.args.gradient_accumulation_steps * self.accelerator.num_processes)
-        return partial(update.micro_batch_loss, self.model_wrapped, args=self.args, plan=self.kl_plan,
-                       suppressed_ids=self.sampler.suppressed_ids, warming=self.critic_warming_up, share=share,
-                       reference=self._loss_reference)  # fmt: skip
+        return partial(
+            update.micro_batch_loss,
+            self.model_wrapped,
+            args=self.args,
+            plan=self.kl_plan,
+            suppressed_ids=self.sampler.suppressed_ids,
+            warming=self.critic_warming_up,
+            share=share,
+            reference=self._loss_reference,
+        )
 
     def _loss_reference(self, mb):
         """The reference's logits for a logits-based KL in the loss (`micro_batch_loss`): its hidden states and head,
@@ -563,7 +678,7 @@ class KLPPOTrainer(Trainer):
         return reference_tensors(policy, self.ref_model, self.ref_adapter_name, self.use_adapter_reference)
 
     def reset_reference(self) -> None:
-        """Make the reference the current policy (`klppo.ppo.reference`): the last update's policy is checked first
+        """Make the reference the current policy (`klppo.ppo.run.reference_resets`): the last update's policy is checked first
         (it can no longer be undone once the reference holds it), the reference's tensors before the first reset are
         kept for `kl/initial`, the optimizer's state is cleared (`ref_reset_optimizer`) and the KL controller, the
         guard's low side and the drift monitor start again from a KL of 0 (`RunState.reference_reset`)."""
@@ -576,22 +691,37 @@ class KLPPOTrainer(Trainer):
         if self.args.experimental.ref_reset_optimizer and self.optimizer is not None:
             clear_optimizer_state(self.optimizer)
         if self.is_world_process_zero():
-            logger.info("Reference reset %d at update %d: the reference is now the policy.", self.reference_resets,
-                        self.state.global_step)  # fmt: skip
+            logger.info(
+                "Reference reset %d at update %d: the reference is now the policy.",
+                self.reference_resets,
+                self.state.global_step,
+            )
 
     def _kl_to_initial(self, rollout: Rollout, timings: dict) -> dict[str, float]:
-        """`kl/initial`: the KL to the reference before the first reset (`klppo.ppo.reference.kl_to_initial`)."""
+        """`kl/initial`: the KL to the reference before the first reset (`klppo.ppo.run.reference_resets.kl_to_initial`)."""
         with timed(timings, "time/score_initial", self.accelerator):
-            return kl_to_initial(rollout, lambda part: self.scorer.reference_logprobs(self.model_wrapped, part),
-                                 self._reference_tensors(), self.run.initial_reference, self.kl_plan,
-                                 self.args.rollout_forward_batch_size, self.accelerator)  # fmt: skip
+            return kl_to_initial(
+                rollout,
+                lambda part: self.scorer.reference_logprobs(self.model_wrapped, part),
+                self._reference_tensors(),
+                self.run.initial_reference,
+                self.kl_plan,
+                self.args.rollout_forward_batch_size,
+                self.accelerator,
+            )
 
     # ------------------------------------------------------------------ non-finite values
     def _settle_last_update(self, rollout: Rollout | None = None) -> dict[str, float] | None:
         """Check the policy the last update left (`UpdateSafety.settle`): with `rollout`'s forward passes, or with
         one over the last rollout before an evaluation, a save, a reset or the end of training."""
-        return self.run.safety.settle(rollout, self.model_wrapped, unwrap(self.accelerator, self.model_wrapped),
-                                  self.optimizer, self.lr_scheduler, self.args)  # fmt: skip
+        return self.run.safety.settle(
+            rollout,
+            self.model_wrapped,
+            unwrap(self.accelerator, self.model_wrapped),
+            self.optimizer,
+            self.lr_scheduler,
+            self.args,
+        )
 
     @property
     def nonfinite_skips(self) -> int:
@@ -603,8 +733,9 @@ class KLPPOTrainer(Trainer):
         collective (the weights are counted over all ranks), so every rank calls it at the same point; the
         constructor does."""
         engine = "deepspeed" if self.is_deepspeed_enabled else None
-        return self.run.safety.decide_rollback(self.args.experimental.nonfinite_rollback, unwrap(self.accelerator, self.model_wrapped),
-                                           engine)  # fmt: skip
+        return self.run.safety.decide_rollback(
+            self.args.experimental.nonfinite_rollback, unwrap(self.accelerator, self.model_wrapped), engine
+        )
 
     @property
     def rollback_updates(self) -> bool:
@@ -620,8 +751,10 @@ class KLPPOTrainer(Trainer):
         self._settle_last_update()
         if not self.run.safety.weights_finite(unwrap(self.accelerator, self.model_wrapped)):
             if self.is_world_process_zero():
-                logger.warning("Not saving to %s: the trainable weights are not finite, or training stopped on a "
-                               "diverged policy.", output_dir)  # fmt: skip
+                logger.warning(
+                    "Not saving to %s: the trainable weights are not finite, or training stopped on a diverged policy.",
+                    output_dir,
+                )
             return
         unwrapped = self.accelerator.unwrap_model(self.model)
         state_dict = unwrapped.state_dict() if state_dict is None else state_dict
@@ -631,17 +764,21 @@ class KLPPOTrainer(Trainer):
             ckpt.save_model_files(output_dir, unwrapped, state_dict, self.processing_class, self.args, merged=merged)
 
     def _save_checkpoint(self, model, trial) -> None:
-        """Write `checkpoint-N` atomically (`klppo.ppo.checkpoint.staged`): every file, Trainer's and klppo's (the
+        """Write `checkpoint-N` atomically (`klppo.ppo.run.checkpoint.staged`): every file, Trainer's and klppo's (the
         run's state, the reference after a reset), goes into a staging folder renamed into place when complete."""
         self._settle_last_update()
         if not self.run.safety.weights_finite(unwrap(self.accelerator, self.model_wrapped)):
             if self.is_world_process_zero():
-                logger.warning("Not writing checkpoint %d: the trainable weights are not finite, or training stopped on "
-                               "a diverged policy; the last checkpoint is kept.", self.state.global_step)  # fmt: skip
+                logger.warning(
+                    "Not writing checkpoint %d: the trainable weights are not finite, or training stopped on "
+                    "a diverged policy; the last checkpoint is kept.",
+                    self.state.global_step,
+                )
             return
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        with ckpt.staged(self._get_output_dir(trial), name, self.args, self.accelerator,
-                         self.state.best_model_checkpoint) as (staging_root, folder):  # fmt: skip
+        with ckpt.staged(
+            self._get_output_dir(trial), name, self.args, self.accelerator, self.state.best_model_checkpoint
+        ) as (staging_root, folder):
             self._get_output_dir = lambda trial=None: staging_root  # Trainer writes (and rotates) inside staging
             try:
                 super()._save_checkpoint(model, trial)
@@ -659,7 +796,7 @@ class KLPPOTrainer(Trainer):
         return {**self.run.state_dict(), "settings": ckpt.resume_settings(self.args)}
 
     def latest_checkpoint(self) -> str | None:
-        """The newest complete klppo checkpoint in `output_dir`, or None (`klppo.ppo.checkpoint.latest_checkpoint`)."""
+        """The newest complete klppo checkpoint in `output_dir`, or None (`klppo.ppo.run.checkpoint.latest_checkpoint`)."""
         return ckpt.latest_checkpoint(self.args.output_dir)
 
     def _resume(self, checkpoint: str) -> None:
@@ -668,13 +805,20 @@ class KLPPOTrainer(Trainer):
 
         state = ckpt.read_controller_state(checkpoint)
         ckpt.check_resume_settings(state.get("settings"), self.args, log=self.is_world_process_zero())
-        ckpt.load_weights(checkpoint, self.model_wrapped, unwrap(self.accelerator, self.model_wrapped),
-                          deepspeed=self.is_deepspeed_enabled)  # fmt: skip
+        ckpt.load_weights(
+            checkpoint,
+            self.model_wrapped,
+            unwrap(self.accelerator, self.model_wrapped),
+            deepspeed=self.is_deepspeed_enabled,
+        )
         self._load_optimizer_and_scheduler(checkpoint)
         plain = not (self.is_deepspeed_enabled or self.is_fsdp_enabled)  # the engines keep the optimizer elsewhere
         if plain and not os.path.isfile(os.path.join(checkpoint, OPTIMIZER_NAME)) and self.is_world_process_zero():
-            logger.warning("%s holds no optimizer state (saved with save_only_model=True): the optimizer's moments, "
-                           "the learning-rate schedule and the random state start afresh.", checkpoint)  # fmt: skip
+            logger.warning(
+                "%s holds no optimizer state (saved with save_only_model=True): the optimizer's moments, "
+                "the learning-rate schedule and the random state start afresh.",
+                checkpoint,
+            )
         self._load_rng_state(checkpoint)
         max_steps = self.state.max_steps
         self.state = TrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json"))
@@ -688,8 +832,12 @@ class KLPPOTrainer(Trainer):
                 for name, tensor in tensors.items():
                     tensor.copy_(current[name])
             self.run.initial_reference = {name: initial[name].to(tensors[name].device) for name in tensors}
-        logger.info("Resumed from %s at update %d with KL coefficient %.6g", checkpoint, self.state.global_step,
-                    self.kl_controller.value)  # fmt: skip
+        logger.info(
+            "Resumed from %s at update %d with KL coefficient %.6g",
+            checkpoint,
+            self.state.global_step,
+            self.kl_controller.value,
+        )
 
     # ------------------------------------------------------------------ diagnostics
     def sample(self, prompts: list, seed: int | None = None) -> tuple[Rollout, Rewards]:
@@ -711,8 +859,10 @@ class KLPPOTrainer(Trainer):
         does not apply to a PPO policy); the metrics are logged too. `eval_dataset` is not supported: the prompts
         are those of the trainer's `eval_dataset`."""
         if eval_dataset is not None or metric_key_prefix != "eval":
-            raise ValueError("KLPPOTrainer.evaluate() takes no `eval_dataset` or `metric_key_prefix`: it evaluates "
-                             "the policy on the trainer's eval_dataset and held-out texts (`evaluate_policy`).")
+            raise ValueError(
+                "KLPPOTrainer.evaluate() takes no `eval_dataset` or `metric_key_prefix`: it evaluates "
+                "the policy on the trainer's eval_dataset and held-out texts (`evaluate_policy`)."
+            )
         metrics = self.evaluate_policy()
         self.log(dict(metrics))
         return metrics
@@ -730,7 +880,11 @@ class KLPPOTrainer(Trainer):
             self.heldout_texts = load_heldout_texts(max_texts=self.args.heldout_eval_texts)
         policy = unwrap(acc, self.model_wrapped).policy
         with root_unsharded(self.model_wrapped):  # the forward enters through the policy, not the FSDP root
-            metrics = {"eval/perplexity": heldout_perplexity(policy, self.processing_class, self.heldout_texts, accelerator=acc)}
+            metrics = {
+                "eval/perplexity": heldout_perplexity(
+                    policy, self.processing_class, self.heldout_texts, accelerator=acc
+                )
+            }
         if self.eval_prompts is not None and len(self.eval_prompts) > 0:
             metrics["eval/scores"] = eval_scores(self, self.eval_prompts)
         return metrics

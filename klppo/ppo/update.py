@@ -1,5 +1,5 @@
 """The steps of one PPO update after the rollout, as functions of what they read, each returning a typed result
-(`klppo.ppo.steps`). `KLPPOTrainer.ppo_update` calls them in order:
+(`klppo.ppo.results`). `KLPPOTrainer.ppo_update` calls them in order:
 
 4. `compute_rewards`: the reward functions' scores, and the missing-EOS penalty       -> `Rewards`
 5. `kl_penalty`: every estimator logged; the configured one in the per-token rewards   -> `KLPenalty`
@@ -23,19 +23,29 @@ from ..kl.reduce import explained_variance, global_masked_whiten, unit_count
 from ..rewards import combine_rewards
 from .advantages import advantage_slope, gae_advantages, sequence_advantages
 from .config import KL_LOSS_MIN_ADVANTAGE_STD
-from .logprobs import position_ids_from_mask, read_response
+from .generation.sampling import contains_token, ends_with_stop
 from .losses import clipped_policy_loss, clipped_value_loss, ppo_statistics
 from .plan import LOGGED_ESTIMATORS, KLPlan
-from .safety import guard_sample
-from .generation.sampling import contains_token, ends_with_stop
-from .steps import Advantages, KLPenalty, Rewards, Rollout, Sequences
+from .results import Advantages, KLPenalty, Rewards, Rollout, Sequences
+from .safety.step_checks import guard_sample
+from .scoring.logprobs import position_ids_from_mask, read_response
 
 logger = logging.getLogger(__name__)
 
 
 @torch.no_grad()
-def compute_rewards(rollout: Sequences, reward_funcs, weights, names, tokenizer, stop_token_id: int | None,
-                    eos_scored: bool, missing_eos_penalty: float | None, accelerator, log: bool) -> Rewards:  # fmt: skip
+def compute_rewards(
+    rollout: Sequences,
+    reward_funcs,
+    weights,
+    names,
+    tokenizer,
+    stop_token_id: int | None,
+    eos_scored: bool,
+    missing_eos_penalty: float | None,
+    accelerator,
+    log: bool,
+) -> Rewards:
     """Step 4: decode the completions, call the reward functions, combine them by weight, and subtract
     `missing_eos_penalty` from the responses that did not reach their end: without a stop token and with EOS scored
     like any token (`eos_scored`, TRL 1.12's rule), those with no EOS anywhere; else those that do not end with the
@@ -46,15 +56,22 @@ def compute_rewards(rollout: Sequences, reward_funcs, weights, names, tokenizer,
     prompt_mask = rollout.attention_mask[:, : rollout.context_length].bool()
     prompt_ids = [q[m].tolist() for q, m in zip(rollout.query_responses[:, : rollout.context_length], prompt_mask)]
     scores, applicable, per_function = combine_rewards(
-        reward_funcs, weights, names, rollout.prompts, completions, completion_ids,
-        {**rollout.extra, "prompt_ids": prompt_ids}, accelerator.device,
-    )  # fmt: skip
+        reward_funcs,
+        weights,
+        names,
+        rollout.prompts,
+        completions,
+        completion_ids,
+        {**rollout.extra, "prompt_ids": prompt_ids},
+        accelerator.device,
+    )
     if not bool(applicable.all()) and log:
         logger.warning(
             "%d of %d completions got None from every reward function: they get score 0 and no policy "
             "gradient (advantage 0), as in TRL. Make sure at least one reward function scores every sample.",
-            int((~applicable).sum()), len(completions),
-        )  # fmt: skip
+            int((~applicable).sum()),
+            len(completions),
+        )
     scores = scores.float()
     if eos_scored:
         has_end = contains_token(rollout.responses, mask, tokenizer.eos_token_id)
@@ -100,8 +117,18 @@ def kl_penalty(rollout: Rollout, rewards: Rewards, plan: KLPlan, coef: float, ac
     return KLPenalty(per_token, coef, reading, math.isfinite(reading) and nonfinite.item() == 0, metrics)
 
 
-def update_controller(controller, guard, drift, plan: KLPlan, rollout: Rollout, rewards: Rewards,
-                      penalty: KLPenalty, accelerator, num_generations: int, log: bool) -> dict[str, float]:  # fmt: skip
+def update_controller(
+    controller,
+    guard,
+    drift,
+    plan: KLPlan,
+    rollout: Rollout,
+    rewards: Rewards,
+    penalty: KLPenalty,
+    accelerator,
+    num_generations: int,
+    log: bool,
+) -> dict[str, float]:
     """Step 6, the same on every rank (the statistic is global): a controller that reads the batch itself
     (`reads_sequences`) is given every scored sequence's score, summed log-ratio and length, gathered over all ranks
     in rank order; then the controller steps on the statistic; the guard's low side arms once a reading reaches its
@@ -109,13 +136,22 @@ def update_controller(controller, guard, drift, plan: KLPlan, rollout: Rollout, 
     controller logs."""
     if controller.reads_sequences:
         mask = rollout.response_mask
-        table = torch.stack([rewards.scores.double(), rollout.log_ratio.double().sum(dim=1), mask.sum(dim=1).double(),
-                             rewards.scorable.double()], dim=1)  # fmt: skip
+        table = torch.stack(
+            [
+                rewards.scores.double(),
+                rollout.log_ratio.double().sum(dim=1),
+                mask.sum(dim=1).double(),
+                rewards.scorable.double(),
+            ],
+            dim=1,
+        )
         table = accelerator.gather(table).cpu()
-        if plan.grpo_slope:  # the reward the KL in the loss is weighed against (docs/kl.md, "GRPO's group normalisation")
+        # the reward the KL in the loss is weighed against (docs/kl.md, "GRPO's group normalisation")
+        if plan.grpo_slope:
             scores = table[:, 0]
-            table[:, 0] = scores * advantage_slope(sequence_advantages("grpo", scores, num_generations), scores,
-                                                   num_generations)  # fmt: skip
+            table[:, 0] = scores * advantage_slope(
+                sequence_advantages("grpo", scores, num_generations), scores, num_generations
+            )
         table = table[table[:, 3] > 0]  # sequences no reward function scored get no policy gradient
         controller.observe_sequences(table[:, 0], table[:, 1], table[:, 2], unit=plan.unit)
     controller.update(penalty.reading, n_steps=rollout.response_mask.shape[0] * accelerator.num_processes)
@@ -129,8 +165,9 @@ def update_controller(controller, guard, drift, plan: KLPlan, rollout: Rollout, 
 
 
 @torch.no_grad()
-def compute_advantages(args, plan: KLPlan, rollout: Rollout, rewards: Rewards, penalty: KLPenalty,
-                       accelerator) -> Advantages:  # fmt: skip
+def compute_advantages(
+    args, plan: KLPlan, rollout: Rollout, rewards: Rewards, penalty: KLPenalty, accelerator
+) -> Advantages:
     """Step 7: GAE over the per-token rewards (or, critic-free, RLOO / GRPO on each sequence's return, the same on
     every token), whitened with global statistics (not GRPO's, normalised per group already). Samples no reward
     function applied to carry no policy gradient (advantage 0) and stay out of the whitening. Whitening divides the
@@ -160,8 +197,9 @@ def compute_advantages(args, plan: KLPlan, rollout: Rollout, rewards: Rewards, p
     baseline = None
     if plan.loss_baseline:
         baseline, metrics["kl/loss_baseline"] = kl_loss_baseline(plan, rollout, accelerator)
-    return Advantages(advantages, returns, penalty.coef / scale, {"policy/advantage_std": std, **metrics},
-                      kl_loss_baseline=baseline)  # fmt: skip
+    return Advantages(
+        advantages, returns, penalty.coef / scale, {"policy/advantage_std": std, **metrics}, kl_loss_baseline=baseline
+    )
 
 
 def kl_loss_baseline(plan: KLPlan, rollout: Rollout, accelerator) -> tuple[torch.Tensor, float]:
@@ -181,8 +219,19 @@ def kl_loss_baseline(plan: KLPlan, rollout: Rollout, accelerator) -> tuple[torch
     return others[:, None], (total / count.clamp(min=1)).item()
 
 
-def micro_batch_loss(model, mb: Rollout, advantages: Advantages, idx: torch.Tensor, counts: dict, args,
-                     plan: KLPlan, suppressed_ids, reference, warming: bool, share: float):  # fmt: skip
+def micro_batch_loss(
+    model,
+    mb: Rollout,
+    advantages: Advantages,
+    idx: torch.Tensor,
+    counts: dict,
+    args,
+    plan: KLPlan,
+    suppressed_ids,
+    reference,
+    warming: bool,
+    share: float,
+):
     """Step 8's loss of one micro-batch `mb` (rows `idx` of the rollout) through `model` (the wrapped actor-critic),
     normalised by the mini-batch's GLOBAL counts (`share`: this micro-batch's part of its mini-batch's mean, summed
     over micro-batches and ranks). Returns the loss, its logging parts `{name: (sum, count)}` and its reading for the
@@ -201,18 +250,27 @@ def micro_batch_loss(model, mb: Rollout, advantages: Advantages, idx: torch.Tens
     budget = args.experimental.logits_block_mb
 
     def read(source):
-        return read_response(source, resp, args.temperature, suppressed_ids, budget, reference=ref,
-                             estimates=estimates, entropy=True)  # fmt: skip
+        return read_response(
+            source, resp, args.temperature, suppressed_ids, budget, reference=ref, estimates=estimates, entropy=True
+        )
 
     reads, values = model(
-        mb.query_responses, attention_mask=mb.attention_mask, position_ids=position_ids_from_mask(mb.attention_mask),
-        response_length=resp.shape[1], read=read, **({"detach_value_input": True} if warming else {}),
-    )  # fmt: skip
+        mb.query_responses,
+        attention_mask=mb.attention_mask,
+        position_ids=position_ids_from_mask(mb.attention_mask),
+        response_length=resp.shape[1],
+        read=read,
+        **({"detach_value_input": True} if warming else {}),
+    )
     values = values[:, mb.context_length - 1 : -1].float() if values is not None else None
     logp = reads["logp"]
     # PPO's clipped losses, token means over the mini-batch's global token count
     pg_tok, pg_clipped, to_old = clipped_policy_loss(logp, mb.logp, advantages.advantages[idx], args.cliprange)
-    loss, value_loss, vf_clipped = aggregate_loss(pg_tok, mask, "token-mean", num_tokens=counts["num_tokens"]), None, None
+    loss, value_loss, vf_clipped = (
+        aggregate_loss(pg_tok, mask, "token-mean", num_tokens=counts["num_tokens"]),
+        None,
+        None,
+    )
     if values is not None:  # no critic: critic-free advantages
         vf_tok, vf_clipped = clipped_value_loss(values, mb.values, advantages.returns[idx], args.cliprange_value)
         value_loss = aggregate_loss(vf_tok, mask, "token-mean", num_tokens=counts["num_tokens"])
@@ -220,7 +278,9 @@ def micro_batch_loss(model, mb: Rollout, advantages: Advantages, idx: torch.Tens
     # (0 after the stop token, where the sampled token was replaced by padding)
     old_log_ratio = torch.where(mask.bool(), to_old, 0.0)
     log_ratio = mb.log_ratio + old_log_ratio
-    parts = ppo_statistics(reads["entropy"], old_log_ratio, pg_clipped, vf_clipped, mask, share, policy=loss, value=value_loss)
+    parts = ppo_statistics(
+        reads["entropy"], old_log_ratio, pg_clipped, vf_clipped, mask, share, policy=loss, value=value_loss
+    )
     sample = guard_sample(log_ratio.detach(), old_log_ratio.detach(), mb.log_ratio, mask, plan.unit)
     parts["kl/during_update"] = (sample.kl_now, sample.count)  # the KL statistic at the current policy
     if warming:  # the critic alone: neither the policy loss nor the KL reaches the policy's weights
@@ -234,7 +294,9 @@ def micro_batch_loss(model, mb: Rollout, advantages: Advantages, idx: torch.Tens
             c = plan.log_ratio_clamp
             w = (old_log_ratio if c is None else old_log_ratio.clamp(-c, c)).exp()
             kl = kl - advantages.kl_loss_baseline[idx].to(w.dtype) * (w - w.detach())
-        kl_term = kl_loss(kl, mask, advantages.kl_loss_coef, plan.loss_agg_mode, **counts, norm_len=args.response_length)
+        kl_term = kl_loss(
+            kl, mask, advantages.kl_loss_coef, plan.loss_agg_mode, **counts, norm_len=args.response_length
+        )
         loss = loss + kl_term
         parts["loss/kl"] = (kl_term.detach(), share)
     if value_loss is not None:

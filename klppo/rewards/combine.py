@@ -44,7 +44,9 @@ def reward_values(raw, expected: int, name: str) -> list[float | None]:
     return out
 
 
-def combine_rewards(reward_funcs, weights, names, prompts: list, completions: list[str], completion_ids, extra: dict, device):
+def combine_rewards(
+    reward_funcs, weights, names, prompts: list, completions: list[str], completion_ids, extra: dict, device
+):
     """Call every reward function once and combine their checked results by weight.
 
     Conversational prompts get completions as one assistant message each. None means "not applicable" (as in

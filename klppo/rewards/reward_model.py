@@ -114,7 +114,9 @@ class RewardModelFunction:
     def use_token_ids_if_shared(self, policy_tokenizer) -> bool:
         """Score token ids (``token_ids``) when this reward model's tokenizer has the same vocabulary as the
         policy's, so that its ids mean the same tokens. Returns the choice."""
-        self.token_ids = self.tokenizer is policy_tokenizer or self.tokenizer.get_vocab() == policy_tokenizer.get_vocab()
+        self.token_ids = (
+            self.tokenizer is policy_tokenizer or self.tokenizer.get_vocab() == policy_tokenizer.get_vocab()
+        )
         return self.token_ids
 
     def _batch_size(self, device) -> int:

@@ -91,7 +91,7 @@ def bandit_trainer(tiny_path, tmp_path, response_length: int = 1, modulus: int =
 def next_token_logprobs(trainer: KLPPOTrainer, model, prefixes: list[list[int]]) -> torch.Tensor:
     """`log softmax(logits / T)` of the next token after `PROMPT + prefix` for each prefix, with the
     suppressed ids masked out exactly as the trainer scores them. `[len(prefixes), V]`, float64."""
-    from klppo.ppo.logprobs import mask_suppressed
+    from klppo.ppo.scoring.logprobs import mask_suppressed
 
     tokenizer = trainer.processing_class
     prompt = tokenizer(PROMPT)["input_ids"]
@@ -204,8 +204,9 @@ def coefficient_for_target(ref_logp: torch.Tensor, reward: torch.Tensor, target:
     return math.exp(0.5 * (lo + hi))
 
 
-def grpo_coefficient_for_target(ref_logp: torch.Tensor, reward: torch.Tensor, target: float, group: int,
-                                forward: bool) -> float:  # fmt: skip
+def grpo_coefficient_for_target(
+    ref_logp: torch.Tensor, reward: torch.Tensor, target: float, group: int, forward: bool
+) -> float:
     """GRPO's beta* for a KL in the loss on a 0/1 reward: its group normalisation makes the policy gradient that of
     `E[Delta_G(q) * r]`, so its fixed point at beta is the optimum at `beta / Delta_G(q)` (the forward-KL one for
     `k3`, the tilt for `k2`), q the fixed point's own reward probability. The optimum with KL `target` has a

@@ -1,6 +1,7 @@
 """The tiny job on one GPU under each engine (`lab/gpu_engines/run.sh`): final weights against plain accelerate,
 each resume against the uninterrupted run, finite logits from the saved policy. Usage, from the repository root:
 `python -m lab.gpu_engines.check_engines RUNS/tiny`."""
+
 import json
 import os
 import sys
@@ -33,8 +34,10 @@ for e in ["single_gpu", "fsdp", "deepspeed_zero2", "deepspeed_zero3"]:
         a = load_file(os.path.join(d, "checkpoint-3", "klppo_trainable.safetensors"))
         b = load_file(os.path.join(root, e + "-resumed", "checkpoint-3", "klppo_trainable.safetensors"))
         r["resume_max_abs_diff"] = max(float((a[k] - b[k]).abs().max()) for k in a)
-        c = [json.load(open(os.path.join(x, "checkpoint-3", "kl_controller.json")))["kl_controller"]
-             for x in (d, os.path.join(root, e + "-resumed"))]
+        c = [
+            json.load(open(os.path.join(x, "checkpoint-3", "kl_controller.json")))["kl_controller"]
+            for x in (d, os.path.join(root, e + "-resumed"))
+        ]
         r["resume_controller_equal"] = c[0] == c[1]
         st = json.load(open(os.path.join(d, "trainer_state.json")))["log_history"]
         r["kl_coef"] = [h["kl/coef"] for h in st if "kl/coef" in h]

@@ -42,21 +42,40 @@ def main():
     p.add_argument("--beta", type=float, default=0.04)
     p.add_argument("--kl_target", type=float, default=0.1, help="nats per token")
     p.add_argument("--lr", type=float, default=1e-5)
-    p.add_argument("--batch", type=int, default=16, help="completions per optimizer step (num_generations 4 each prompt)")
+    p.add_argument(
+        "--batch", type=int, default=16, help="completions per optimizer step (num_generations 4 each prompt)"
+    )
     p.add_argument("--tokens", type=int, default=12, help="max_completion_length")
     p.add_argument("--kwargs", default=None, help="kl_controller_kwargs (JSON), e.g. '{\"ki_growth\": 1}'")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     torch.set_num_threads(1)
     config = GRPOConfig(
-        output_dir=a.out, beta=a.beta, num_generations=4, per_device_train_batch_size=a.batch, max_completion_length=a.tokens,
-        learning_rate=a.lr, lr_scheduler_type="constant", temperature=1.0, max_steps=a.steps, logging_steps=1,
-        save_strategy="no", report_to="none", use_cpu=not torch.cuda.is_available(), seed=a.seed, disable_tqdm=True,
-        bf16=False, gradient_checkpointing=False,  # float32 (GRPOConfig's bf16 autocast is 4x slower or more on a CPU)
+        output_dir=a.out,
+        beta=a.beta,
+        num_generations=4,
+        per_device_train_batch_size=a.batch,
+        max_completion_length=a.tokens,
+        learning_rate=a.lr,
+        lr_scheduler_type="constant",
+        temperature=1.0,
+        max_steps=a.steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=not torch.cuda.is_available(),
+        seed=a.seed,
+        disable_tqdm=True,
+        bf16=False,  # float32 (GRPOConfig's bf16 autocast is 4x slower or more on a CPU)
+        gradient_checkpointing=False,
     )
     prompts = Dataset.from_dict({"prompt": offline_prompts("train")})
-    trainer = GRPOTrainer(model=resolve_model_path(OFFLINE_DEFAULT_MODEL), reward_funcs=positive_sentiment_reward,
-                          args=config, train_dataset=prompts)
+    trainer = GRPOTrainer(
+        model=resolve_model_path(OFFLINE_DEFAULT_MODEL),
+        reward_funcs=positive_sentiment_reward,
+        args=config,
+        train_dataset=prompts,
+    )
     if a.mode != "fixed":
         extra = {"kl_controller_kwargs": json.loads(a.kwargs)} if a.kwargs else {}
         add_kl_control(trainer, kl_controller=a.mode, kl_target=a.kl_target, kl_target_unit="token", **extra)
@@ -74,12 +93,28 @@ def main():
     tracking = tracking_stats(kls, a.kl_target)
     rewards = [h["reward"] for h in logs]
     summary = dict(
-        mode=a.mode, kwargs=a.kwargs, seed=a.seed, steps=a.steps, batch=a.batch, tokens=a.tokens, beta0=a.beta, kl_target=a.kl_target, lr=a.lr,
-        reward_first5=sum(rewards[:5]) / 5, reward_last5=sum(rewards[-5:]) / 5,
-        kl_second_half_mean=tracking.mean_ratio * a.kl_target, tracking_error=tracking.error,
-        in_band=tracking.in_band, ppl_before=ppl_before, ppl_after=ppl_after,
-        seconds_per_update=seconds / a.steps, device=str(trainer.args.device), kl=kls, reward=rewards,
-        beta=[h.get("kl/coef", a.beta) for h in logs], peak=tracking.peak_ratio,
+        mode=a.mode,
+        kwargs=a.kwargs,
+        seed=a.seed,
+        steps=a.steps,
+        batch=a.batch,
+        tokens=a.tokens,
+        beta0=a.beta,
+        kl_target=a.kl_target,
+        lr=a.lr,
+        reward_first5=sum(rewards[:5]) / 5,
+        reward_last5=sum(rewards[-5:]) / 5,
+        kl_second_half_mean=tracking.mean_ratio * a.kl_target,
+        tracking_error=tracking.error,
+        in_band=tracking.in_band,
+        ppl_before=ppl_before,
+        ppl_after=ppl_after,
+        seconds_per_update=seconds / a.steps,
+        device=str(trainer.args.device),
+        kl=kls,
+        reward=rewards,
+        beta=[h.get("kl/coef", a.beta) for h in logs],
+        peak=tracking.peak_ratio,
     )
     with open(os.path.join(a.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)

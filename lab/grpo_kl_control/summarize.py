@@ -24,10 +24,14 @@ def row(s, first=None):
     tracking = tracking_stats(kl, TARGET)
     reward = s["reward_last5"] if first is None else sum(s["reward"][:first][-5:]) / len(s["reward"][:first][-5:])
     return dict(
-        reward_last5=reward, kl_half=tracking.mean_ratio * TARGET,
-        tracking_error=tracking.error, in_band=tracking.in_band, peak=tracking.peak_ratio,
+        reward_last5=reward,
+        kl_half=tracking.mean_ratio * TARGET,
+        tracking_error=tracking.error,
+        in_band=tracking.in_band,
+        peak=tracking.peak_ratio,
         ppl_change=s["ppl_after"] / s["ppl_before"] - 1 if first is None else float("nan"),
-        beta_end=beta[-1], seconds=s["seconds_per_update"],
+        beta_end=beta[-1],
+        seconds=s["seconds_per_update"],
     )
 
 
@@ -39,7 +43,11 @@ def main():
     for path in paths or sorted(glob.glob(os.path.join(RESULTS, "runs", "*", "summary.json"))):
         with open(path) as f:
             s = json.load(f)
-        label = s["mode"] if (s["steps"], s["beta0"]) == (30, 0.04) else f"{s['mode']}, {s['steps']} updates, beta from {s['beta0']}"
+        label = (
+            s["mode"]
+            if (s["steps"], s["beta0"]) == (30, 0.04)
+            else f"{s['mode']}, {s['steps']} updates, beta from {s['beta0']}"
+        )
         if s.get("kwargs"):
             label += f", kl_controller_kwargs {s['kwargs']}"
         if s.get("batch", 16) != 16:  # runs written before --batch existed used 16 completions per step
@@ -48,21 +56,27 @@ def main():
             label += f", first {first} updates"
         runs.setdefault(label, []).append((s["seed"], row(s, first)))
     keys = ["reward_last5", "kl_half", "tracking_error", "in_band", "peak", "ppl_change", "beta_end", "seconds"]
-    print("| run | seed | reward (last 5 updates) | KL/token, 2nd half | tracking error | in ±20% | peak / target | "
-          "held-out ppl | beta at end | s/update |")
+    print(
+        "| run | seed | reward (last 5 updates) | KL/token, 2nd half | tracking error | in ±20% | peak / target | "
+        "held-out ppl | beta at end | s/update |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for mode, rows in runs.items():
         for seed, r in rows:
-            print(f"| {mode} | {seed} | {r['reward_last5']:+.3f} | {r['kl_half']:.4f} | {r['tracking_error']:.3f} | "
-                  f"{r['in_band']:.0%} | {r['peak']:.2f} | {r['ppl_change']:+.1%} | {r['beta_end']:.4f} | {r['seconds']:.1f} |")
+            print(
+                f"| {mode} | {seed} | {r['reward_last5']:+.3f} | {r['kl_half']:.4f} | {r['tracking_error']:.3f} | "
+                f"{r['in_band']:.0%} | {r['peak']:.2f} | {r['ppl_change']:+.1%} | {r['beta_end']:.4f} | {r['seconds']:.1f} |"
+            )
         if len(rows) > 1:
             m, se = {}, {}
             for k in keys:
                 m[k], se[k] = mean_and_standard_error(r[k] for _, r in rows)
-            print(f"| {mode} | mean ± SE | {m['reward_last5']:+.3f} ± {se['reward_last5']:.3f} | {m['kl_half']:.4f} | "
-                  f"{m['tracking_error']:.3f} ± {se['tracking_error']:.3f} | {m['in_band']:.0%} ± {se['in_band']:.0%} | "
-                  f"{m['peak']:.2f} ± {se['peak']:.2f} | "
-                  f"{m['ppl_change']:+.1%} | {m['beta_end']:.4f} | {m['seconds']:.1f} |")
+            print(
+                f"| {mode} | mean ± SE | {m['reward_last5']:+.3f} ± {se['reward_last5']:.3f} | {m['kl_half']:.4f} | "
+                f"{m['tracking_error']:.3f} ± {se['tracking_error']:.3f} | {m['in_band']:.0%} ± {se['in_band']:.0%} | "
+                f"{m['peak']:.2f} ± {se['peak']:.2f} | "
+                f"{m['ppl_change']:+.1%} | {m['beta_end']:.4f} | {m['seconds']:.1f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -47,6 +47,9 @@ from .base import (
 )
 from .classic import AdaptiveKLController, ExponentialKLController, FixedKLController, PIDKLController
 from .tracking import TrackingKLController
+
+# isort: split
+# registered after `tracking`: the registration order is the order of `kl_controllers()`
 from .equilibrium import EquilibriumKLController
 
 __all__ = [
@@ -64,4 +67,8 @@ __all__ = [
     "optimum_kl",
     "equilibrium_log_coef",
     "build_kl_controller",
+    "controller_table_markdown",
+    "CONFIG_ARGUMENTS",
+    "LogSpaceController",
+    "safe_log",
 ]

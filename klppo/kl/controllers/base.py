@@ -53,8 +53,9 @@ def register_kl_controller(name: str, needs_target: bool = True):
         params = list(inspect.signature(cls.__init__).parameters.values())[2:]  # after self, kl_coef
         cls.name = name
         cls.needs_target = bool(needs_target)
-        cls.constants = {p.name: p.default for p in params
-                         if p.name not in CONFIG_ARGUMENTS and p.default is not p.empty}  # fmt: skip
+        cls.constants = {
+            p.name: p.default for p in params if p.name not in CONFIG_ARGUMENTS and p.default is not p.empty
+        }
         _KL_CONTROLLERS[name] = cls
         return cls
 
@@ -80,6 +81,7 @@ def get_kl_controller(name: str) -> type:
             f"Unknown kl_controller {name!r}; choose one of {', '.join(_KL_CONTROLLERS)} "
             "(or register one with klppo.kl.register_kl_controller)"
         ) from None
+
 
 # Multiplicative controllers keep beta inside [exp(-700), exp(700)] whatever the bounds say, so
 # that exp() can neither overflow nor underflow to 0.
@@ -119,9 +121,7 @@ def _check_bounds(coef_min, coef_max) -> tuple[float, float]:
     if math.isnan(coef_max) or coef_max <= 0:
         raise ValueError(f"coef_max must be > 0 (inf for no upper bound), got {coef_max}")
     if coef_min > coef_max:
-        raise ValueError(
-            f"coef_min ({coef_min}) must not exceed coef_max ({coef_max}); swap them or widen the range"
-        )
+        raise ValueError(f"coef_min ({coef_min}) must not exceed coef_max ({coef_max}); swap them or widen the range")
     return coef_min, coef_max
 
 
@@ -289,9 +289,11 @@ def _controller_kwargs_error(cls: type, kwargs) -> Optional[str]:
     unknown = sorted(set(kwargs) - set(cls.constants))
     if unknown:
         valid = ", ".join(f"{k} (default {v!r})" for k, v in cls.constants.items()) or "none"
-        return (f"kl_controller={cls.name!r} has no constant {', '.join(map(repr, unknown))}; its constants are: "
-                f"{valid}. Remove the others from kl_controller_kwargs (on a command line that switches controller, "
-                f"--kl_controller_kwargs '{{}}' clears those of a YAML file)")
+        return (
+            f"kl_controller={cls.name!r} has no constant {', '.join(map(repr, unknown))}; its constants are: "
+            f"{valid}. Remove the others from kl_controller_kwargs (on a command line that switches controller, "
+            f"--kl_controller_kwargs '{{}}' clears those of a YAML file)"
+        )
     return None
 
 

@@ -62,8 +62,12 @@ class AdaptiveKLController(KLController):
         coef_min: float = 0.0,
         coef_max: float = math.inf,
     ):
-        kl_coef = _check_positive(kl_coef, "kl_coef", "an adaptive controller needs an initial coefficient > 0 (e.g. 0.05)")
-        self.target = _check_positive(target, "target", "set kl_target to the KL you want, e.g. 6 (nats/sequence) or 0.1 (nats/token)")
+        kl_coef = _check_positive(
+            kl_coef, "kl_coef", "an adaptive controller needs an initial coefficient > 0 (e.g. 0.05)"
+        )
+        self.target = _check_positive(
+            target, "target", "set kl_target to the KL you want, e.g. 6 (nats/sequence) or 0.1 (nats/token)"
+        )
         self.horizon = _check_positive(horizon, "horizon", "set kl_controller_kwargs horizon, e.g. 10000 sequences")
         self.error_clip = _check_positive(error_clip, "error_clip", "Ziegler et al. use 0.2")
         self.coef_min, self.coef_max = _check_bounds(coef_min, coef_max)
@@ -76,8 +80,13 @@ class AdaptiveKLController(KLController):
         return min(max(self._value * multiplier, self.coef_min), self.coef_max)
 
     def _hparams(self) -> dict:
-        return dict(target=self.target, horizon=self.horizon, error_clip=self.error_clip,
-                    coef_min=self.coef_min, coef_max=self.coef_max)
+        return dict(
+            target=self.target,
+            horizon=self.horizon,
+            error_clip=self.error_clip,
+            coef_min=self.coef_min,
+            coef_max=self.coef_max,
+        )
 
 
 @register_kl_controller("exponential")
@@ -100,7 +109,9 @@ class ExponentialKLController(LogSpaceController):
         coef_min: float = 1e-4,
         coef_max: float = 10.0,
     ):
-        kl_coef = _check_positive(kl_coef, "kl_coef", "an adaptive controller needs an initial coefficient > 0 (e.g. 0.05)")
+        kl_coef = _check_positive(
+            kl_coef, "kl_coef", "an adaptive controller needs an initial coefficient > 0 (e.g. 0.05)"
+        )
         self.target = _check_positive(target, "target", "set kl_target to the KL you want, e.g. 0.05 (nats/token)")
         self.rate = _check_positive(rate, "rate", "rate is a gain per nat of error, e.g. 0.1")
         self.coef_min, self.coef_max = _check_bounds(coef_min, coef_max)
@@ -152,12 +163,16 @@ class PIDKLController(LogSpaceController):
         integral_limit: float = 20.0,
         error_clip: float = 1.0,
     ):
-        kl_coef = _check_positive(kl_coef, "kl_coef", "an adaptive controller needs an initial coefficient > 0 (e.g. 0.05)")
+        kl_coef = _check_positive(
+            kl_coef, "kl_coef", "an adaptive controller needs an initial coefficient > 0 (e.g. 0.05)"
+        )
         self.target = _check_positive(target, "target", "set kl_target to the KL you want, e.g. 0.05 (nats/token)")
         self.kp = _check_nonnegative(kp, "kp", "gains must be >= 0 (defaults: kp=0.1, ki=0.3, kd=0)")
         self.ki = _check_nonnegative(ki, "ki", "gains must be >= 0 (defaults: kp=0.1, ki=0.3, kd=0)")
         self.kd = _check_nonnegative(kd, "kd", "gains must be >= 0 (defaults: kp=0.1, ki=0.3, kd=0)")
-        self.integral_limit = _check_positive(integral_limit, "integral_limit", "it bounds the integral term in units of log(beta), e.g. 20")
+        self.integral_limit = _check_positive(
+            integral_limit, "integral_limit", "it bounds the integral term in units of log(beta), e.g. 20"
+        )
         self.error_clip = _check_positive(error_clip, "error_clip", "it bounds the relative error, e.g. 1.0")
         self.coef_min, self.coef_max = _check_bounds(coef_min, coef_max)
         super().__init__(min(max(kl_coef, self.coef_min), self.coef_max))
@@ -167,8 +182,7 @@ class PIDKLController(LogSpaceController):
 
     def _integral_bounds(self) -> tuple[float, float]:
         lo, hi = self.log_bounds()
-        return (max(-self.integral_limit, lo - self.log_beta0),
-                min(self.integral_limit, hi - self.log_beta0))
+        return (max(-self.integral_limit, lo - self.log_beta0), min(self.integral_limit, hi - self.log_beta0))
 
     def next_coef(self, kl: float, n_steps: int) -> float:
         error = (kl - self.target) / self.target
@@ -192,8 +206,16 @@ class PIDKLController(LogSpaceController):
         return self.from_log(u)
 
     def _hparams(self) -> dict:
-        return dict(target=self.target, kp=self.kp, ki=self.ki, kd=self.kd, coef_min=self.coef_min,
-                    coef_max=self.coef_max, integral_limit=self.integral_limit, error_clip=self.error_clip)
+        return dict(
+            target=self.target,
+            kp=self.kp,
+            ki=self.ki,
+            kd=self.kd,
+            coef_min=self.coef_min,
+            coef_max=self.coef_max,
+            integral_limit=self.integral_limit,
+            error_clip=self.error_clip,
+        )
 
     def reference_reset(self) -> None:
         self.log_beta0, self.integral, self.prev_error = safe_log(self._value), 0.0, None
@@ -206,4 +228,3 @@ class PIDKLController(LogSpaceController):
         self.integral = float(state["integral"])
         prev = state.get("prev_error")
         self.prev_error = None if prev is None else float(prev)
-

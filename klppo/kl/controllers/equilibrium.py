@@ -94,19 +94,34 @@ class EquilibriumKLController(LogSpaceController):
 
     reads_sequences = True
 
-    def __init__(self, kl_coef: float, target: float, coef_min: float = 1e-4, coef_max: float = 10.0,
-                 approach_power: float = 0.75, optimum: Optional[KLOptimum] = None, jackknife_groups: int = 0,
-                 drift: float = 0.05, hold_power: float = 1.0):  # fmt: skip
-        kl_coef = _check_positive(kl_coef, "kl_coef", "an adaptive controller needs an initial coefficient > 0 (e.g. 0.05)")
+    def __init__(
+        self,
+        kl_coef: float,
+        target: float,
+        coef_min: float = 1e-4,
+        coef_max: float = 10.0,
+        approach_power: float = 0.75,
+        optimum: Optional[KLOptimum] = None,
+        jackknife_groups: int = 0,
+        drift: float = 0.05,
+        hold_power: float = 1.0,
+    ):
+        kl_coef = _check_positive(
+            kl_coef, "kl_coef", "an adaptive controller needs an initial coefficient > 0 (e.g. 0.05)"
+        )
         self.target = _check_positive(target, "target", "set kl_target to the KL you want, e.g. 4 (nats/sequence)")
         self.coef_min, self.coef_max = _check_bounds(coef_min, coef_max)
-        self.approach_power = _check_nonnegative(approach_power, "approach_power", "e.g. 0.75 (0 turns the approach off)")
-        self.hold_power = _check_nonnegative(hold_power, "hold_power", "e.g. 1 (0: beta is the equilibrium coefficient "
-                                             "once the KL has arrived)")  # fmt: skip
+        self.approach_power = _check_nonnegative(
+            approach_power, "approach_power", "e.g. 0.75 (0 turns the approach off)"
+        )
+        self.hold_power = _check_nonnegative(
+            hold_power, "hold_power", "e.g. 1 (0: beta is the equilibrium coefficient once the KL has arrived)"
+        )
         groups = _as_float(jackknife_groups)
         if not (math.isfinite(groups) and groups == int(groups) and (groups == 0 or groups >= 2)):
-            raise ValueError(f"jackknife_groups must be 0 (no filter) or a whole number >= 2, got {jackknife_groups}; "
-                             "e.g. 8")
+            raise ValueError(
+                f"jackknife_groups must be 0 (no filter) or a whole number >= 2, got {jackknife_groups}; e.g. 8"
+            )
         self.jackknife_groups = int(groups)
         self.drift = _check_positive(drift, "drift", "e.g. 0.05 (how far log beta* may move in one update)")
         self.variance = 1.0  # of the filtered log beta*, before any batch
@@ -218,9 +233,16 @@ class EquilibriumKLController(LogSpaceController):
         return out
 
     def _hparams(self) -> dict:
-        return dict(target=self.target, coef_min=self.coef_min, coef_max=self.coef_max,
-                    approach_power=self.approach_power, hold_power=self.hold_power, optimum=self.optimum.describe(),
-                    jackknife_groups=self.jackknife_groups, drift=self.drift)
+        return dict(
+            target=self.target,
+            coef_min=self.coef_min,
+            coef_max=self.coef_max,
+            approach_power=self.approach_power,
+            hold_power=self.hold_power,
+            optimum=self.optimum.describe(),
+            jackknife_groups=self.jackknife_groups,
+            drift=self.drift,
+        )
 
     def _dynamic_state(self) -> dict:
         return {"coef": self.coef, "arrived": self.arrived, "variance": self.variance}
@@ -230,4 +252,3 @@ class EquilibriumKLController(LogSpaceController):
         self.coef = float(state.get("coef", self._value))
         self.arrived = bool(state.get("arrived", True))
         self.variance = float(state.get("variance", 1.0))
-

@@ -89,10 +89,18 @@ class TrackingKLController(LogSpaceController):
         arm_fraction: float = 0.8,
         startup_rate: float = 0.75,
     ):
-        kl_coef = _check_positive(kl_coef, "kl_coef", "an adaptive controller needs an initial coefficient > 0 (e.g. 0.05)")
+        kl_coef = _check_positive(
+            kl_coef, "kl_coef", "an adaptive controller needs an initial coefficient > 0 (e.g. 0.05)"
+        )
         self.target = _check_positive(target, "target", "set kl_target to the KL you want, e.g. 4 (nats/sequence)")
-        self.arm_fraction = _check_positive(arm_fraction, "arm_fraction", "the start-up hold ends at this fraction of the target, e.g. 0.8")
-        self.startup_rate = _check_nonnegative(startup_rate, "startup_rate", "the share of ki used to lower beta before the KL first nears the target, e.g. 0.75")
+        self.arm_fraction = _check_positive(
+            arm_fraction, "arm_fraction", "the start-up hold ends at this fraction of the target, e.g. 0.8"
+        )
+        self.startup_rate = _check_nonnegative(
+            startup_rate,
+            "startup_rate",
+            "the share of ki used to lower beta before the KL first nears the target, e.g. 0.75",
+        )
         self.kp = _check_nonnegative(kp, "kp", "gains must be >= 0 (defaults: kp=0.3, ki=0.1)")
         self.ki = _check_nonnegative(ki, "ki", "gains must be >= 0 (defaults: kp=0.3, ki=0.1)")
         self.lookahead = _check_nonnegative(lookahead, "lookahead", "it is a number of updates, e.g. 2 (0 disables)")
@@ -169,9 +177,17 @@ class TrackingKLController(LogSpaceController):
         return self.from_log(rest + self.integral)
 
     def _hparams(self) -> dict:
-        return dict(target=self.target, kp=self.kp, ki=self.ki, lookahead=self.lookahead, window=self.window,
-                    arm_fraction=self.arm_fraction, startup_rate=self.startup_rate, coef_min=self.coef_min,
-                    coef_max=self.coef_max)
+        return dict(
+            target=self.target,
+            kp=self.kp,
+            ki=self.ki,
+            lookahead=self.lookahead,
+            window=self.window,
+            arm_fraction=self.arm_fraction,
+            startup_rate=self.startup_rate,
+            coef_min=self.coef_min,
+            coef_max=self.coef_max,
+        )
 
     def reference_reset(self) -> None:
         """The climb from 0 again: the start-up hold re-arms, the window and the integral start from the current
@@ -180,8 +196,15 @@ class TrackingKLController(LogSpaceController):
         self.readings, self.slope, self.armed, self.holding, self.predicted = [], 0.0, False, True, None
 
     def _dynamic_state(self) -> dict:
-        return {"log_beta0": self.log_beta0, "integral": self.integral, "readings": list(self.readings),
-                "slope": self.slope, "armed": self.armed, "holding": self.holding, "predicted": self.predicted}
+        return {
+            "log_beta0": self.log_beta0,
+            "integral": self.integral,
+            "readings": list(self.readings),
+            "slope": self.slope,
+            "armed": self.armed,
+            "holding": self.holding,
+            "predicted": self.predicted,
+        }
 
     def _load_dynamic_state(self, state: dict) -> None:
         self.log_beta0 = float(state["log_beta0"])
@@ -191,4 +214,3 @@ class TrackingKLController(LogSpaceController):
         self.armed = bool(state.get("armed", False))
         self.holding = bool(state.get("holding", True))
         self.predicted = None if state.get("predicted") is None else float(state["predicted"])
-

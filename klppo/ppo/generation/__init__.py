@@ -7,8 +7,9 @@ from __future__ import annotations
 from .engine import GenerationEngine, Sampled
 
 
-def make_engine(args, accelerator, tokenizer, policy, engine: str | None, checkpointing_kwargs=None,
-                prompt_sets=()) -> GenerationEngine:  # fmt: skip
+def make_engine(
+    args, accelerator, tokenizer, policy, engine: str | None, checkpointing_kwargs=None, prompt_sets=()
+) -> GenerationEngine:
     """The run's engine: vLLM with `use_vllm`, else `generate`."""
     if getattr(args, "use_vllm", False):
         from .vllm import VLLMEngine

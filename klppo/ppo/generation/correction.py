@@ -25,8 +25,9 @@ import torch
 IS_MODES = ("token_truncate", "sequence_truncate")
 
 
-def importance_weights(logp: torch.Tensor, sampling_logp: torch.Tensor, mask: torch.Tensor, mode: str,
-                       clip_max: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def importance_weights(
+    logp: torch.Tensor, sampling_logp: torch.Tensor, mask: torch.Tensor, mode: str, clip_max: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(w, ratio, capped)`: the truncated weights `[B, R]` (1 outside `mask`), the untruncated ratios `[B, R]`
     and a bool `[B, R]` of the tokens the cap touched, from the trainer's `logp` and the engine's `sampling_logp`."""
     keep = mask.bool()
@@ -80,10 +81,12 @@ def correct_rollout(rollout, enabled: bool, mode: str, clip_max: float, accelera
         return replace(rollout, sampling_metrics=metrics)
     zero = torch.zeros((), dtype=rollout.statistic_kl.dtype, device=w.device)
     return replace(
-        rollout, is_weight=w, sampling_metrics=metrics,
+        rollout,
+        is_weight=w,
+        sampling_metrics=metrics,
         statistic_kl=torch.where(keep, rollout.statistic_kl * w.to(rollout.statistic_kl.dtype), zero),
         logged_kl=rollout.logged_kl * w.to(rollout.logged_kl.dtype).unsqueeze(-1),
-    )  # fmt: skip
+    )
 
 
 def weight_advantages(advantages, rollout):

@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..steps import PromptBatch, Sequences
+from ..results import PromptBatch, Sequences
 from .sampling import Generation, truncate_at_stop
 
 
@@ -78,15 +78,27 @@ class GenerationEngine:
     def shutdown(self) -> None:
         """Free what the engine holds (a no-op by default)."""
 
-    def sequences(self, batch: PromptBatch, tokens: torch.Tensor, pad_token_id: int, finite: bool = True,
-                  sampling_logp: torch.Tensor | None = None) -> Sequences:  # fmt: skip
+    def sequences(
+        self,
+        batch: PromptBatch,
+        tokens: torch.Tensor,
+        pad_token_id: int,
+        finite: bool = True,
+        sampling_logp: torch.Tensor | None = None,
+    ) -> Sequences:
         """`Sequences` of `batch`'s prompts and the raw sampled `tokens [B, R]` (right-padded), cut after the stop
         token; `sampling_logp [B, R]` (the engine's log-probs of the tokens) is zeroed outside the response mask."""
         responses, mask = truncate_at_stop(tokens, self.stop_token_id, pad_token_id)
         if sampling_logp is not None:
             sampling_logp = torch.where(mask.bool(), sampling_logp.to(tokens.device).float(), 0.0)
         return Sequences(
-            prompts=batch.prompts, extra=batch.extra, query_responses=torch.cat([batch.input_ids, responses], dim=1),
-            attention_mask=torch.cat([batch.attention_mask, mask], dim=1), responses=responses, response_mask=mask,
-            context_length=batch.input_ids.shape[1], sampled_finite=finite, sampling_logp=sampling_logp,
-        )  # fmt: skip
+            prompts=batch.prompts,
+            extra=batch.extra,
+            query_responses=torch.cat([batch.input_ids, responses], dim=1),
+            attention_mask=torch.cat([batch.attention_mask, mask], dim=1),
+            responses=responses,
+            response_mask=mask,
+            context_length=batch.input_ids.shape[1],
+            sampled_finite=finite,
+            sampling_logp=sampling_logp,
+        )

@@ -18,9 +18,9 @@ import torch
 from trl.distributed import DistributedBackend
 from trl.models.utils import unwrap_model_for_generation
 
-from ..engines import restore_zero3_hooks, root_unsharded, unwrap
+from ..distributed import restore_zero3_hooks, root_unsharded, unwrap
 from ..prompts import longest_prompt
-from ..steps import PromptBatch
+from ..results import PromptBatch
 from .engine import GenerationEngine, Sampled
 from .sampling import Generation, contiguous_lm_head_input, generate_responses, sampling_setup
 from .static_cache import StaticCaches, merged_lora, supports_static_cache
@@ -48,8 +48,9 @@ class GenerateEngine(GenerationEngine):
 
     name = "generate"
 
-    def __init__(self, args, accelerator, tokenizer, policy, engine: str | None, checkpointing_kwargs=None,
-                 prompt_sets=()):  # fmt: skip
+    def __init__(
+        self, args, accelerator, tokenizer, policy, engine: str | None, checkpointing_kwargs=None, prompt_sets=()
+    ):
         self.args, self.accelerator, self.engine = args, accelerator, engine
         self.pad_token_id = tokenizer.pad_token_id
         self._unwrapped = self._wrapped = None  # the actor-critic to decode with, inside `generating`
@@ -83,17 +84,25 @@ class GenerateEngine(GenerationEngine):
             why = "there is no max_prompt_length to size it"
         if why:
             if self.accelerator.is_main_process:
-                logger.warning("Generation decodes into the dynamic KV cache, uncompiled: the static cache "
-                               "(cache_implementation=%r) is not used, as %s.", choice, why)  # fmt: skip
+                logger.warning(
+                    "Generation decodes into the dynamic KV cache, uncompiled: the static cache "
+                    "(cache_implementation=%r) is not used, as %s.",
+                    choice,
+                    why,
+                )
             return None
         width = args.max_prompt_length
         if any(dataset is not None for dataset in prompt_sets):
             width = longest_prompt(prompt_sets, tokenizer, args.max_prompt_length)
         caches = StaticCaches(policy.config, width, args.response_length, args.max_prompt_length)
         if self.accelerator.is_main_process:
-            logger.info("Generation decodes into a static KV cache of %d positions (the longest prompt, %d tokens, "
-                        "plus the response), its decoding step compiled (%s).", caches.max_len, width,
-                        args.compile_config())  # fmt: skip
+            logger.info(
+                "Generation decodes into a static KV cache of %d positions (the longest prompt, %d tokens, "
+                "plus the response), its decoding step compiled (%s).",
+                caches.max_len,
+                width,
+                args.compile_config(),
+            )
         return caches
 
     @contextmanager
@@ -109,7 +118,9 @@ class GenerateEngine(GenerationEngine):
             return
         kwargs = self.checkpointing_kwargs
         try:
-            with unwrap_model_for_generation(model_wrapped, self.accelerator, gradient_checkpointing_kwargs=kwargs) as out:
+            with unwrap_model_for_generation(
+                model_wrapped, self.accelerator, gradient_checkpointing_kwargs=kwargs
+            ) as out:
                 yield out
         except BaseException:
             if DistributedBackend(self.accelerator).is_zero3:
@@ -169,14 +180,24 @@ class GenerateEngine(GenerationEngine):
             size = max(rows, self.args.local_rollout_batch_size)
             fill = size - rows
             input_ids = torch.cat([input_ids, input_ids[:1].expand(fill, -1)]) if fill else input_ids
-            attention_mask = torch.cat([attention_mask, attention_mask[:1].expand(fill, -1)]) if fill else attention_mask
+            attention_mask = (
+                torch.cat([attention_mask, attention_mask[:1].expand(fill, -1)]) if fill else attention_mask
+            )
             cache = self.static_caches(size, input_ids.shape[1])
         generated = generate_responses(
-            model.policy, input_ids, attention_mask, self.generation_config, with_logprobs=plan.read_while_decoding,
-            value_head=model.value_head if plan.read_while_decoding else None, keep_logits=plan.keep_generation_logits,
-            synced=self.engine == "fsdp" and self.accelerator.num_processes > 1, check_finite=False, cache=cache,
-        )  # fmt: skip
+            model.policy,
+            input_ids,
+            attention_mask,
+            self.generation_config,
+            with_logprobs=plan.read_while_decoding,
+            value_head=model.value_head if plan.read_while_decoding else None,
+            keep_logits=plan.keep_generation_logits,
+            synced=self.engine == "fsdp" and self.accelerator.num_processes > 1,
+            check_finite=False,
+            cache=cache,
+        )
         if generated.tokens.shape[0] == rows:
             return generated
-        return generated._replace(**{name: value[:rows] for name, value in generated._asdict().items()
-                                     if isinstance(value, torch.Tensor)})  # fmt: skip
+        return generated._replace(
+            **{name: value[:rows] for name, value in generated._asdict().items() if isinstance(value, torch.Tensor)}
+        )

@@ -12,9 +12,8 @@ from typing import NamedTuple
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from ..health import TrainingDiverged
-from ..value import last_hidden_states
-
+from ..actor_critic import last_hidden_states
+from ..safety.nonfinite import TrainingDiverged
 
 DIVERGED_SAMPLING = (
     "The policy's logits are not finite, so no response can be sampled: its weights have diverged. Lower the "
@@ -99,7 +98,9 @@ def sampling_setup(args, tokenizer, policy_generation_config=None):
         stop_token_id = tokenizer.eos_token_id
     elif stop_token_id is None and args.stop_token is not None:
         stop_token_id = tokenizer.convert_tokens_to_ids(args.stop_token)
-        if stop_token_id is None or (stop_token_id == tokenizer.unk_token_id and args.stop_token != tokenizer.unk_token):
+        if stop_token_id is None or (
+            stop_token_id == tokenizer.unk_token_id and args.stop_token != tokenizer.unk_token
+        ):
             raise ValueError(
                 f"`stop_token`={args.stop_token!r} is not one token of this tokenizer. Use 'eos', the text of one "
                 f"token (e.g. {tokenizer.eos_token!r}), or None for fixed-length responses."
@@ -211,8 +212,9 @@ class TemperatureSampler(LogitsProcessor):
     Non-finite logits (NaN or +inf, or a row with every token masked) are noted in `nonfinite`, a device bool, with
     no host sync per decoding step."""
 
-    def __init__(self, temperature: float, draw: str = "inverse_cdf", record_logprobs: bool = False,
-                 keep_logits: bool = False):  # fmt: skip
+    def __init__(
+        self, temperature: float, draw: str = "inverse_cdf", record_logprobs: bool = False, keep_logits: bool = False
+    ):
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         if draw not in DRAWS:
@@ -242,9 +244,16 @@ class TemperatureSampler(LogitsProcessor):
 # (`min_new_tokens=0` overrides any `min_length`: `generate` then sets it to the prompt's length, which masks
 # nothing; setting both makes `generate` warn at every call)
 NEUTRAL_PROCESSORS = {
-    "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_new_tokens": 0,
-    "bad_words_ids": None, "sequence_bias": None, "exponential_decay_length_penalty": None,
-    "forced_bos_token_id": None, "forced_eos_token_id": None, "begin_suppress_tokens": None,
+    "repetition_penalty": 1.0,
+    "encoder_repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "min_new_tokens": 0,
+    "bad_words_ids": None,
+    "sequence_bias": None,
+    "exponential_decay_length_penalty": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "begin_suppress_tokens": None,
 }
 
 
@@ -343,8 +352,9 @@ def generate_responses(
             f"truncates or reshapes it: {generation_config.to_diff_dict()}"
         )
     device = input_ids.device
-    sampler = TemperatureSampler(temperature, draw or default_draw(device), record_logprobs=with_logprobs,
-                                 keep_logits=keep_logits)  # fmt: skip
+    sampler = TemperatureSampler(
+        temperature, draw or default_draw(device), record_logprobs=with_logprobs, keep_logits=keep_logits
+    )
     cache_kwargs = {}
     if cache is not None:
         cache.reset()
@@ -354,11 +364,13 @@ def generate_responses(
     capture = with_logprobs and value_head is not None
     with last_hidden_states(policy, last_position=True) if capture else nullcontext() as hidden:
         sequences = policy.generate(
-            input_ids=input_ids, attention_mask=attention_mask, generation_config=greedy_form(generation_config),
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            generation_config=greedy_form(generation_config),
             logits_processor=LogitsProcessorList([sampler]),
             synced_gpus=synced or None,  # None: transformers decides (on under DeepSpeed ZeRO-3)
             **cache_kwargs,
-        )  # fmt: skip
+        )
     finite = not bool(sampler.nonfinite)  # one host sync per rollout
     if check_finite and not finite:
         raise TrainingDiverged(DIVERGED_SAMPLING)

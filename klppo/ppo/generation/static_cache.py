@@ -19,8 +19,8 @@ def mergeable_lora_layers(model) -> list | None:
     base layers, LoRA variants such as DoRA or aLoRA, `target_parameters` wrappers, or a base weight shared with
     another parameter, as tied embeddings are: merging one module's update would change the other's)."""
     try:
-        from peft.tuners.lora import LoraLayer
         from peft.tuners.lora import Linear as LoraLinear
+        from peft.tuners.lora import LoraLayer
     except ImportError:
         return None
     layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
@@ -63,7 +63,9 @@ def merged_lora(model, buffers: dict | None = None):
         for layer in layers:
             base = layer.get_base_layer()
             bias = getattr(base, "bias", None)
-            saved.append((layer, base, base.weight.data, None if bias is None else bias.data, list(layer.merged_adapters)))
+            saved.append(
+                (layer, base, base.weight.data, None if bias is None else bias.data, list(layer.merged_adapters))
+            )
             base.weight.data = _merge_copy(base.weight.data, buffers, (id(layer), "weight"))
             if bias is not None:
                 bias.data = _merge_copy(bias.data, buffers, (id(layer), "bias"))
@@ -114,10 +116,14 @@ class StaticCaches:
         from transformers import StaticCache
 
         if prompt_width > self.prompt_width:
-            logger.warning("A prompt batch %d tokens wide is wider than the run's prompts (%d): the static KV caches "
-                           "grow to max_prompt_length + response_length = %d positions, and the decoding step "
-                           "compiles again.", prompt_width, self.prompt_width,
-                           self.max_prompt_length + self.response_length)  # fmt: skip
+            logger.warning(
+                "A prompt batch %d tokens wide is wider than the run's prompts (%d): the static KV caches "
+                "grow to max_prompt_length + response_length = %d positions, and the decoding step "
+                "compiles again.",
+                prompt_width,
+                self.prompt_width,
+                self.max_prompt_length + self.response_length,
+            )
             self.prompt_width, self.caches = self.max_prompt_length, {}
         if batch_size not in self.caches:
             self.caches[batch_size] = StaticCache(config=self.config, max_cache_len=self.max_len)

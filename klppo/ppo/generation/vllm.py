@@ -27,12 +27,12 @@ import time
 
 import torch
 
-from ..engines import unwrap
+from ..distributed import unwrap
 from ..prompts import longest_prompt
-from ..steps import PromptBatch
+from ..results import PromptBatch
 from .engine import GenerationEngine, Sampled
 from .sampling import Generation, sampling_setup
-from .static_cache import merged_lora, mergeable_lora_layers
+from .static_cache import mergeable_lora_layers, merged_lora
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,9 @@ class VLLMEngine(GenerationEngine):
 
         self.args, self.accelerator, self.tokenizer = args, accelerator, tokenizer
         self.pad_token_id = tokenizer.pad_token_id
-        self.stop_token_id, self.suppressed_ids, _ = sampling_setup(args, tokenizer, getattr(policy, "generation_config", None))
+        self.stop_token_id, self.suppressed_ids, _ = sampling_setup(
+            args, tokenizer, getattr(policy, "generation_config", None)
+        )
         base = policy.get_base_model() if _is_peft(policy) else policy
         self.config = base.config
         self.tied = bool(getattr(self.config, "tie_word_embeddings", False))
@@ -133,16 +135,29 @@ class VLLMEngine(GenerationEngine):
         self._owns_process_group = not torch.distributed.is_initialized()
         start = time.perf_counter()
         self.llm = LLM(
-            model=self._dir.name, tokenizer=self._dir.name, load_format="dummy", dtype=dtype,
-            tensor_parallel_size=1, max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=max(4096, self.max_model_len), enable_prefix_caching=True,
-            distributed_executor_backend="external_launcher", seed=accelerator.process_index,
-            logprobs_mode="processed_logprobs", generation_config="vllm", **kwargs,
-        )  # fmt: skip
+            model=self._dir.name,
+            tokenizer=self._dir.name,
+            load_format="dummy",
+            dtype=dtype,
+            tensor_parallel_size=1,
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=max(4096, self.max_model_len),
+            enable_prefix_caching=True,
+            distributed_executor_backend="external_launcher",
+            seed=accelerator.process_index,
+            logprobs_mode="processed_logprobs",
+            generation_config="vllm",
+            **kwargs,
+        )
         self.start_seconds = time.perf_counter() - start
-        logger.info("vLLM engine started in %.1f s (max_model_len %d, %d sequences%s).", self.start_seconds,
-                    self.max_model_len, self.max_num_seqs,
-                    f", KV cache {self.kv_cache_mb():.0f} MiB" if self.on_cpu else "")  # fmt: skip
+        logger.info(
+            "vLLM engine started in %.1f s (max_model_len %d, %d sequences%s).",
+            self.start_seconds,
+            self.max_model_len,
+            self.max_num_seqs,
+            f", KV cache {self.kv_cache_mb():.0f} MiB" if self.on_cpu else "",
+        )
         self._synced_once = False
         self.sync_seconds: list[float] = []
 
@@ -178,9 +193,11 @@ class VLLMEngine(GenerationEngine):
         Raises when no weight was loaded or some weight of the engine was not."""
         start = time.perf_counter()
         policy = unwrap(self.accelerator, model_wrapped).policy
-        if _is_peft(policy) and mergeable_lora_layers(policy) is None and any(
-            "lora_" in name for name, _ in policy.named_parameters()
-        ):  # fmt: skip
+        if (
+            _is_peft(policy)
+            and mergeable_lora_layers(policy) is None
+            and any("lora_" in name for name, _ in policy.named_parameters())
+        ):
             raise RuntimeError(
                 "use_vllm: this LoRA adapter cannot be merged into copies of its base weights (a quantized base, a "
                 "LoRA variant, or a target shared with another weight such as tied embeddings), so the engine would "
@@ -208,10 +225,20 @@ class VLLMEngine(GenerationEngine):
         from vllm import SamplingParams
 
         kwargs = dict(
-            n=1, temperature=float(self.args.temperature), top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
-            max_tokens=int(self.args.response_length), min_tokens=0, logprobs=0, ignore_eos=True, detokenize=False,
-            skip_special_tokens=False, seed=int(seed),
-        )  # fmt: skip
+            n=1,
+            temperature=float(self.args.temperature),
+            top_p=1.0,
+            top_k=0,
+            min_p=0.0,
+            repetition_penalty=1.0,
+            max_tokens=int(self.args.response_length),
+            min_tokens=0,
+            logprobs=0,
+            ignore_eos=True,
+            detokenize=False,
+            skip_special_tokens=False,
+            seed=int(seed),
+        )
         if self.stop_token_id is not None:
             kwargs["stop_token_ids"] = [int(self.stop_token_id)]
         if self.suppressed_ids is not None and len(self.suppressed_ids):
@@ -225,8 +252,10 @@ class VLLMEngine(GenerationEngine):
         if not self._synced_once:
             raise RuntimeError("use_vllm: the engine decodes before its first weight sync (its weights are dummies).")
         rows = batch.input_ids.shape[0]
-        prompts = [{"prompt_token_ids": ids[mask.bool()].tolist()}
-                   for ids, mask in zip(batch.input_ids.cpu(), batch.attention_mask.cpu())]  # fmt: skip
+        prompts = [
+            {"prompt_token_ids": ids[mask.bool()].tolist()}
+            for ids, mask in zip(batch.input_ids.cpu(), batch.attention_mask.cpu())
+        ]
         seeds = torch.randint(0, 2**31 - 1, (rows,)).tolist()  # torch's stream: seeded runs repeat
         params = [self.sampling_params(seed) for seed in seeds]
         outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=False)

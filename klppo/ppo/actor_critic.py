@@ -42,8 +42,8 @@ def last_hidden_states(model: nn.Module, last_position: bool = False):
 
 def lm_head_of(model: nn.Module):
     """`model`'s LM head as a function of its last hidden states `[..., H] -> [..., V]`: its output embeddings, then
-    what its forward does to their output (`klppo.ppo.logprobs.head_transform`)."""
-    from .logprobs import head_transform
+    what its forward does to their output (`klppo.ppo.scoring.logprobs.head_transform`)."""
+    from .scoring.logprobs import head_transform
 
     head = model.get_output_embeddings()
     transform = head_transform(model.config)
@@ -61,8 +61,9 @@ def _same_logits(ours: torch.Tensor, theirs: torch.Tensor, model: nn.Module) -> 
         logging.getLogger(__name__).warning(
             "The LM head of %s on its last hidden states does not give the model's own logits (its forward transforms "
             "them in a way klppo does not know), so its logits are made for every response position at once: memory "
-            "then grows with batch x response length x vocabulary.", type(model).__name__,
-        )  # fmt: skip
+            "then grows with batch x response length x vocabulary.",
+            type(model).__name__,
+        )
     return same
 
 
@@ -140,7 +141,9 @@ class CriticModel(nn.Module):
         if state_dict is None:
             state_dict = self.state_dict()
         backbone_sd = {k[len("backbone.") :]: v for k, v in state_dict.items() if k.startswith("backbone.")}
-        head_sd = {k[len("head.") :]: v.detach().cpu().contiguous() for k, v in state_dict.items() if k.startswith("head.")}
+        head_sd = {
+            k[len("head.") :]: v.detach().cpu().contiguous() for k, v in state_dict.items() if k.startswith("head.")
+        }
         self.backbone.save_pretrained(save_directory, state_dict=backbone_sd, **kwargs)
         save_file(head_sd, os.path.join(save_directory, self.HEAD_FILE))
         with open(os.path.join(save_directory, "value_head.json"), "w") as f:
@@ -200,7 +203,7 @@ class ActorCritic(nn.Module):
     critic trained alone).
 
     With `read`, the logits are never made at once: `forward` returns `(read(source), values)`, with `source` a
-    `klppo.ppo.logprobs.ResponseLogits` of the policy's last hidden states at the R predicting positions `[B, R, H]`
+    `klppo.ppo.scoring.logprobs.ResponseLogits` of the policy's last hidden states at the R predicting positions `[B, R, H]`
     and its LM head (`policy_head`), which the caller runs on blocks of positions (`read_response`). For a model
     whose logits `policy_head` does not reproduce (checked once, on the first such pass), `source` holds the
     model's own logits `[B, R, V]` instead.
@@ -247,10 +250,16 @@ class ActorCritic(nn.Module):
         return sorted(blocks)
 
     def forward(
-        self, input_ids, attention_mask=None, position_ids=None, compute_values: bool = True, response_length: int = 0,
-        detach_value_input: bool | None = None, read=None,
+        self,
+        input_ids,
+        attention_mask=None,
+        position_ids=None,
+        compute_values: bool = True,
+        response_length: int = 0,
+        detach_value_input: bool | None = None,
+        read=None,
     ):
-        from .logprobs import ResponseLogits, response_positions
+        from .scoring.logprobs import ResponseLogits, response_positions
 
         keep = response_positions(response_length, input_ids.shape[1], input_ids.device) if response_length else 0
         if read is not None and not response_length:
@@ -286,14 +295,19 @@ class ActorCritic(nn.Module):
                 self.head_reads_hidden = _same_logits(head(states[:, -1:].detach()), out.logits.detach(), self.policy)
             if self.head_reads_hidden:
                 return _not_views(read(ResponseLogits.from_hidden(states, head, vocab))), values
-            out = self.policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                              use_cache=False, logits_to_keep=positions)  # fmt: skip
+            out = self.policy(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=False,
+                logits_to_keep=positions,
+            )
         return _not_views(read(ResponseLogits.from_logits(out.logits))), values
 
     @property
     def policy_head(self):
         """The policy's LM head as a function of its last hidden states: `get_output_embeddings()` and what the
-        model's forward does to its output (`klppo.ppo.logprobs.head_transform`)."""
+        model's forward does to its output (`klppo.ppo.scoring.logprobs.head_transform`)."""
         return lm_head_of(self.policy)
 
     @property

@@ -15,14 +15,14 @@ from functools import partial
 import torch
 from trl.trainer.utils import use_adapter
 
-from .callbacks import timed
-from .engines import root_unsharded, unshard_again, unwrap
-from ..kl import estimate_kl, get_kl_estimator_spec
-from .plan import LOGGED_ESTIMATORS, KLPlan
+from ...kl import estimate_kl, get_kl_estimator_spec
+from ..actor_critic import _same_logits, last_hidden_states, lm_head_of
+from ..distributed import root_unsharded, unshard_again, unwrap
+from ..generation.sampling import Generation
+from ..plan import LOGGED_ESTIMATORS, KLPlan
+from ..results import Rollout, Sequences
+from ..run.callbacks import timed
 from .logprobs import ResponseLogits, position_ids_from_mask, read_response, response_positions
-from .value import _same_logits, last_hidden_states, lm_head_of
-from .generation.sampling import Generation
-from .steps import Rollout, Sequences
 
 
 class RolloutScorer:
@@ -43,9 +43,19 @@ class RolloutScorer:
             response positions, and only per-token results are kept.
     """
 
-    def __init__(self, plan: KLPlan, accelerator, ref_model, use_adapter_reference: bool, ref_adapter: str | None,
-                 temperature: float, suppressed_ids: torch.Tensor | None, chunk: int, critic_free: bool,
-                 logits_block_mb: float = 256.0):  # fmt: skip
+    def __init__(
+        self,
+        plan: KLPlan,
+        accelerator,
+        ref_model,
+        use_adapter_reference: bool,
+        ref_adapter: str | None,
+        temperature: float,
+        suppressed_ids: torch.Tensor | None,
+        chunk: int,
+        critic_free: bool,
+        logits_block_mb: float = 256.0,
+    ):
         self.plan, self.accelerator, self.ref_model = plan, accelerator, ref_model
         self.use_adapter_reference, self.ref_adapter = use_adapter_reference, ref_adapter
         self.temperature, self.suppressed_ids = temperature, suppressed_ids
@@ -53,7 +63,9 @@ class RolloutScorer:
         self.head_reads_hidden: dict[int, bool] = {}  # per reference model: `ActorCritic.head_reads_hidden`'s check
 
     @torch.no_grad()
-    def score(self, model, sequences: Sequences, generated: Generation | None = None, timings: dict | None = None) -> Rollout:
+    def score(
+        self, model, sequences: Sequences, generated: Generation | None = None, timings: dict | None = None
+    ) -> Rollout:
         """The `Rollout` of `sequences`, `chunk` sequences per forward pass of `model` (the actor-critic, wrapped or
         not), for what `generated` (what generation read while decoding) does not give: the policy's log-probs and
         logits as the plan needs them, the critic's values; always the reference's log-probs; then the log-ratio and
@@ -63,9 +75,11 @@ class RolloutScorer:
         acc, plan, unwrapped = self.accelerator, self.plan, unwrap(self.accelerator, model)
         need_policy = generated.logp is None or plan.policy_logits_at_scoring
         need_values = generated.values is None and not self.critic_free
-        logits_estimates = {name: partial(plan.estimate_from_logits, name)
-                            for name in dict.fromkeys((plan.estimator, plan.statistic))
-                            if get_kl_estimator_spec(name).needs_logits}  # fmt: skip
+        logits_estimates = {
+            name: partial(plan.estimate_from_logits, name)
+            for name in dict.fromkeys((plan.estimator, plan.statistic))
+            if get_kl_estimator_spec(name).needs_logits
+        }
         parts = []
         for start in range(0, sequences.batch_size, self.chunk):
             rows = slice(start, start + self.chunk)
@@ -73,14 +87,20 @@ class RolloutScorer:
             qr, attn, resp = seq.query_responses, seq.attention_mask, seq.responses
             pos = position_ids_from_mask(attn)
             logp = None if generated.logp is None else generated.logp[rows]
-            policy = None if generated.logits is None else ResponseLogits.from_logits(generated.logits[rows], scaled=True)
+            policy = (
+                None if generated.logits is None else ResponseLogits.from_logits(generated.logits[rows], scaled=True)
+            )
             values = None
             if need_policy:
                 with timed(timings, "time/score_policy", acc):  # a shared critic's values come from this same pass
                     source, values = model(
-                        qr, attention_mask=attn, position_ids=pos, compute_values=need_values and unwrapped.shared,
-                        response_length=resp.shape[1], read=lambda source: source,  # the head in blocks, below
-                    )  # fmt: skip
+                        qr,
+                        attention_mask=attn,
+                        position_ids=pos,
+                        compute_values=need_values and unwrapped.shared,
+                        response_length=resp.shape[1],
+                        read=lambda source: source,  # the head in blocks, below
+                    )
                     policy = source if policy is None else policy  # the generation's logits, when it kept them
                     if logp is None and not (logits_estimates and policy is source):
                         with self.unsharded(model):
@@ -106,15 +126,34 @@ class RolloutScorer:
                     clamped = torch.zeros(kl.shape, dtype=torch.bool, device=kl.device)
                 else:
                     kl, clamped = plan.estimate(plan.estimator, log_ratio, return_clamped=True)
-                statistic = kl if plan.statistic == plan.estimator else (
-                    from_logits[plan.statistic] if plan.statistic in from_logits else plan.estimate(plan.statistic, log_ratio))  # fmt: skip
-                logged = torch.stack([estimate_kl(name, log_ratio=log_ratio, log_ratio_clamp=plan.log_ratio_clamp)
-                                      for name in LOGGED_ESTIMATORS], dim=-1)  # fmt: skip
-            parts.append(dict(
-                values=None if values is None else values[:, seq.context_length - 1 : -1].float(), logp=logp,
-                ref_logp=ref_logp, log_ratio=log_ratio, kl=torch.where(keep, kl, zero), kl_clamped=clamped & keep,
-                statistic_kl=torch.where(keep, statistic, zero), logged_kl=logged,
-            ))  # fmt: skip
+                statistic = (
+                    kl
+                    if plan.statistic == plan.estimator
+                    else (
+                        from_logits[plan.statistic]
+                        if plan.statistic in from_logits
+                        else plan.estimate(plan.statistic, log_ratio)
+                    )
+                )
+                logged = torch.stack(
+                    [
+                        estimate_kl(name, log_ratio=log_ratio, log_ratio_clamp=plan.log_ratio_clamp)
+                        for name in LOGGED_ESTIMATORS
+                    ],
+                    dim=-1,
+                )
+            parts.append(
+                dict(
+                    values=None if values is None else values[:, seq.context_length - 1 : -1].float(),
+                    logp=logp,
+                    ref_logp=ref_logp,
+                    log_ratio=log_ratio,
+                    kl=torch.where(keep, kl, zero),
+                    kl_clamped=clamped & keep,
+                    statistic_kl=torch.where(keep, statistic, zero),
+                    logged_kl=logged,
+                )
+            )
         scored = {k: torch.cat([p[k] for p in parts], dim=0) for k in parts[0] if parts[0][k] is not None}
         if generated.values is not None:
             scored["values"] = generated.values
@@ -133,8 +172,13 @@ class RolloutScorer:
         inside `self.unsharded(model)`."""
         pos = position_ids_from_mask(seq.attention_mask)
         positions = response_positions(seq.responses.shape[1], seq.query_responses.shape[1], pos.device)
-        kwargs = dict(input_ids=seq.query_responses, attention_mask=seq.attention_mask, position_ids=pos,
-                      use_cache=False, logits_to_keep=positions if whole else positions[-1:])  # fmt: skip
+        kwargs = dict(
+            input_ids=seq.query_responses,
+            attention_mask=seq.attention_mask,
+            position_ids=pos,
+            use_cache=False,
+            logits_to_keep=positions if whole else positions[-1:],
+        )
         if self.use_adapter_reference:
             policy = unwrap(self.accelerator, model).policy
             context = partial(use_adapter, policy, self.ref_adapter)  # None: adapters disabled

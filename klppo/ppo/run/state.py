@@ -6,7 +6,7 @@ checkpoint (`kl_controller.json`) and restored as one.
 - the drift monitor and the PPO health monitor (their streaks);
 - the non-finite path (`UpdateSafety`: skipped updates, the update no rollout has checked yet);
 - the reference resets made so far, and the reference's tensors before the first (`kl/initial`; saved beside the
-  reference's own, `klppo.ppo.checkpoint.save_reference`).
+  reference's own, `klppo.ppo.run.checkpoint.save_reference`).
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kl import KLDriftMonitor, build_kl_controller
-from .guard import KLGuard, build_kl_guard
-from .health import NonfiniteGuard, PPOHealthMonitor
-from .plan import KLPlan
-from .safety import UpdateSafety
+from ...kl import KLDriftMonitor, build_kl_controller
+from ..plan import KLPlan
+from ..safety.health import PPOHealthMonitor
+from ..safety.kl_guard import KLGuard, build_kl_guard
+from ..safety.nonfinite import NonfiniteSkips, UpdateSafety
 
 
 @dataclass
@@ -40,9 +40,14 @@ class RunState:
         """A run's state before its first update, from its `KLPPOConfig` (the controller's fields, the health
         monitor's patience, `max_nonfinite_updates`) and its `KLPlan` (the guard, the drift monitor)."""
         drift = KLDriftMonitor(plan.target, patience=plan.drift_patience) if plan.target else None
-        return cls(build_kl_controller(args), build_kl_guard(plan.guard, plan.target), drift,
-                   PPOHealthMonitor(patience=args.experimental.health_patience),
-                   UpdateSafety(NonfiniteGuard(args.experimental.max_nonfinite_updates), accelerator, log), plan)  # fmt: skip
+        return cls(
+            build_kl_controller(args),
+            build_kl_guard(plan.guard, plan.target),
+            drift,
+            PPOHealthMonitor(patience=args.experimental.health_patience),
+            UpdateSafety(NonfiniteSkips(args.experimental.max_nonfinite_updates), accelerator, log),
+            plan,
+        )
 
     def reference_reset(self, reference: dict[str, torch.Tensor]) -> None:
         """The reference (its trainable tensors, `reference`) becomes the policy: they are kept for `kl/initial` if

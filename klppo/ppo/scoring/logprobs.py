@@ -47,7 +47,9 @@ def response_logits(
     return mask_suppressed(logits / temperature, suppressed, inplace=True)  # the quotient is a new tensor
 
 
-def mask_suppressed(scaled_logits: torch.Tensor, suppressed: torch.Tensor | None, inplace: bool = False) -> torch.Tensor:
+def mask_suppressed(
+    scaled_logits: torch.Tensor, suppressed: torch.Tensor | None, inplace: bool = False
+) -> torch.Tensor:
     """`scaled_logits [..., V]` with the `suppressed` ids set to the dtype's lowest finite value: their
     probability is exactly 0 after softmax, and entropy / full-vocabulary KL stay finite (a `-inf` would
     give `0 * inf`). Differentiable; out of place unless `inplace` (for a tensor the caller has just made, which
@@ -128,9 +130,17 @@ def block_positions(rows: int, vocab: int, budget_mb: float) -> int:
     return max(1, int(budget_mb * 2**20 // (4 * max(rows, 1) * vocab)))
 
 
-def read_response(policy: ResponseLogits, responses: torch.Tensor, temperature: float, suppressed: torch.Tensor | None,
-                  budget_mb: float, reference: ResponseLogits | None = None, estimates: dict | None = None, entropy: bool = False,
-                  finite: bool = False) -> dict[str, torch.Tensor]:  # fmt: skip
+def read_response(
+    policy: ResponseLogits,
+    responses: torch.Tensor,
+    temperature: float,
+    suppressed: torch.Tensor | None,
+    budget_mb: float,
+    reference: ResponseLogits | None = None,
+    estimates: dict | None = None,
+    entropy: bool = False,
+    finite: bool = False,
+) -> dict[str, torch.Tensor]:
     """What a PPO update reads from the logits at each response position, a block of positions at a time, as
     `[B, R]` tensors, every logit scaled by `temperature` with the `suppressed` ids masked (`response_logits`):
 

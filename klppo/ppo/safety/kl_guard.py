@@ -6,7 +6,7 @@ policy passes `kl_target` and this update has pushed it up, the mini-batch takes
 ends and the optimizer's momentum is cleared. Its low side mirrors it below the target, and acts only after a
 rollout's reading has once reached the target (before that, a low KL is the approach from the reference, not
 an overshoot). It judges what the update has changed, so an update's first optimizer step always goes ahead
-(`klppo.ppo.safety.StepChecks.verdict`).
+(`klppo.ppo.safety.step_checks.StepChecks.verdict`).
 """
 
 from __future__ import annotations
@@ -93,8 +93,9 @@ class KLGuard:
         if self.lower_on and reading >= self.target * self.lower_at:
             self.low_armed = True
 
-    def check(self, kl_sum: float, kl_count: float, kl_rollout: float, reading: float | None,
-              change_sq: float | None = None) -> str | None:  # fmt: skip
+    def check(
+        self, kl_sum: float, kl_count: float, kl_rollout: float, reading: float | None, change_sq: float | None = None
+    ) -> str | None:
         """`"guard"` (above the target), `"guard_low"` (below it, once armed) or None.
 
         The KL now is the rollout's `reading` plus this update's change on the mini-batch's tokens: `kl_sum` is
@@ -113,8 +114,12 @@ class KLGuard:
         now = kl_sum / kl_count if reading is None else reading + change / kl_count
         if self.upper_on and now > self.target and pushed_up:
             return UPPER
-        if self.low_armed and now < self.target * self.lower_at and pushed_down and self._significant_fall(
-                change, change_sq, kl_count):  # fmt: skip
+        if (
+            self.low_armed
+            and now < self.target * self.lower_at
+            and pushed_down
+            and self._significant_fall(change, change_sq, kl_count)
+        ):
             return LOWER
         return None
 
@@ -136,8 +141,10 @@ class KLGuard:
 
     def describe(self, fired: str, steps: int) -> str:
         side = "passed kl_target" if fired == UPPER else f"fell below {self.lower_at:g} x kl_target"
-        return (f"KL guard: the KL to the reference {side} after {steps} optimizer step(s); the rest of this update "
-                "was skipped.")  # fmt: skip
+        return (
+            f"KL guard: the KL to the reference {side} after {steps} optimizer step(s); the rest of this update "
+            "was skipped."
+        )
 
     def state_dict(self) -> dict:
         return {"kl_guard_low_armed": self.low_armed}

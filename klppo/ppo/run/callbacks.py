@@ -51,8 +51,9 @@ def wandb_lacks_credentials(args) -> bool:
     if os.environ.get("WANDB_API_KEY") or _netrc_has_wandb_login():
         return False
     if not _WANDB_NOTICE_GIVEN:
-        warnings.warn("wandb has no credentials here: logging offline to ./wandb (sync later with `wandb sync`).",
-                      stacklevel=3)  # fmt: skip
+        warnings.warn(
+            "wandb has no credentials here: logging offline to ./wandb (sync later with `wandb sync`).", stacklevel=3
+        )
         _WANDB_NOTICE_GIVEN = True
     return True
 

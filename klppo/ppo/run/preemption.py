@@ -74,8 +74,10 @@ class StopRequest:
         for one (`replace_jit_checkpoint`): klppo's handling does its job. With several ranks, one that has not
         stopped `shutdown_grace_s()` seconds after the signal exits (it may be waiting for a peer that died)."""
         if replace_jit_checkpoint(trainer) and trainer.is_world_process_zero():
-            logger.info("enable_jit_checkpoint: klppo saves a checkpoint on SIGTERM itself (experimental "
-                        "checkpoint_on_sigterm, on by default), every rank after the same update.")  # fmt: skip
+            logger.info(
+                "enable_jit_checkpoint: klppo saves a checkpoint on SIGTERM itself (experimental "
+                "checkpoint_on_sigterm, on by default), every rank after the same update."
+            )
         return cls(grace_s=shutdown_grace_s() if trainer.accelerator.num_processes > 1 else None)
 
     @property
@@ -96,8 +98,9 @@ class StopRequest:
             os.close(write)
         else:
             self._pipe = (read, write)
-            self._watcher = threading.Thread(target=self._watch, args=(read, self._previous_wakeup_fd),
-                                             name="klppo-sigterm-watcher", daemon=True)  # fmt: skip
+            self._watcher = threading.Thread(
+                target=self._watch, args=(read, self._previous_wakeup_fd), name="klppo-sigterm-watcher", daemon=True
+            )
             self._watcher.start()
         self._installed = True
         return True
@@ -131,8 +134,10 @@ class StopRequest:
         while True:
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic()) * 1000
             if not pipe.poll(timeout):
-                self._exit(f"the run has not stopped {self.grace_s:g} s after SIGTERM (a rank may be waiting for "
-                           "another that died)")  # fmt: skip
+                self._exit(
+                    f"the run has not stopped {self.grace_s:g} s after SIGTERM (a rank may be waiting for "
+                    "another that died)"
+                )
                 return
             data = os.read(read, 512)
             if not data:  # `uninstall` closed the pipe

@@ -1,4 +1,5 @@
-"""What the engines (DDP, DeepSpeed, FSDP2) need from klppo's forward passes, backward passes and optimizer steps.
+"""What the distributed engines (DDP, DeepSpeed, FSDP2) need from klppo's forward passes, backward passes and
+optimizer steps.
 
 `backward` and `optimizer_step`: a mini-batch's last micro-batch is the accumulation boundary. DeepSpeed's engine is
 told it (its ZeRO-2/3 refuse `no_sync`), runs its own backward and step and clips the gradients itself
@@ -21,7 +22,6 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
-
 
 _UNWRAPPED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -73,7 +73,7 @@ _UNSHARDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # root_unsh
 def root_unsharded(model: nn.Module):
     """Inside the block, the FSDP2 root's own parameters are whole, for forwards that do not enter through the
     root (a root forward in the block would reshard them on exit) and for its LM head run on hidden states
-    (`klppo.ppo.logprobs.read_response`). Nested blocks of one module unshard and reshard once, at the outermost.
+    (`klppo.ppo.scoring.logprobs.read_response`). Nested blocks of one module unshard and reshard once, at the outermost.
     A no-op for any other module."""
     if not is_fsdp2(model) or _UNSHARDED.get(model, 0) > 0:
         if is_fsdp2(model):
@@ -138,7 +138,9 @@ def destroy_process_group_at_exit() -> None:
     atexit.register(destroy)
 
 
-def backward(accelerator, model_wrapped, loss: torch.Tensor, boundary: bool, deepspeed: bool, discard: bool = False) -> None:
+def backward(
+    accelerator, model_wrapped, loss: torch.Tensor, boundary: bool, deepspeed: bool, discard: bool = False
+) -> None:
     """Backward pass of one micro-batch's loss. The loss is this rank's share of the mini-batch's global mean, and
     data parallelism averages gradients over ranks, hence the factor `num_processes`. Under DeepSpeed the engine is
     told where the accumulation boundary is (accelerate would make every micro-batch one) and must not rescale by
@@ -152,8 +154,9 @@ def backward(accelerator, model_wrapped, loss: torch.Tensor, boundary: bool, dee
     model_wrapped.backward(loss * math.nan if discard else loss, scale_wrt_gas=False)
 
 
-def optimizer_step(accelerator, model_wrapped, optimizer, scheduler, max_grad_norm: float | None,
-                   deepspeed: bool) -> float | None:  # fmt: skip
+def optimizer_step(
+    accelerator, model_wrapped, optimizer, scheduler, max_grad_norm: float | None, deepspeed: bool
+) -> float | None:
     """Clip the gradients and take the optimizer step (and the scheduler's) unless their norm is not finite. Returns
     the gradient norm before clipping (None when it is not measured). DeepSpeed's engine clips
     (`gradient_clipping`) and skips non-finite gradients itself."""

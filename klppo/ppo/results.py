@@ -90,8 +90,12 @@ class Sequences(_Selectable):
         first = int(real.int().argmax())  # every prompt has a token, so some prompt column is real
         if first == 0:
             return self
-        return replace(self, query_responses=self.query_responses[:, first:],
-                       attention_mask=self.attention_mask[:, first:], context_length=self.context_length - first)  # fmt: skip
+        return replace(
+            self,
+            query_responses=self.query_responses[:, first:],
+            attention_mask=self.attention_mask[:, first:],
+            context_length=self.context_length - first,
+        )
 
 
 @dataclass(kw_only=True)

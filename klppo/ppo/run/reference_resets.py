@@ -29,8 +29,9 @@ def lora_layers(policy: nn.Module) -> list:
     return [m for m in policy.modules() if isinstance(m, LoraLayer) and adapter in m.lora_A]
 
 
-def reference_tensors(policy: nn.Module, ref_model: nn.Module | None, ref_adapter: str | None,
-                      adapter_reference: bool) -> dict[str, torch.Tensor]:  # fmt: skip
+def reference_tensors(
+    policy: nn.Module, ref_model: nn.Module | None, ref_adapter: str | None, adapter_reference: bool
+) -> dict[str, torch.Tensor]:
     """`{name: tensor}` of what a reset writes: the frozen reference's weights; the base weights under the policy's
     LoRA layers; or the reference adapter's weights. Names are the policy's (or the reference model's)."""
     if not adapter_reference:
@@ -43,8 +44,9 @@ def reference_tensors(policy: nn.Module, ref_model: nn.Module | None, ref_adapte
 
 
 @torch.no_grad()
-def reset_reference(policy: nn.Module, ref_model: nn.Module | None, ref_adapter: str | None,
-                    adapter_reference: bool) -> None:  # fmt: skip
+def reset_reference(
+    policy: nn.Module, ref_model: nn.Module | None, ref_adapter: str | None, adapter_reference: bool
+) -> None:
     """Make the reference the current policy (see the module docstring); the policy itself does not change."""
     if not adapter_reference:
         source = dict(policy.named_parameters())
@@ -86,12 +88,13 @@ def clear_optimizer_state(optimizer) -> None:
     optimizer.state.clear()
 
 
-def check_reference_resets(fsdp: bool, policy: nn.Module, ref_model: nn.Module | None, adapter_reference: bool,
-                           ref_adapter: str | None) -> None:  # fmt: skip
+def check_reference_resets(
+    fsdp: bool, policy: nn.Module, ref_model: nn.Module | None, adapter_reference: bool, ref_adapter: str | None
+) -> None:
     """`ref_reset_steps` needs a reference it can write: refused, naming the fix, under FSDP (its sharded reference;
     DeepSpeed is refused by the config), for a `ref_model` that does not have the policy's weights, and for LoRA
     layers that cannot merge into a base weight of their own."""
-    from .generation.static_cache import mergeable_lora_layers
+    from ..generation.static_cache import mergeable_lora_layers
 
     if fsdp:
         raise ValueError(
@@ -120,8 +123,8 @@ def kl_to_initial(rollout, reference_logprobs, tensors: dict, initial: dict, pla
     """`kl/initial`: the KL of the rollout's policy to the reference before the first reset (`k3` on the sampled
     tokens: unbiased and never negative; in the statistic's unit), from the reference (`reference_logprobs(part)`)
     with its first tensors (`initial`) swapped into `tensors`."""
-    from ..kl import GlobalSums, estimate_kl
-    from ..kl.reduce import unit_count
+    from ...kl import GlobalSums, estimate_kl
+    from ...kl.reduce import unit_count
 
     mask = rollout.response_mask
     total = torch.zeros((), dtype=torch.float64, device=mask.device)

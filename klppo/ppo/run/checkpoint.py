@@ -21,7 +21,7 @@ from contextlib import contextmanager
 import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from ..utils import write_json
+from ...utils import write_json
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,8 @@ def latest_checkpoint(output_dir: str, required: tuple[str, ...] = CHECKPOINT_FI
     found = sorted(
         (int(m.group(1)), entry)
         for entry in os.listdir(output_dir)
-        if (m := re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)", entry)) and os.path.isdir(os.path.join(output_dir, entry))
+        if (m := re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)", entry))
+        and os.path.isdir(os.path.join(output_dir, entry))
     )
     for _, entry in reversed(found):
         folder = os.path.join(output_dir, entry)
@@ -169,7 +170,7 @@ def load_trainable_weights(checkpoint: str, actor_critic) -> dict:
 
 
 def save_reference(folder: str, current: dict, initial: dict) -> None:
-    """After a reference reset: the reference's tensors (`klppo.ppo.reference.reference_tensors`) as they are and as
+    """After a reference reset: the reference's tensors (`klppo.ppo.run.reference_resets.reference_tensors`) as they are and as
     they were before the first reset, in one file."""
     from safetensors.torch import save_file
 
@@ -211,8 +212,12 @@ def staged(run_dir: str, name: str, args, accelerator, best_model_checkpoint=Non
             shutil.rmtree(final)
         os.replace(folder, final)
         shutil.rmtree(staging_root, ignore_errors=True)
-        rotate_checkpoints(output_dir=run_dir, save_total_limit=args.save_total_limit,
-                           best_model_checkpoint=best_model_checkpoint, use_mtime=True)  # fmt: skip
+        rotate_checkpoints(
+            output_dir=run_dir,
+            save_total_limit=args.save_total_limit,
+            best_model_checkpoint=best_model_checkpoint,
+            use_mtime=True,
+        )
     accelerator.wait_for_everyone()
 
 
@@ -220,7 +225,7 @@ def load_weights(checkpoint: str, model_wrapped, model, deepspeed: bool) -> None
     """Put a checkpoint's trainable weights back: under DeepSpeed from the engine's own checkpoint (sharded weights
     and optimizer state, exactly), else into `model` (under FSDP2 into the shards, where the optimizer's state
     maps: a forward before now may leave them whole)."""
-    from .engines import load_full_weights
+    from ..distributed import load_full_weights
 
     weights = load_trainable_weights(checkpoint, model)
     if deepspeed:
