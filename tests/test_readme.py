@@ -71,7 +71,9 @@ def test_the_readme_is_short_and_its_evidence_table_links_to_the_results():
     text = README.read_text(encoding="utf-8")
     assert len(text.splitlines()) <= MAX_LINES
     section = text.split("## What klppo has been shown to do", 1)[1].split("\n## ", 1)[0]
-    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith(("| claim", "| ---"))]
+    rows = [
+        line for line in section.splitlines() if line.startswith("| ") and not line.startswith(("| claim", "| ---"))
+    ]
     assert len(rows) >= 5
     for row in rows:
         assert re.search(r"\]\(docs/results\.md#[\w-]+\)", row), row  # test_docs checks that the anchor exists
