@@ -108,13 +108,14 @@ EXPERIMENTAL_DOC = r"""
             rollout's response logits, `sequences x response_length x vocabulary` float32 values per process,
             fit in this many MiB; above it, one policy forward per update scores them
             in chunks of `rollout_forward_batch_size` sequences.
-        logits_block_mb (`float`, *optional*, defaults to `256`):
+        logits_block_mb (`float`, *optional*, defaults to `64`):
             MiB of float32 logits, `rows x positions x vocabulary`, that scoring and the PPO loss make at once. The
             LM head runs on blocks of response positions of that size, and only per-token results (log-probs,
             entropy, the exact KL) are kept, so memory grows with the hidden size, not with the response length
             times the vocabulary; in the loss, a block's logits are made again in the backward pass rather than
-            kept. One block covers the whole response when it fits, which is the plain computation. Larger: fewer,
-            larger matrix products; smaller: less memory.
+            kept. One block covers the whole response when it fits, which is the plain computation. A block's
+            working set (its logits, their scaled and log-softmax copies, the reference's block, the gradient) is a
+            few times this. Larger: fewer, larger matrix products; smaller: less memory.
         merge_adapter_for_generation (`bool`, *optional*, defaults to `True`):
             Sample from a LoRA policy with its adapter merged into copies of the base weights (put back, bit for
             bit, after sampling): no per-layer adapter overhead at every decoding step, at the cost of one extra
@@ -208,7 +209,7 @@ class ExperimentalSettings:
     kl_drift_patience: int = 5
     full_kl_chunk_size: int = 1024
     generation_logits_max_mb: float = 256.0
-    logits_block_mb: float = 256.0
+    logits_block_mb: float = 64.0
     merge_adapter_for_generation: bool = True
     shared_critic_detach: bool = False
     whiten_advantages: bool = True

@@ -26,7 +26,7 @@ class TrainingDiverged(RuntimeError):
 
 
 @torch.no_grad()
-def policy_outputs_finite(model, sequences, accelerator, chunk: int, logits_block_mb: float = 256.0) -> bool:
+def policy_outputs_finite(model, sequences, accelerator, chunk: int, logits_block_mb: float = 64.0) -> bool:
     """Whether the actor-critic `model` gives finite logits and values on `sequences` (a `Sequences` of this rank,
     in forward passes of `chunk` rows, the LM head read in blocks of `logits_block_mb`), on every rank. An optimizer step can leave finite weights whose logits
     overflow on some inputs (a learning rate far too high): the weights alone do not tell. Every rank runs the

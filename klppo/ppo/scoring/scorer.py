@@ -54,7 +54,7 @@ class RolloutScorer:
         suppressed_ids: torch.Tensor | None,
         chunk: int,
         critic_free: bool,
-        logits_block_mb: float = 256.0,
+        logits_block_mb: float = 64.0,
     ):
         self.plan, self.accelerator, self.ref_model = plan, accelerator, ref_model
         self.use_adapter_reference, self.ref_adapter = use_adapter_reference, ref_adapter
