@@ -327,3 +327,42 @@ def test_a_head_the_model_transforms_is_read_as_the_model_gives_it(unknown, capl
     torch.testing.assert_close(reads["logp"], selective_log_softmax(own, responses), rtol=0, atol=1e-6)
     assert actor.head_reads_hidden is (not unknown)
     assert ("does not give the model's own logits" in caplog.text) is unknown
+
+
+MALLOC_PROBE = """
+import ctypes, sys
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                                               "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.free.argtypes, libc.mallinfo2.restype = ctypes.c_void_p, [ctypes.c_void_p], Info
+if sys.argv[1] == "command":
+    from klppo.cli import fix_mmap_threshold
+    class Args:
+        use_cpu = True
+    print("set" if fix_mmap_threshold(Args()) else "left", end=" ")
+libc.free(libc.malloc(8 << 20))  # a large block given back: glibc's own rule raises its threshold to its size
+before = libc.mallinfo2().hblks
+libc.malloc(2 << 20)
+print("mmapped" if libc.mallinfo2().hblks == before + 1 else "heap")
+"""
+
+
+@pytest.mark.skipif(not hasattr(__import__("ctypes").CDLL(None), "mallinfo2"), reason="glibc >= 2.33 only")
+@pytest.mark.parametrize(
+    "mode, env, expected",
+    [("plain", {}, "heap"), ("command", {}, "set mmapped"), ("command", {"MALLOC_ARENA_MAX": "2"}, "left heap")],
+)
+def test_the_command_fixes_mallocs_mmap_threshold_on_a_cpu(mode, env, expected):
+    """The command's `fix_mmap_threshold`: after glibc has given back an 8 MiB block, a 2 MiB block is mmapped (and
+    returned to the system when freed) only with the threshold fixed; a `MALLOC_*` option in the environment is the
+    user's choice and is left alone."""
+    import os
+    import subprocess
+    import sys
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "LD_PRELOAD"}
+    out = subprocess.run(
+        [sys.executable, "-c", MALLOC_PROBE, mode], env={**clean, **env}, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == expected
