@@ -199,7 +199,7 @@ class ActorCritic(nn.Module):
     `forward(input_ids, attention_mask, position_ids) -> (logits, values)`; with `compute_values=False`, or
     with neither a critic nor a value head (the critic-free advantage estimators), `values` is None;
     `response_length=R` computes logits only at the R positions that predict the last R tokens
-    (`rollout.response_positions`), `[B, R, V]`; `detach_value_input` overrides the constructor's for one call (a
+    (`klppo.ppo.scoring.logprobs.response_positions`), `[B, R, V]`; `detach_value_input` overrides the constructor's for one call (a
     critic trained alone).
 
     With `read`, the logits are never made at once: `forward` returns `(read(source), values)`, with `source` a

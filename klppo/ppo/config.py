@@ -57,8 +57,9 @@ EXPERIMENTAL_DOC = r"""
             reads; any `kl_estimator` name. It only measures: the KL in the reward or the loss stays
             `kl_estimator`. `"full"` sums the exact KL over the vocabulary at each sampled position: the same
             expectation as `k1`'s sum (the chain rule of KL), without `k1`'s per-token sampling noise (measured in
-            `docs/kl.md`, "The KL statistic"). It costs one policy forward pass per update when the generation's
-            logits exceed `generation_logits_max_mb`. `None`: `"full"` when a
+            `docs/kl.md`, "The KL statistic"). It costs one policy forward pass per update unless the generation's
+            logits are kept: in float32, with the `generate` engine's dynamic cache, when they fit in
+            `generation_logits_max_mb`. `None`: `"full"` when a
             `kl_target` is set, else `kl_estimator`.
         kl_guard (`bool`, `str` or `None`, *optional*, defaults to `None`: on with `equilibrium` and `tracking`, else off):
             An early stop on the KL to the reference inside one update, as CleanRL's `target_kl` is on the KL to the

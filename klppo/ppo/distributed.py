@@ -142,7 +142,9 @@ def backward(
     accelerator, model_wrapped, loss: torch.Tensor, boundary: bool, deepspeed: bool, discard: bool = False
 ) -> None:
     """Backward pass of one micro-batch's loss. The loss is this rank's share of the mini-batch's global mean, and
-    data parallelism averages gradients over ranks, hence the factor `num_processes`. Under DeepSpeed the engine is
+    data parallelism averages gradients over ranks, hence the factor `num_processes`; accumulation needs no factor,
+    as every micro-batch's loss is already divided by the mini-batch's global counts, and accelerate's own division by
+    its accumulation steps is off (transformers' `Trainer` builds the accelerator with one step). Under DeepSpeed the engine is
     told where the accumulation boundary is (accelerate would make every micro-batch one) and must not rescale by
     its own accumulation count; `discard` poisons the boundary pass so that the engine's overflow check drops the
     accumulated gradients (DeepSpeed offers no other way to drop them)."""

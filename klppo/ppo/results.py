@@ -137,7 +137,7 @@ class KLPenalty:
     statistic (its reading), before the controller's step."""
 
     token_rewards: torch.Tensor  # [B, R] -coef * kl in reward mode (else 0), plus the score at the last token
-    coef: float  # the coefficient used in this update (the controller's next value: `update_controller`)
+    coef: float  # the coefficient in force for this update, before the controller's step (its next: `kl/coef_next`)
     reading: float  # the controller statistic `kl/value` of this rollout, reduced over all ranks
     finite: bool  # False: the scores or the KL held NaN/inf and the update must be skipped
     metrics: dict = field(default_factory=dict)

@@ -5,10 +5,11 @@ One PPO update (`ppo_update`), each step a public method that returns a typed re
 0. draw a batch of prompts (`_train`, the endless prompt loader)   `prompt_batch`       -> `PromptBatch`
 1. sample responses (a `GenerationEngine`, `generation/`)         `rollout`
 2. truncate at the stop token, build masks                         `rollout`
-3. score: policy / reference log-probs, values, the KL             `rollout`            -> `Rollout` (`scoring/`)
+3. score: policy / reference log-probs, values, and every KL       `rollout`            -> `Rollout` (`scoring/`)
+   estimate (the configured one, the statistic, k1-k3 logged)
 4. rewards, missing-EOS penalty                                    `compute_rewards`    -> `Rewards`
-5. the KL: every estimator logged; in reward mode the configured   `apply_kl`           -> `KLPenalty`
-   one charged to each token's reward
+5. the KL penalty: in reward mode beta times step 3's estimate     `apply_kl`           -> `KLPenalty`
+   charged to each token's reward; the statistic reduced across ranks
 6. the controller's step on the globally reduced statistic         `update_controller`  (serves the next update)
 7. advantages (GAE, or critic-free RLOO / GRPO), whitening         `compute_advantages` -> `Advantages`
 8. PPO epochs over mini-batches; each micro-batch's loss           `optimise`           -> `OptimiseResult`

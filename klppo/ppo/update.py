@@ -233,8 +233,8 @@ def micro_batch_loss(
     share: float,
 ):
     """Step 8's loss of one micro-batch `mb` (rows `idx` of the rollout) through `model` (the wrapped actor-critic),
-    normalised by the mini-batch's GLOBAL counts (`share`: this micro-batch's part of its mini-batch's mean, summed
-    over micro-batches and ranks). Returns the loss, its logging parts `{name: (sum, count)}` and its reading for the
+    normalised by the mini-batch's GLOBAL counts (`counts`: its tokens and sequences summed over micro-batches and
+    ranks; `share`, this micro-batch's part of them, weighs only the logged parts). Returns the loss, its logging parts `{name: (sum, count)}` and its reading for the
     KL guard (`GuardSample`). In loss mode the configured estimate at the current policy joins the loss, with the
     baseline taken out of its gradient when the plan says so; a logits-based estimator reads the reference's logits
     from `reference(mb)` (a `ResponseLogits`). The LM head is read in blocks of `logits_block_mb`

@@ -15,7 +15,7 @@ Every controller has the same surface:
 - ``.name``: the registry name (``"fixed"``, ``"adaptive"``, ``"exponential"``, ``"pid"``,
   ``"tracking"``, ``"equilibrium"``, or one registered with :func:`register_kl_controller`).
 - ``.observe_sequences(scores, log_ratios, lengths, unit)``: only controllers that read the batch itself
-  (``"equilibrium"``) have it; the trainer calls it before each ``update`` with every rank's sequences. Such a
+  (``reads_sequences``: ``"equilibrium"``) implement it (the base class's raises ``TypeError``); the trainer calls it before each ``update`` with every rank's sequences. Such a
   controller learns which optimum the configured KL trains toward from its constructor's ``optimum``
   (``klppo.kl.optimum.KLOptimum``), which the config passes.
 

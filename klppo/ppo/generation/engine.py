@@ -3,8 +3,9 @@
 A `GenerationEngine` takes a batch of left-padded prompts and gives back `Sampled`: the `Sequences` (responses cut at
 the stop token, their masks, and the sampling policy's per-token log-probs as the engine computed them), with what
 the engine read while decoding (`Generation`: the trainer's own log-probs, a shared critic's values, kept logits,
-where the engine decodes with the trainer's own forward). After every update the trainer asks it to take the
-policy's new weights (`sync_weights`). Two engines implement it:
+where the engine decodes with the trainer's own forward). An engine that decodes from its own copy of the weights
+(`holds_weights`) is given the policy's weights at the start of every rollout (`sync_weights`), so it samples from
+the policy that the last update left. Two engines implement it:
 
 - `GenerateEngine` (`hf.py`): transformers' `generate` on the trainer's own model, with the dynamic KV cache or a
   compiled step over a static one (`static_cache.py`); its sampling distribution is the trainer's, so nothing is

@@ -5,7 +5,7 @@ A mini-batch's loss is accumulated over micro-batches; at the accumulation bound
 the same on every rank with one collective, whether the step is taken:
 
 - `"nonfinite"`: some rank saw a non-finite loss;
-- `"guard"` / `"guard_low"`: the KL guard (`klppo.ppo.safety.nonfinite.kl_guard.KLGuard`) found the KL to the reference pushed past its
+- `"guard"` / `"guard_low"`: the KL guard (`klppo.ppo.safety.kl_guard.KLGuard`) found the KL to the reference pushed past its
   bounds by this update;
 - None: the step goes ahead.
 

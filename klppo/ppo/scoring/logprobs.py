@@ -1,5 +1,6 @@
 """Log-probs of sampled responses from logits: the positions that predict the response, temperature scaling, the
-suppressed tokens masked out, and the memory-light log-softmax + gather."""
+suppressed tokens masked out, the memory-light log-softmax + gather; and the LM head read in blocks of positions
+(`ResponseLogits`, `read_response`), which scoring, the PPO loss and the finiteness check use."""
 
 from __future__ import annotations
 
