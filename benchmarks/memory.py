@@ -52,6 +52,13 @@ def parse_args(argv=None):
     parser.add_argument("--peer-pythonpath", default=None)
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per run (default: torch's)")
+    parser.add_argument(
+        "--mmap-threshold",
+        type=int,
+        default=1 << 20,
+        help="glibc's MALLOC_MMAP_THRESHOLD_ in bytes for both sides' processes, as the klppo command sets it on a "
+        "CPU (0: glibc's own, sliding threshold)",
+    )
     parser.add_argument("--out", default=str(bench.REPO_ROOT / "results" / "memory"))
     parser.add_argument("--name", default=None, help="the report's file stem (default: the model's label)")
     args = parser.parse_args(argv)
@@ -73,6 +80,11 @@ def side_cmd(side: str, args, model_path: str, prompts: Path, length: int) -> li
     )
     cmd = bench.train_cmd(side, point, "b", model_path, prompts)
     return [*cmd, "--num-mini-batches", str(args.num_mini_batches), "--num-ppo-epochs", "1"]
+
+
+def malloc_env(args) -> dict:
+    """The allocator setting both sides run under: the same for both, so the figures compare the trainers."""
+    return {"MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)} if args.mmap_threshold else {}
 
 
 def peak_mb(run: dict) -> float:
@@ -99,6 +111,7 @@ def measure(args) -> dict:
         "device": args.device,
         "dtype": args.dtype,
         "sequences": args.sequences,
+        "malloc_mmap_threshold": args.mmap_threshold or "glibc default",
         "num_mini_batches": args.num_mini_batches,
         "sides": sides,
         "points": [],
@@ -110,7 +123,8 @@ def measure(args) -> dict:
             log = workdir / f"{side}-{length}.log"
             start = time.perf_counter()
             try:
-                run = bench.run_json(side_cmd(side, args, model_path, prompts, length), log, env=bench.side_env(side))
+                env = {**(bench.side_env(side) or {}), **malloc_env(args)}
+                run = bench.run_json(side_cmd(side, args, model_path, prompts, length), log, env=env)
                 point[side] = {
                     "peak_mb": peak_mb(run),
                     "peak_rss_mb": run["peak_rss_mb"],
@@ -149,7 +163,8 @@ def markdown(report: dict) -> str:
         f"{report.get('machine', {}).get('cpu_count')} CPUs, torch {report.get('machine', {}).get('torch')}.",
         "",
         f"{report['sequences']} sequences per update in {report['num_mini_batches']} mini-batches, one PPO epoch, workload b "
-        "of `benchmarks/bench.py`, one fresh process per side and length.",
+        "of `benchmarks/bench.py`, one fresh process per side and length, both under glibc's mmap threshold "
+        f"{report.get('malloc_mmap_threshold', 'glibc default')}.",
         "",
         "| R | "
         + " | ".join(f"{bench_report.SIDE_NAMES[s]} (MB) | MB per token" for s in sides)
