@@ -523,3 +523,32 @@ def test_the_decoding_benchmark_compiles_each_variant_once(monkeypatch, tmp_path
         assert [c["graphs"] for c in report["variants"][name]["counts"]] == [1, 0, 0], name
     assert len(report["variants"]["klppo"]["generation_s"]) == 3
     assert "klppo's generation / plain `generate`" in (tmp_path / "decode.md").read_text()
+
+
+def test_memory_report_gives_slopes_ratios_and_the_allocator(bench):
+    import memory
+
+    args = memory.parse_args(["--model", "tiny", "--lengths", "16", "32", "--mmap-threshold", "0"])
+    assert memory.malloc_env(args) == {}
+    assert memory.malloc_env(memory.parse_args(["--model", "tiny"])) == {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+    points = [
+        {"response_length": 64, "klppo": {"peak_mb": 1000.0}, "peer": {"peak_mb": 2000.0}},
+        {"response_length": 128, "klppo": {"peak_mb": 1128.0}, "peer": {"failed": "killed"}},
+        {"response_length": 256, "klppo": {"peak_mb": 1384.0}, "peer": {"peak_mb": 4000.0}},
+    ]
+    assert memory.slopes(points, "klppo") == [None, 2.0, 2.0]
+    assert memory.slopes(points, "peer") == [None, None, None]
+    report = {
+        "model": "m",
+        "command": "c",
+        "klppo_revision": "r",
+        "device": "cpu",
+        "dtype": "float32",
+        "sequences": 16,
+        "num_mini_batches": 4,
+        "sides": ["klppo", "peer"],
+        "points": points,
+        "malloc_mmap_threshold": 1 << 20,
+    }
+    table = memory.markdown(report)
+    assert "| 256 | 1384 | 2.00 | 4000 |  | 0.35 |" in table and "failed (killed)" in table and "1048576" in table
