@@ -28,16 +28,14 @@ from .controllers import (
     register_kl_controller,
     unregister_kl_controller,
 )
+from .estimate import compute_kl, estimate_kl, kl_from_log_ratio
 from .estimators import (
     BUILTIN_KL_ESTIMATORS,
     KLGradient,
-    compute_kl,
-    estimate_kl,
     full_kl,
     get_kl_estimator,
     get_kl_estimator_spec,
     kl_estimators,
-    kl_from_log_ratio,
     register_kl_estimator,
     unregister_kl_estimator,
 )
