@@ -18,6 +18,7 @@ from pathlib import Path
 
 from .ppo.run.callbacks import maybe_offline_wandb
 from .ppo.run.checkpoint import ResumeMismatch
+from .ppo.run.heap import fix_mmap_threshold
 from .ppo.run.lock import OutputDirInUse, OutputDirLock
 from .ppo.run.preemption import EXIT_STOPPED
 from .ppo.safety.nonfinite import TrainingDiverged
@@ -195,42 +196,11 @@ def _load_data(script_args, training_args):
     return train, evaluation, heldout
 
 
-MMAP_THRESHOLD_BYTES = 1 << 20
-
-
-def fix_mmap_threshold(training_args) -> bool:
-    """For a command that owns its process and trains on a CPU under glibc: malloc's mmap threshold fixed at 1 MiB
-    (`mallopt(M_MMAP_THRESHOLD, ...)`, what `MALLOC_MMAP_THRESHOLD_=1048576` in the environment does), unless the
-    environment already sets a `MALLOC_*` option or preloads another allocator. Returns whether it was set.
-
-    Why: glibc raises its threshold to the size of each large block it gives back, up to 32 MiB, after which
-    activation-sized tensors come from its heap, which fragments: on the CPU, one PPO update of 16 responses of 256
-    tokens of SmolLM2-135M peaked at 5.0 GB with glibc's default and at 3.1 GB with the threshold fixed
-    (`docs/performance.md`, "Long responses"). Blocks above 1 MiB then go back to the system when freed. A trainer
-    built from Python leaves the allocator alone: set the variable in its environment instead."""
-    import ctypes
-
-    if sys.platform != "linux" or os.environ.get("LD_PRELOAD") or any(k.startswith("MALLOC_") for k in os.environ):
-        return False
-    if not training_args.use_cpu:
-        import torch
-
-        if torch.cuda.is_available() or getattr(torch, "xpu", None) is not None and torch.xpu.is_available():
-            return False
-    try:
-        libc = ctypes.CDLL(None)
-        libc.gnu_get_libc_version  # glibc only  # noqa: B018
-    except (OSError, AttributeError):
-        return False
-    m_mmap_threshold = -3  # malloc.h
-    return libc.mallopt(m_mmap_threshold, MMAP_THRESHOLD_BYTES) == 1
-
-
 def main(parsed) -> dict:
     """Train one parsed experiment `(script_args, training_args, model_args)` and return its run summary."""
     script_args, training_args, model_args = parsed
     maybe_offline_wandb(training_args)  # the command owns its process: wandb without credentials logs offline
-    fix_mmap_threshold(training_args)  # and its allocator: a CPU run's heap does not fragment with long responses
+    fix_mmap_threshold(training_args.use_cpu)  # and its allocator: a CPU run's heap does not fragment (`heap.py`)
 
     # one run per output_dir, from the start (the trainer holds the same lock while it trains)
     with OutputDirLock(training_args.output_dir, enabled=int(os.environ.get("RANK", "0")) == 0):

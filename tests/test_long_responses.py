@@ -337,26 +337,35 @@ class Info(ctypes.Structure):
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.free.argtypes, libc.mallinfo2.restype = ctypes.c_void_p, [ctypes.c_void_p], Info
 if sys.argv[1] == "command":
-    from klppo.cli import fix_mmap_threshold
-    class Args:
-        use_cpu = True
-    print("set" if fix_mmap_threshold(Args()) else "left", end=" ")
-libc.free(libc.malloc(8 << 20))  # a large block given back: glibc's own rule raises its threshold to its size
-before = libc.mallinfo2().hblks
-libc.malloc(2 << 20)
-print("mmapped" if libc.mallinfo2().hblks == before + 1 else "heap")
+    from klppo.ppo.run.heap import decoding_heap, fix_mmap_threshold
+    print("set" if fix_mmap_threshold(use_cpu=True) else "left", end=" ")
+def where():
+    libc.free(libc.malloc(8 << 20))  # a large block given back: glibc's own rule raises its threshold to its size
+    before = libc.mallinfo2().hblks
+    libc.malloc(2 << 20)
+    return "mmapped" if libc.mallinfo2().hblks == before + 1 else "heap"
+print(where(), end=" ")
+if sys.argv[1] == "command":
+    with decoding_heap():
+        print("decoding", where(), end=" ")
+print(where())
 """
 
 
 @pytest.mark.skipif(not hasattr(__import__("ctypes").CDLL(None), "mallinfo2"), reason="glibc >= 2.33 only")
 @pytest.mark.parametrize(
     "mode, env, expected",
-    [("plain", {}, "heap"), ("command", {}, "set mmapped"), ("command", {"MALLOC_ARENA_MAX": "2"}, "left heap")],
+    [
+        ("plain", {}, "heap heap"),
+        ("command", {}, "set mmapped decoding heap mmapped"),
+        ("command", {"MALLOC_ARENA_MAX": "2"}, "left heap decoding heap heap"),
+    ],
 )
 def test_the_command_fixes_mallocs_mmap_threshold_on_a_cpu(mode, env, expected):
     """The command's `fix_mmap_threshold`: after glibc has given back an 8 MiB block, a 2 MiB block is mmapped (and
-    returned to the system when freed) only with the threshold fixed; a `MALLOC_*` option in the environment is the
-    user's choice and is left alone."""
+    returned to the system when freed) only with the threshold fixed, and comes from the heap again while decoding
+    (`decoding_heap`) and mmapped after it; a `MALLOC_*` option in the environment is the user's choice and is left
+    alone."""
     import os
     import subprocess
     import sys

@@ -70,6 +70,7 @@ from .prompts import collate_prompts, endless_prompt_batches
 from .results import Advantages, KLPenalty, OptimiseResult, PromptBatch, Rewards, Rollout, Sequences
 from .run import checkpoint as ckpt
 from .run.callbacks import KLProgressCallback, now, offline_wandb, timed
+from .run.heap import decoding_heap
 from .run.preemption import StopRequest
 from .run.reference_resets import (
     check_reference_resets,
@@ -500,7 +501,8 @@ class KLPPOTrainer(Trainer):
             with timed(timings, "time/generation", acc):
                 # the model to score with: under ZeRO-3 the one gathered for generation (one gather per rollout)
                 model = generation_context.enter_context(engine.generating(self.model_wrapped))
-                sampled = engine.generate(batch, self.kl_plan)
+                with decoding_heap():  # a CPU run's heap as decoding needs it, where the command fixed it
+                    sampled = engine.generate(batch, self.kl_plan)
             rollout = self.scorer.score(model, sampled.sequences, sampled.generated, timings)
             with timed(timings, "time/generation", acc):  # ZeRO-3 partitions the weights again
                 generation_context.close()
