@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .ppo.run.callbacks import maybe_offline_wandb
 from .ppo.run.checkpoint import ResumeMismatch
-from .ppo.run.heap import fix_mmap_threshold
+from .ppo.run.heap import LONG_RESPONSE, fix_mmap_threshold
 from .ppo.run.lock import OutputDirInUse, OutputDirLock
 from .ppo.run.preemption import EXIT_STOPPED
 from .ppo.safety.nonfinite import TrainingDiverged
@@ -200,7 +200,10 @@ def main(parsed) -> dict:
     """Train one parsed experiment `(script_args, training_args, model_args)` and return its run summary."""
     script_args, training_args, model_args = parsed
     maybe_offline_wandb(training_args)  # the command owns its process: wandb without credentials logs offline
-    fix_mmap_threshold(training_args.use_cpu)  # and its allocator: a CPU run's heap does not fragment (`heap.py`)
+    if training_args.response_length >= LONG_RESPONSE:  # and its allocator: a long run's heap does not fragment
+        fix_mmap_threshold(
+            training_args.use_cpu
+        )  # (`heap.py`; at 12 tokens the fixed threshold cost 10-17% per update)
 
     # one run per output_dir, from the start (the trainer holds the same lock while it trains)
     with OutputDirLock(training_args.output_dir, enabled=int(os.environ.get("RANK", "0")) == 0):
