@@ -200,10 +200,9 @@ def main(parsed) -> dict:
     """Train one parsed experiment `(script_args, training_args, model_args)` and return its run summary."""
     script_args, training_args, model_args = parsed
     maybe_offline_wandb(training_args)  # the command owns its process: wandb without credentials logs offline
-    if training_args.response_length >= LONG_RESPONSE:  # and its allocator: a long run's heap does not fragment
-        fix_mmap_threshold(
-            training_args.use_cpu
-        )  # (`heap.py`; at 12 tokens the fixed threshold cost 10-17% per update)
+    # and its allocator, for long responses: the heap does not fragment (`heap.py`; at 12 tokens it costs time)
+    if training_args.response_length >= LONG_RESPONSE:
+        fix_mmap_threshold(training_args.use_cpu)
 
     # one run per output_dir, from the start (the trainer holds the same lock while it trains)
     with OutputDirLock(training_args.output_dir, enabled=int(os.environ.get("RANK", "0")) == 0):
