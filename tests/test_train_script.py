@@ -194,7 +194,7 @@ def test_the_script_exits_2_with_one_paragraph_on_a_user_error(tmp_path):
     assert proc.stderr.strip().startswith("error:") or "\nerror:" in proc.stderr
 
 
-@pytest.mark.parametrize("name", ["default.yaml", "fixed_reward.yaml", "pid_loss.yaml", "qwen_hub.yaml"])
+@pytest.mark.parametrize("name", ["default.yaml", "fixed_reward.yaml", "lists.yaml", "pid_loss.yaml", "qwen_hub.yaml"])
 def test_every_experiment_config_parses(name):
     """Each shipped YAML is valid for the parser (fields, choices, KL checks), without loading models."""
     from klppo.cli import parse
