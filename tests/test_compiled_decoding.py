@@ -5,7 +5,8 @@ transformers compiles `generate`'s decoding step only on accelerators; `CompileC
 compile on a CPU too, and a counting backend (which runs the traced graph as it is) counts the compilations. After
 the first rollout, `torch.compiler.set_stance("fail_on_recompile")` turns any recompilation into an error, so a run
 that finishes has compiled exactly once. A negative control shows that the detector fires: a rollout that decodes in
-the other mode (`module.training`) recompiles, and the stance stops it.
+the other mode (`module.training`) recompiles, and the stance stops it. And the compiled step decodes with the
+weights of the update it is in: its log-probs after 3 updates equal a scoring forward's at the trained weights.
 """
 
 from __future__ import annotations
@@ -242,3 +243,27 @@ def test_the_static_cache_is_as_long_as_the_longest_prompt(tiny_path, prompts, t
     assert "grow to max_prompt_length + response_length = 29" in caplog.text
     assert caches.max_len == 29 and caches.caches[size].get_max_length() == 29
     assert rollout.responses.shape == (4, 5) and len(GRAPHS) == 2
+
+
+@pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
+def test_the_compiled_step_decodes_with_the_updated_weights(tiny_path, prompts, tmp_path, peft):
+    """After 3 updates with the compiled static cache (and, with LoRA, the merged copies it decodes from), the
+    log-probs the compiled step gives the tokens it samples equal a scoring forward at the trained weights (float32,
+    a few 1e-6; the bound 1e-4), while the same tokens under the initial weights (the reference) are far off: the
+    compiled step holds the updated weights, not the ones it was traced with."""
+    from dataclasses import replace
+
+    trainer = compiled_trainer(tiny_path, prompts, tmp_path, peft=peft, max_steps=3, learning_rate=1e-2)
+    run_and_count(trainer)
+    engine, batch = trainer.sampler, trainer.prompt_batch(list(prompts["prompt"][:4]))
+    plan = replace(trainer.kl_plan, read_while_decoding=True)  # the compiled step's own log-probs, read at each step
+    with engine.generating(trainer.model_wrapped):
+        sampled = engine.generate(batch, plan)
+    assert len(GRAPHS) == 1  # the same compiled step decoded them
+    scored = trainer.score(sampled.sequences)
+    keep = sampled.sequences.response_mask.bool()
+    decoded = sampled.generated.logp
+    agree = float((scored.logp - decoded).abs()[keep].max())
+    moved = float((scored.ref_logp - decoded).abs()[keep].max())
+    assert agree < 1e-4, agree
+    assert moved > 100 * max(agree, 1e-5), (moved, agree)
