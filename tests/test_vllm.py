@@ -106,6 +106,52 @@ def test_the_engine_decodes_the_trainers_weights_after_every_update(tmp_path, ti
     release(trainer)
 
 
+def engine_agreement(trainer) -> tuple[float, float]:
+    """`(agree, moved)`: the largest gap between the engine's log-probs of the tokens it samples and the trainer's
+    forward at its weights now, and between the engine's and the reference's."""
+    rollout = trainer.rollout(trainer.prompt_batch(["The day was"] * 16))
+    keep = rollout.response_mask.bool()
+    agree = float((rollout.logp - rollout.sampling_logp).abs()[keep].max())
+    moved = float((rollout.ref_logp - rollout.sampling_logp).abs()[keep].max())
+    return agree, moved
+
+
+@pytest.mark.parametrize("case", ["reference reset", "resume"])
+def test_the_engine_decodes_the_trainers_weights_after_a_reference_reset_and_a_resume(tmp_path, case):
+    """LoRA. A reference reset at update 2 (the adapter merged into the reference, a fresh adapter trained after
+    it), or a resume in a new trainer from the checkpoint of update 2, as in a new process (its engine starts from
+    the base model's files): after update 3 the engine decodes the trainer's weights (bound 1e-4), not the
+    reference's."""
+    from peft import LoraConfig
+
+    settings = dict(
+        response_length=4,
+        use_vllm=True,
+        per_device_train_batch_size=16,
+        rollout_forward_batch_size=16,
+        learning_rate=1e-2,
+        stop_token="eos",
+    )
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"])
+    name = "klppo:tiny-llama-vllm"
+    if case == "reference reset":
+        trainer = vllm_trainer(name, tmp_path, lora, max_steps=3, ref_reset_steps=2, **settings)
+        trainer.train()
+        assert trainer.reference_resets == 1
+    else:
+        saving = dict(save_strategy="steps", save_steps=2, **settings)
+        first = vllm_trainer(name, tmp_path, lora, max_steps=2, **saving)
+        first.train()
+        release(first)
+        trainer = vllm_trainer(name, tmp_path, lora, max_steps=3, **saving)
+        trainer.train(resume_from_checkpoint=True)
+        assert trainer.state.global_step == 3
+    agree, moved = engine_agreement(trainer)
+    assert agree < 1e-4, agree
+    assert moved > 100 * max(agree, 1e-5), (moved, agree)
+    release(trainer)
+
+
 def test_a_tied_head_left_packed_from_the_old_embedding_is_caught(tmp_path, monkeypatch):
     """Negative control of the test above: on a CPU vLLM keeps a packed copy of a tied LM head, made from the
     embedding at load time; a sync that does not repack it leaves the engine's head at the first weights, and the
