@@ -566,7 +566,9 @@ class KLPPOTrainer(Trainer):
     def compute_advantages(self, rollout: Rollout, rewards: Rewards, penalty: KLPenalty) -> Advantages:
         """Step 7: advantages, returns and the KL loss term's weight (`klppo.ppo.update.compute_advantages`)."""
         advantages = update.compute_advantages(self.args, self.kl_plan, rollout, rewards, penalty, self.accelerator)
-        return weight_advantages(advantages, rollout)  # an inexact engine's truncated importance weights
+        # an inexact engine's truncated importance weights, on the tokens that carry a policy gradient
+        valid = rollout.response_mask * rewards.scorable.to(rollout.response_mask.dtype)[:, None]
+        return weight_advantages(advantages, rollout, valid, self.accelerator)
 
     # ------------------------------------------------------------------ step 8: optimisation
     def optimise(self, rollout: Rollout, advantages: Advantages, kl_reading: float | None = None) -> OptimiseResult:

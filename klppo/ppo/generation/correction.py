@@ -9,7 +9,8 @@ efficient RL framework secretly brings you off-policy RL training"), each token'
     w = min(prod_t pi_old / mu, clip_max) per sequence, on all its tokens  (`sequence_truncate`)
 
 The ratios are weighed into the advantages (`weight_advantages`): PPO's clipped loss is linear in the advantage and
-`w > 0`, so `max(-wA r, -wA clip(r)) = w max(-A r, -A clip(r))`, the per-token policy loss times `w` exactly. The KL
+`w > 0`, so `max(-wA r, -wA clip(r)) = w max(-A r, -A clip(r))`, the per-token policy loss times `w` exactly. The
+advantages are first centred on their mean under `pi_old` (`weight_advantages` says why). The KL
 penalty in the reward reaches the gradient through those same advantages, so it is corrected with them. The KL
 statistic the controller and the guard read (`statistic_kl`) and the logged `kl/k1..k3` are the trainer's log-ratios
 weighted by the same `w` (their expectation under `pi_old` instead of `mu`). Every reading is of the trainer's
@@ -89,9 +90,23 @@ def correct_rollout(rollout, enabled: bool, mode: str, clip_max: float, accelera
     )
 
 
-def weight_advantages(advantages, rollout):
-    """`advantages` with each token's advantage times its truncated importance weight (the per-token policy loss
-    times the weight: see the module's docstring); unchanged without weights."""
+def weight_advantages(advantages, rollout, valid: torch.Tensor | None = None, accelerator=None):
+    """`advantages` centred on their mean under the trainer's policy, then each token's times its truncated
+    importance weight (the per-token policy loss times the weight: see the module's docstring); unchanged without
+    weights. `valid [B, R]`: the tokens that carry a policy gradient (default: the response mask); the mean is
+    self-normalised, `sum w A / sum w` over them on all ranks.
+
+    Why centre: the whitening took out the advantages' mean over the engine's samples, their mean under `mu`; the
+    weighted gradient is an expectation under `pi_old`, where that mean is off by as much as the signal near the
+    optimum. Taking out any constant leaves the expected gradient as it is (`E[grad log pi] = 0`), and taking out
+    the mean under `pi_old` removes the noise the other one leaves. Measured on the one-token bandit sampled at a
+    temperature 30% above the trainer's, KL(pi || pi*) after 120 updates: 0.075 weighted without centring, 0.005
+    centred, 0.006 on-policy (`tests/test_generation.py`)."""
     if getattr(rollout, "is_weight", None) is None:
         return advantages
-    return replace(advantages, advantages=advantages.advantages * rollout.is_weight.to(advantages.advantages.dtype))
+    a = advantages.advantages
+    w = rollout.is_weight.to(a.dtype)
+    valid = (rollout.response_mask if valid is None else valid).to(a.dtype)
+    total = _global((w * valid).sum(), "sum", accelerator)
+    mean = _global((w * a * valid).sum(), "sum", accelerator) / total if total > 0 else 0.0
+    return replace(advantages, advantages=(a - mean) * valid * w)
