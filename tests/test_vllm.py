@@ -232,6 +232,29 @@ def test_a_drifting_vllm_engine_is_measured_and_its_kl_reading_corrected(tmp_pat
     release(trainer)
 
 
+@pytest.mark.numerics
+def test_the_bandit_on_a_drifting_vllm_engine_lands_with_the_correction(tmp_path, monkeypatch):
+    """The engine sampling at a temperature 30% above the trainer's for all 120 updates of the one-token bandit: with
+    the correction (on by default) it lands on pi* within the bound of the undrifted test (the same test on
+    generate: `tests/test_generation.py`, with its ablation)."""
+    from klppo.ppo.generation.vllm import VLLMEngine
+
+    original = VLLMEngine.sampling_params
+
+    def drifted(self, seed):
+        params = original(self, seed)
+        params.temperature = self.args.temperature * 1.3
+        return params
+
+    monkeypatch.setattr(VLLMEngine, "sampling_params", drifted)
+    trainer = one_token_bandit(tmp_path)
+    trainer.train()
+    assert all(h["sampling/logp_diff_max"] > 1e-2 for h in trainer.state.log_history if "sampling/logp_diff_max" in h)
+    end = one_token_state(trainer)
+    assert kl(end["logp"], tilted(end["ref"], end["reward"], BETA)) < 0.02
+    release(trainer)
+
+
 def test_two_cpu_ranks_each_decode_with_their_own_engine(tmp_path):
     """torchrun, 2 CPU ranks: each rank's engine decodes its trainer's weights after 3 updates (its log-probs
     equal its forward's), both ranks synced before every rollout and hold the same coefficient, and their
