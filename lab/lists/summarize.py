@@ -88,7 +88,10 @@ def run_summary(folder):
 
 def main():
     runs = sys.argv[1] if len(sys.argv) > 1 else "outputs/lists-runs"
-    summaries = [run_summary(f) for f in sorted(glob.glob(os.path.join(runs, "*-*"))) if not f.endswith("base-0")]
+    finished = [
+        f for f in sorted(glob.glob(os.path.join(runs, "*-*"))) if os.path.isfile(os.path.join(f, "heldout.json"))
+    ]
+    summaries = [run_summary(f) for f in finished if not f.endswith("base-0")]
     with open(os.path.join(runs, "base-0", "heldout.json")) as f:
         base = json.load(f)
     keys = [
@@ -122,6 +125,8 @@ def main():
 
         def cell(k, fmt="{:.3f}", scale=1.0):
             m, se = t[k]
+            if len(t["seeds"]) < 2:  # one run: no standard error
+                return fmt.format(m * scale)
             return (fmt + " ± " + fmt).format(m * scale, se * scale)
 
         lines.append(
