@@ -494,3 +494,62 @@ def test_the_constant_gain_ablations_step_by_their_constant():
         new = c.update(0.3, 64)
         assert c.gain == constant and c.ess == constant
         assert math.log(new) == pytest.approx(math.log(0.5) + constant * (c.estimate - math.log(0.5)))
+
+
+def test_the_list_task_table_by_hand(tmp_path):
+    """`lab.lists.summarize` reads klppo's printed logs and TRL's log.jsonl alike, with each run's held-out yardstick,
+    and gives each arm's mean and standard error over seeds (one run: no standard error)."""
+    from lab.lists import summarize
+
+    runs = tmp_path / "runs"
+
+    def heldout(folder, reward, kl):
+        folder.mkdir(parents=True)
+        (folder / "heldout.json").write_text(json.dumps(dict(reward=reward, kl_sequence=kl, response_length=50.0)))
+
+    for seed, (r1, r2) in {1: (0.2, 0.8), 2: (0.4, 1.0)}.items():
+        folder = runs / f"ppo-{seed}"
+        heldout(folder, r2, 8.0 + seed)
+        lines = [
+            str(
+                {
+                    "objective/scores": str(r),
+                    "kl/value": str(kl),
+                    "kl/coef": "0.05",
+                    "objective/response_length": "40",
+                    "time/update": "60",
+                }
+            )
+            for r, kl in ((r1, 2.0), (r2, 8.0 + seed))
+        ]
+        (folder / "train.log").write_text("noise\n" + "\n".join(lines) + "\n")
+        (folder / "summary.json").write_text(json.dumps({"wall_seconds": 600.0 * seed}))
+    folder = runs / "grpo-1"
+    heldout(folder, 0.9, 7.0)
+    (folder / "log.jsonl").write_text(
+        json.dumps(
+            {
+                "step": 1,
+                "reward": 0.5,
+                "kl/value": 9.0,
+                "kl/coef": 0.1,
+                "completions/mean_length": 70.0,
+                "step_time": 50.0,
+            }
+        )
+        + "\n"
+        + json.dumps({"step": 1, "train_runtime": 50.0})
+        + "\n"
+    )
+    (folder / "summary.json").write_text(json.dumps({"seconds": 50.0}))
+    heldout(runs / "base-0", 0.2, 0.0)
+    (runs / "rloo-1").mkdir()  # a run still going: no held-out figures yet, left out
+    summarize.main([str(runs), str(tmp_path / "out")])
+    table = json.loads((tmp_path / "out" / "summary.json").read_text())["arms"]
+    assert set(table) == {"ppo", "grpo"} and table["ppo"]["seeds"] == [1, 2]
+    assert table["ppo"]["heldout_reward"] == pytest.approx([0.9, 0.1])  # mean of 0.8 and 1.0, SE 0.1
+    assert table["ppo"]["kl_second_half"] == pytest.approx([9.5, 0.5])
+    assert table["ppo"]["wall_seconds"] == pytest.approx([900.0, 300.0])
+    assert table["grpo"]["reward_last5"][0] == pytest.approx(0.5) and table["grpo"]["heldout_kl"][0] == 7.0
+    md = (tmp_path / "out" / "summary.md").read_text()
+    assert "| 0.900 ± 0.100 |" in md and "| 0.900 | 7.00 |" in md

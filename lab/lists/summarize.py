@@ -1,7 +1,7 @@
 """results/lists/: the list task's runs (`lab/lists/run.sh`) summarised per arm, mean and standard error over seeds,
 with their training curves. From the repository root, after the runs:
 
-    python -m lab.lists.summarize outputs/lists-runs
+    python -m lab.lists.summarize outputs/lists-runs [OUT]   # OUT: results/lists by default
 """
 
 import ast
@@ -86,8 +86,10 @@ def run_summary(folder):
     )
 
 
-def main():
-    runs = sys.argv[1] if len(sys.argv) > 1 else "outputs/lists-runs"
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    runs = argv[0] if argv else "outputs/lists-runs"
+    out = argv[1] if len(argv) > 1 else RESULTS
     finished = [
         f for f in sorted(glob.glob(os.path.join(runs, "*-*"))) if os.path.isfile(os.path.join(f, "heldout.json"))
     ]
@@ -112,8 +114,8 @@ def main():
                 seeds=[s["seed"] for s in mine],
                 **{k: mean_and_standard_error([s[k] for s in mine]) for k in keys},
             )
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "summary.json"), "w") as f:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(dict(reference=base, arms=table, runs=summaries), f, indent=1)
     lines = [
         "| arm | seeds | reward, updates 1-5 | reward, last 5 | KL per sequence, 2nd half (target 8) | held-out "
@@ -134,10 +136,10 @@ def main():
             f"{cell('kl_second_half', '{:.2f}')} | {cell('heldout_reward')} | {cell('heldout_kl', '{:.2f}')} | "
             f"{cell('heldout_length', '{:.0f}')} | {cell('wall_seconds', '{:.0f}', 1 / 60)} |"
         )
-    with open(os.path.join(RESULTS, "summary.md"), "w") as f:
+    with open(os.path.join(out, "summary.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
-    plot(summaries, os.path.join(RESULTS, "curves.png"))
+    plot(summaries, os.path.join(out, "curves.png"))
 
 
 def plot(summaries, path):
