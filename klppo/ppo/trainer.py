@@ -566,6 +566,8 @@ class KLPPOTrainer(Trainer):
     def compute_advantages(self, rollout: Rollout, rewards: Rewards, penalty: KLPenalty) -> Advantages:
         """Step 7: advantages, returns and the KL loss term's weight (`klppo.ppo.update.compute_advantages`)."""
         advantages = update.compute_advantages(self.args, self.kl_plan, rollout, rewards, penalty, self.accelerator)
+        if getattr(rollout, "is_weight", None) is None:
+            return advantages
         # an inexact engine's truncated importance weights, on the tokens that carry a policy gradient
         valid = rollout.response_mask * rewards.scorable.to(rollout.response_mask.dtype)[:, None]
         return weight_advantages(advantages, rollout, valid, self.accelerator)
