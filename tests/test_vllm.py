@@ -18,6 +18,15 @@ from klppo.testing.bandit import bandit_trainer, kl, one_token_state, tilted  # 
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 BETA = 0.5
+# the weight-sync tests: 3 updates at a high learning rate, so that the weights move far from the reference's
+SYNC_SETTINGS = dict(
+    response_length=4,
+    use_vllm=True,
+    per_device_train_batch_size=16,
+    rollout_forward_batch_size=16,
+    learning_rate=1e-2,
+    stop_token="eos",
+)
 
 
 def release(trainer):
@@ -70,6 +79,16 @@ def vllm_trainer(name: str, tmp_path, peft_config=None, **overrides):
     )
 
 
+def engine_agreement(trainer) -> tuple[float, float]:
+    """`(agree, moved)`: the largest gap between the engine's log-probs of the tokens it samples and the trainer's
+    forward at its weights now, and between the engine's and the reference's."""
+    rollout = trainer.rollout(trainer.prompt_batch(["The day was"] * 16))
+    keep = rollout.response_mask.bool()
+    agree = float((rollout.logp - rollout.sampling_logp).abs()[keep].max())
+    moved = float((rollout.ref_logp - rollout.sampling_logp).abs()[keep].max())
+    return agree, moved
+
+
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_the_engine_decodes_the_trainers_weights_after_every_update(tmp_path, tied, lora):
@@ -82,38 +101,14 @@ def test_the_engine_decodes_the_trainers_weights_after_every_update(tmp_path, ti
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"])
-    trainer = vllm_trainer(
-        name,
-        tmp_path,
-        peft_config,
-        response_length=4,
-        max_steps=3,
-        use_vllm=True,
-        per_device_train_batch_size=16,
-        rollout_forward_batch_size=16,
-        learning_rate=1e-2,
-        stop_token="eos",
-    )
+    trainer = vllm_trainer(name, tmp_path, peft_config, max_steps=3, **SYNC_SETTINGS)
     trainer.train()
     syncs = [h["time/weight_sync"] for h in trainer.state.log_history if "time/weight_sync" in h]
     assert len(syncs) == 3
-    rollout = trainer.rollout(trainer.prompt_batch(["The day was"] * 16))
-    keep = rollout.response_mask.bool()
-    agree = float((rollout.logp - rollout.sampling_logp).abs()[keep].max())
-    moved = float((rollout.ref_logp - rollout.sampling_logp).abs()[keep].max())
+    agree, moved = engine_agreement(trainer)
     assert agree < 1e-4, agree
     assert moved > 100 * max(agree, 1e-5), (moved, agree)
     release(trainer)
-
-
-def engine_agreement(trainer) -> tuple[float, float]:
-    """`(agree, moved)`: the largest gap between the engine's log-probs of the tokens it samples and the trainer's
-    forward at its weights now, and between the engine's and the reference's."""
-    rollout = trainer.rollout(trainer.prompt_batch(["The day was"] * 16))
-    keep = rollout.response_mask.bool()
-    agree = float((rollout.logp - rollout.sampling_logp).abs()[keep].max())
-    moved = float((rollout.ref_logp - rollout.sampling_logp).abs()[keep].max())
-    return agree, moved
 
 
 @pytest.mark.parametrize("case", ["reference reset", "resume"])
@@ -124,14 +119,7 @@ def test_the_engine_decodes_the_trainers_weights_after_a_reference_reset_and_a_r
     reference's."""
     from peft import LoraConfig
 
-    settings = dict(
-        response_length=4,
-        use_vllm=True,
-        per_device_train_batch_size=16,
-        rollout_forward_batch_size=16,
-        learning_rate=1e-2,
-        stop_token="eos",
-    )
+    settings = SYNC_SETTINGS
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"])
     name = "klppo:tiny-llama-vllm"
     if case == "reference reset":
