@@ -199,3 +199,26 @@ def test_vllm_fields_that_cannot_work_are_refused(tmp_path):
         klppo_config(output_dir=str(tmp_path), experimental={"vllm_mode": "server"})
     with pytest.raises(ValueError, match="token_truncate"):
         klppo_config(output_dir=str(tmp_path), experimental={"vllm_importance_sampling_mode": "sequence_mask"})
+
+
+def test_the_vllm_kv_cache_holds_the_whole_local_batch_in_whole_blocks(tmp_path):
+    """On a CPU vLLM allocates its KV cache in blocks of 128 tokens, one sequence at least one block: the default
+    size holds every sequence of the local batch at the engine's longest length at once (the default job's shape:
+    SmolLM2-135M, 32 sequences of up to 64 + 12 tokens). Sized in tokens it held 23 sequences, and the engine
+    decoded each batch in two waves."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+
+    from klppo.ppo.generation.vllm import CPU_BLOCK_SIZE, VLLMEngine
+
+    config = LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3)
+    for max_model_len, sequences in ((76, 32), (128, 16), (129, 16), (1100, 4)):
+        engine = object.__new__(VLLMEngine)
+        engine.args = klppo_config(output_dir=str(tmp_path), experimental={})
+        engine.config, engine.max_model_len, engine.max_num_seqs = config, max_model_len, sequences
+        block_bytes = 2 * 30 * 3 * 64 * 4 * CPU_BLOCK_SIZE
+        blocks = int(engine.kv_cache_mb() * 2**20 // block_bytes)
+        assert blocks >= sequences * math.ceil(max_model_len / CPU_BLOCK_SIZE), (max_model_len, sequences, blocks)
+    engine.args = SimpleNamespace(experimental=SimpleNamespace(vllm_kv_cache_mb=300))
+    assert engine.kv_cache_mb() == 300

@@ -37,6 +37,7 @@ from .static_cache import mergeable_lora_layers, merged_lora
 logger = logging.getLogger(__name__)
 
 KV_CACHE_FLOOR_MB = 64
+CPU_BLOCK_SIZE = 128  # vLLM's CPU default, set explicitly so that the KV cache is sized in the blocks it allocates
 
 
 def _is_peft(model) -> bool:
@@ -120,6 +121,7 @@ class VLLMEngine(GenerationEngine):
         kwargs = {}
         if self.on_cpu:
             kwargs["kv_cache_memory_bytes"] = int(self.kv_cache_mb() * 2**20)
+            kwargs["block_size"] = CPU_BLOCK_SIZE
             kwargs["enforce_eager"] = True
         else:
             kwargs["gpu_memory_utilization"] = args.experimental.vllm_gpu_memory_utilization
@@ -163,14 +165,16 @@ class VLLMEngine(GenerationEngine):
 
     def kv_cache_mb(self) -> float:
         """The KV cache on a CPU, MiB: `vllm_kv_cache_mb`, or every sequence of the local batch at the engine's
-        longest length (K and V, every layer), with a floor."""
+        longest length rounded up to whole blocks (K and V, every layer), with a floor. Sized in tokens instead,
+        a cache of 128-token blocks holds fewer sequences than the batch, and the engine decodes it in waves."""
         if self.args.experimental.vllm_kv_cache_mb is not None:
             return float(self.args.experimental.vllm_kv_cache_mb)
         c = self.config
         heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         per_token = 2 * c.num_hidden_layers * heads * head_dim * 4  # float32 bytes, an upper bound for bf16
-        need = per_token * self.max_model_len * self.max_num_seqs * 1.25 / 2**20
+        blocks = -(-self.max_model_len // CPU_BLOCK_SIZE)
+        need = per_token * blocks * CPU_BLOCK_SIZE * (self.max_num_seqs + 1) / 2**20
         return max(float(KV_CACHE_FLOOR_MB), need)
 
     # ------------------------------------------------------------------ weights
