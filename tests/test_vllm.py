@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 
@@ -137,6 +138,48 @@ def test_the_engine_decodes_the_trainers_weights_after_a_reference_reset_and_a_r
     agree, moved = engine_agreement(trainer)
     assert agree < 1e-4, agree
     assert moved > 100 * max(agree, 1e-5), (moved, agree)
+    release(trainer)
+
+
+def test_a_resumed_run_ends_as_the_uninterrupted_one(tmp_path):
+    """Full fine-tuning, 4 updates, saved after update 2: a new trainer resumed from that checkpoint (its engine
+    started from the base model's files, then synced) ends with the same weights, coefficient and per-update logs as
+    the run that was never interrupted. The engine's per-sequence seeds come from torch's generator, which the
+    checkpoint restores, so even its sampling stream repeats."""
+    settings = dict(SYNC_SETTINGS, learning_rate=3e-3, kl_coef=0.1, kl_target=0.5, kl_controller="adaptive")
+    saving = dict(save_strategy="steps", save_steps=2, max_steps=4, **settings)
+    whole = vllm_trainer("klppo:tiny-llama-vllm", tmp_path / "whole", **saving)
+    whole.train()
+    weights = {name: p.detach().clone() for name, p in whole.model.named_parameters()}
+    logs = [h for h in whole.state.log_history if "kl/value" in h]
+    coef = whole.kl_controller.state_dict()
+    release(whole)
+    resumed = vllm_trainer("klppo:tiny-llama-vllm", tmp_path / "resumed", **saving)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "whole" / "bandit" / "checkpoint-2"))
+    assert resumed.state.global_step == 4
+    for name, p in resumed.model.named_parameters():
+        assert torch.equal(p, weights[name]), name
+    assert resumed.kl_controller.state_dict() == coef
+    again = [h for h in resumed.state.log_history if "kl/value" in h]
+    for a, b in zip(logs[2:], again[-2:]):
+        for key in ("objective/scores", "kl/value", "kl/coef", "sampling/logp_diff_max"):
+            assert a[key] == b[key], (key, a[key], b[key])
+    release(resumed)
+
+
+@pytest.mark.numerics
+def test_a_bfloat16_engine_under_a_float32_trainer_is_measured_and_the_bandit_lands(tmp_path):
+    """The engine in bfloat16 (`vllm_dtype`), the trainer in float32: the logged ratios move away from 1 on every
+    rollout, and the one-token bandit still lands on pi* within the float32 engine's bound."""
+    trainer = one_token_bandit(tmp_path, experimental={"vllm_dtype": "bfloat16"})
+    assert next(trainer.model.parameters()).dtype == torch.float32
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "sampling/is_ratio_max" in h]
+    assert len(logs) == 120
+    assert all(h["sampling/logp_diff_max"] > 1e-3 for h in logs)
+    assert all(h["sampling/is_ratio_max"] > 1.001 and h["sampling/is_ratio_min"] < 0.999 for h in logs)
+    end = one_token_state(trainer)
+    assert kl(end["logp"], tilted(end["ref"], end["reward"], BETA)) < 0.02
     release(trainer)
 
 

@@ -35,6 +35,7 @@ DEFAULT_FULL_LEARNING_RATE = 3e-5
 CRITIC_KINDS = ("separate", "shared")
 ADVANTAGE_ESTIMATORS = ("gae", "rloo", "grpo")
 CACHE_IMPLEMENTATIONS = ("auto", "static", "dynamic")
+VLLM_DTYPES = ("auto", "bfloat16", "float16", "float32")
 # the compiled decoding step's settings (transformers' `CompileConfig`) unless the experimental
 # `generation_compile_config` says otherwise: one graph per batch size (`dynamic=False`: the static cache fixes every
 # other shape), replayed as a CUDA graph (`results/bench/gpu/`)
@@ -180,6 +181,10 @@ EXPERIMENTAL_DOC = r"""
             Let the engine free its memory between rollouts (a GPU only: on a CPU vLLM's sleep mode does nothing).
         vllm_tensor_parallel_size (`int`, *optional*, defaults to `1`):
             Tensor-parallel ranks per engine; colocated engines take 1 (one engine per training process).
+        vllm_dtype (`str`, *optional*, defaults to `"auto"`):
+            The engine's weights and activations: `"auto"` (the policy's dtype), `"bfloat16"`, `"float16"` or
+            `"float32"`. An engine in bfloat16 under a float32 trainer halves its weights' memory and drifts from
+            the trainer's numerics; the correction (below) weighs that drift out.
         vllm_kv_cache_mb (`float` or `None`, *optional*, defaults to `None`):
             On a CPU, the KV cache in MiB; `None`: what one rollout needs (every sequence of the local batch at
             `vllm_max_model_length` tokens), with a floor of 64 MiB.
@@ -225,6 +230,7 @@ class ExperimentalSettings:
     vllm_max_model_length: int | None = None
     vllm_enable_sleep_mode: bool = False
     vllm_tensor_parallel_size: int = 1
+    vllm_dtype: str = "auto"
     vllm_kv_cache_mb: float | None = None
     vllm_importance_sampling_correction: bool = True
     vllm_importance_sampling_mode: str = "token_truncate"
@@ -688,6 +694,8 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
         from .generation.correction import IS_MODES
 
         x = self.experimental
+        if x.vllm_dtype not in VLLM_DTYPES:
+            raise choice_error("vllm_dtype", x.vllm_dtype, VLLM_DTYPES)
         if x.vllm_importance_sampling_mode not in IS_MODES:
             raise choice_error("vllm_importance_sampling_mode", x.vllm_importance_sampling_mode, IS_MODES)
         if not x.vllm_importance_sampling_clip_max >= 1:
