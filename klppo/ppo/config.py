@@ -187,7 +187,8 @@ EXPERIMENTAL_DOC = r"""
             the trainer's numerics; the correction (below) weighs that drift out.
         vllm_kv_cache_mb (`float` or `None`, *optional*, defaults to `None`):
             On a CPU, the KV cache in MiB; `None`: what one rollout needs (every sequence of the local batch at
-            `vllm_max_model_length` tokens), with a floor of 64 MiB.
+            `vllm_max_model_length` tokens, in whole blocks of 128 tokens), with a floor of 64 MiB. A smaller cache
+            decodes a batch in several waves.
         vllm_importance_sampling_correction (`bool`, *optional*, defaults to `True`):
             Weight each token's policy loss, the KL statistic and the logged KL by the truncated ratio of the
             trainer's log-prob to the engine's (`sampling/is_ratio_*`), which corrects the engine's drift from the
