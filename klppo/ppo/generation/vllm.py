@@ -119,7 +119,6 @@ class VLLMEngine(GenerationEngine):
         dtype = next(p.dtype for p in base.parameters() if p.is_floating_point())
         if args.experimental.vllm_dtype != "auto":
             dtype = getattr(torch, args.experimental.vllm_dtype)
-        self.dtype = dtype
         self.on_cpu = accelerator.device.type == "cpu"
         # the engine's directory: the config and the tokenizer only; the weights come from the trainer (`sync_weights`)
         self._dir = tempfile.TemporaryDirectory(prefix="klppo-vllm-")
