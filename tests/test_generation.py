@@ -82,15 +82,17 @@ def test_a_drifting_engine_is_measured_and_its_kl_reading_corrected(tiny_path, t
     """An engine that samples at a temperature above the trainer's (`DriftingEngine`, built on generate): the rollout
     is scored with the trainer's forward, the drift is logged on every rollout, and the KL the controller reads is
     the trainer's k1 weighted by min(pi / mu, 3). After 40 updates of the one-token bandit on a 5% drift (the policy
-    away from the reference), one rollout from the engine 30% off: the plain reading E_mu[log pi / ref] misses
-    KL(pi || ref) (closed form) by more than 0.05 nats, the corrected one by less than half that miss (2048 samples:
-    the importance-weighted mean is the noisier one)."""
+    away from the reference), one rollout from the engine 50% off: the plain reading E_mu[log pi / ref] misses
+    KL(pi || ref) (closed form) by more than 0.05 nats, the corrected one by less than half that miss (4096 samples:
+    the importance-weighted mean is the noisier one). At 30% off the plain miss was 0.044-0.083 over three draws of
+    the tokens, too close to 0.05 for the verdict not to hang on which tokens a host's kernels draw; at 50% off it
+    was 0.078-0.097 and the corrected miss at most 0.15 of it, under default and AVX2 kernels alike."""
     trainer = drifted_bandit(tiny_path, tmp_path, 1.05, True, max_steps=40)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "sampling/is_ratio_mean" in h]
     assert len(logs) == 40 and all(h["sampling/logp_diff_max"] > 1e-3 for h in logs)  # it drifted on every rollout
-    trainer.sampler.generation_config.temperature = trainer.args.temperature * 1.3
-    corrected, plain, exact = kl_readings(trainer)
+    trainer.sampler.generation_config.temperature = trainer.args.temperature * 1.5
+    corrected, plain, exact = kl_readings(trainer, prompts=4096)
     assert abs(plain - exact) > 0.05, (corrected, plain, exact)
     assert abs(corrected - exact) < 0.5 * abs(plain - exact), (corrected, plain, exact)
 
@@ -219,6 +221,7 @@ def test_the_vllm_kv_cache_holds_the_whole_local_batch_in_whole_blocks(tmp_path)
         engine.config, engine.max_model_len, engine.max_num_seqs = config, max_model_len, sequences
         block_bytes = 2 * 30 * 3 * 64 * 4 * CPU_BLOCK_SIZE
         blocks = int(engine.kv_cache_mb() * 2**20 // block_bytes)
-        assert blocks >= sequences * math.ceil(max_model_len / CPU_BLOCK_SIZE), (max_model_len, sequences, blocks)
+        # vLLM's block pool keeps one block as a null block
+        assert blocks >= sequences * math.ceil(max_model_len / CPU_BLOCK_SIZE) + 1, (max_model_len, sequences, blocks)
     engine.args = SimpleNamespace(experimental=SimpleNamespace(vllm_kv_cache_mb=300))
     assert engine.kv_cache_mb() == 300

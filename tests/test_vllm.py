@@ -191,21 +191,10 @@ def test_a_tied_head_left_packed_from_the_old_embedding_is_caught(tmp_path, monk
 
     original = engine_module._reload
     monkeypatch.setattr(engine_module, "_reload", lambda worker, weights, repack: original(worker, weights, False))
-    trainer = bandit_trainer(
-        resolve_model_path("klppo:tiny-llama-vllm-tied"),
-        tmp_path,
-        response_length=4,
-        max_steps=3,
-        use_vllm=True,
-        per_device_train_batch_size=16,
-        rollout_forward_batch_size=16,
-        learning_rate=1e-2,
-        stop_token="eos",
-    )
+    trainer = bandit_trainer(resolve_model_path("klppo:tiny-llama-vllm-tied"), tmp_path, max_steps=3, **SYNC_SETTINGS)
     trainer.train()
-    rollout = trainer.rollout(trainer.prompt_batch(["The day was"] * 16))
-    keep = rollout.response_mask.bool()
-    assert float((rollout.logp - rollout.sampling_logp).abs()[keep].max()) > 1e-2
+    agree, _ = engine_agreement(trainer)
+    assert agree > 1e-2
     release(trainer)
 
 
@@ -237,9 +226,9 @@ def test_the_bandit_trained_on_vllm_rollouts_lands_on_the_optimum(tmp_path):
 @pytest.mark.numerics
 def test_a_drifting_vllm_engine_is_measured_and_its_kl_reading_corrected(tmp_path, monkeypatch):
     """The engine made to sample at a temperature 5% above the trainer's for 40 updates of the one-token bandit,
-    then 30% above for one rollout: the drift is logged on every rollout; the plain KL reading misses KL(pi || ref)
-    by more than 0.05 nats, the corrected one (what the controller reads) by less than half that (the same
-    test on generate: `tests/test_generation.py`)."""
+    then 50% above for one rollout (4096 responses): the drift is logged on every rollout; the plain KL reading
+    misses KL(pi || ref) by more than 0.05 nats, the corrected one (what the controller reads) by less than half that
+    (the same test on generate, with why 50%: `tests/test_generation.py`)."""
     from klppo.ppo.generation.vllm import VLLMEngine
 
     original, drift = VLLMEngine.sampling_params, {"factor": 1.05}
@@ -254,10 +243,10 @@ def test_a_drifting_vllm_engine_is_measured_and_its_kl_reading_corrected(tmp_pat
     trainer.train()
     logs = [h for h in trainer.state.log_history if "sampling/logp_diff_max" in h]
     assert len(logs) == 40 and all(h["sampling/logp_diff_max"] > 1e-3 for h in logs)
-    drift["factor"] = 1.3
+    drift["factor"] = 1.5
     from test_generation import kl_readings
 
-    corrected, plain, exact = kl_readings(trainer)
+    corrected, plain, exact = kl_readings(trainer, prompts=4096)
     assert abs(plain - exact) > 0.05, (corrected, plain, exact)
     assert abs(corrected - exact) < 0.5 * abs(plain - exact), (corrected, plain, exact)
     release(trainer)

@@ -180,7 +180,8 @@ class VLLMEngine(GenerationEngine):
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         per_token = 2 * c.num_hidden_layers * heads * head_dim * 4  # float32 bytes, an upper bound for bf16
         blocks = -(-self.max_model_len // CPU_BLOCK_SIZE)
-        need = per_token * blocks * CPU_BLOCK_SIZE * (self.max_num_seqs + 1) / 2**20
+        # one block more than the sequences take: vLLM's block pool keeps its first block as a null block
+        need = per_token * CPU_BLOCK_SIZE * (blocks * self.max_num_seqs + 1) / 2**20
         return max(float(KV_CACHE_FLOOR_MB), need)
 
     # ------------------------------------------------------------------ weights
@@ -248,8 +249,9 @@ class VLLMEngine(GenerationEngine):
             detokenize=False,
             skip_special_tokens=False,
             seed=int(seed),
-            # each request's own object, never changed after: vLLM's deep copy of it would copy the allowed ids'
-            # list (the whole vocabulary) per request, which took longer than decoding 12 tokens
+            # each request's own object, never changed after (the allowed ids' list, shared, is only read): vLLM's
+            # deep copy of it would copy that list (the whole vocabulary) per request, which took longer than
+            # decoding 12 tokens
             skip_clone=True,
         )
         if self.stop_token_id is not None:
