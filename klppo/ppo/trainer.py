@@ -405,10 +405,10 @@ class KLPPOTrainer(Trainer):
         trackers and destroys the process group. The unwrapped models (`trainer.model`) stay usable."""
         acc = self.accelerator
         acc.wait_for_everyone()
-        self.sampler.shutdown()  # a vLLM engine frees its memory and process groups
         self.model_wrapped = self.model
         self.optimizer = self.lr_scheduler = None
-        acc.free_memory()
+        acc.free_memory()  # DeepSpeed's engine reads the process group as it is destroyed
+        self.sampler.shutdown()  # a vLLM engine frees its memory, its process groups, and the default one if it made it
         acc.end_training()
         if "wandb" in (self.args.report_to or []):  # transformers' wandb callback leaves its run open: a next run
             import wandb  # in the same process would log into it

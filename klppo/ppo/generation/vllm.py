@@ -11,6 +11,9 @@ that temperature scaling and masking are in them), with what klppo needs beside 
   after loading; TRL's `model.load_weights` leaves the packed copies stale on a CPU), the tied LM head repacked from
   the new embedding, every weight vLLM holds checked as loaded (a sync that misses one raises), a LoRA adapter
   merged into copies of the base weights first, the prefix cache reset after;
+- under DeepSpeed ZeRO-3 and FSDP2 the weights are gathered one decoder layer at a time, each layer's adapter
+  merged while it is whole and a copy of its weights handed to the engine, so that no rank ever holds the whole
+  model twice (TRL gathers per parameter under FSDP and per layer or whole under ZeRO-3);
 - klppo's sampling semantics: plain temperature sampling (no top-k / top-p, the model's generation config ignored),
   the run's stop token, suppressed ids masked (`allowed_token_ids`, whose masking the processed log-probs include),
   at most `response_length` tokens, one uniform seed per sequence drawn from torch's generator (seeded runs repeat);
@@ -24,10 +27,11 @@ import logging
 import os
 import tempfile
 import time
+from contextlib import ExitStack, contextmanager, nullcontext
 
 import torch
 
-from ..distributed import unwrap
+from ..distributed import is_fsdp2, root_unsharded, unwrap
 from ..prompts import longest_prompt
 from ..results import PromptBatch
 from .engine import GenerationEngine, Sampled
@@ -44,10 +48,76 @@ def _is_peft(model) -> bool:
     return hasattr(model, "get_base_model") and hasattr(model, "peft_config")
 
 
-def _reload(worker, weights: list, repack_tied_head: bool) -> list[str]:
-    """Run in the engine's worker (`LLM.collective_rpc`): load `weights` (checkpoint names and format) in place, as
-    vLLM's `reload_weights` does, repack a tied LM head on a CPU, and return the names of vLLM's parameters that
-    no weight reached."""
+def _checkpoint_names(named) -> list[tuple[str, torch.Tensor]]:
+    """`(name, tensor)` of a model's (or a layer's) `named_parameters()` under their checkpoint names: a PEFT model's
+    LoRA factors and saved originals left out, its wrapped base layers and saved modules under their own names."""
+    out = []
+    for name, param in named:
+        if "lora_" in name or "original_module" in name:
+            continue
+        out.append((name.replace(".base_layer.", ".").replace("modules_to_save.default.", ""), param.data))
+    return out
+
+
+def _refuse_unmergeable(module) -> None:
+    """Raise when `module` (a PEFT model, or one layer of it) holds LoRA factors that cannot be merged into copies of
+    their base weights: the engine would decode the base model without them."""
+    if mergeable_lora_layers(module) is None and any("lora_" in name for name, _ in module.named_parameters()):
+        raise RuntimeError(
+            "use_vllm: this LoRA adapter cannot be merged into copies of its base weights (a quantized base, a "
+            "LoRA variant, or a target shared with another weight such as tied embeddings), so the engine would "
+            "decode the base model without it. Target plain linear layers only, or decode with generate."
+        )
+
+
+@contextmanager
+def _whole(params: list, fsdp_unit=None):
+    """Inside the block, `params` are whole on this rank: DeepSpeed ZeRO-3 gathers them (read only), or FSDP2
+    unshards `fsdp_unit`, the unit that owns them. Every rank enters the same blocks in the same order (each
+    gather is a collective)."""
+    if fsdp_unit is not None and is_fsdp2(fsdp_unit):
+        fsdp_unit.unshard()
+        try:
+            yield
+        finally:
+            fsdp_unit.reshard()
+        return
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            yield
+        return
+    yield
+
+
+@contextmanager
+def _random_state_kept():
+    """Put back the process's random generators (Python's, NumPy's, torch's) after the block: a vLLM engine seeds
+    them with its own seed as it starts. Left reseeded, the rank's seed would replace the run's, and the ranks would
+    shuffle the prompts each their own way (accelerate's sampler takes torch's initial seed), no longer splitting
+    one permutation between them."""
+    import random
+
+    import numpy as np
+
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if cuda else None
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.random.set_rng_state(states[2])
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+
+
+def _reload(worker, weights, repack_tied_head: bool) -> list[str]:
+    """Run in the engine's worker (`LLM.collective_rpc`): load `weights` (an iterable of checkpoint names and
+    tensors, read once) in place, as vLLM's `reload_weights` does, repack a tied LM head on a CPU, and return the
+    names of vLLM's parameters that no weight reached."""
     from vllm.model_executor.model_loader.reload.layerwise import (
         finalize_layerwise_reload,
         initialize_layerwise_reload,
@@ -77,7 +147,8 @@ class VLLMEngine(GenerationEngine):
         accelerator: the trainer's accelerator (rank, device).
         tokenizer: the policy's tokenizer.
         policy: the policy (a PEFT model or not), before distributed wrapping.
-        engine: `"deepspeed"`, `"fsdp"` or None (sharded weights are not synced yet: refused).
+        engine: `"deepspeed"`, `"fsdp"` or None; under the first two the sync gathers the weights one decoder layer
+            at a time.
         prompt_sets: the datasets whose prompts the run decodes (the engine's longest sequence).
     """
 
@@ -87,12 +158,9 @@ class VLLMEngine(GenerationEngine):
     holds_weights = True
 
     def __init__(self, args, accelerator, tokenizer, policy, engine: str | None, prompt_sets=()):
-        if engine is not None:
-            raise ValueError(
-                f"use_vllm with {engine}: klppo syncs the weights of an unsharded policy only (DeepSpeed ZeRO and FSDP "
-                "shard them); train without the sharded engine, or decode with generate (use_vllm: false)."
-            )
         from vllm import LLM
+
+        self.engine = engine  # DeepSpeed or FSDP2: the sync gathers the weights one decoder layer at a time
 
         self.args, self.accelerator, self.tokenizer = args, accelerator, tokenizer
         self.pad_token_id = tokenizer.pad_token_id
@@ -101,6 +169,8 @@ class VLLMEngine(GenerationEngine):
         )
         base = policy.get_base_model() if _is_peft(policy) else policy
         self.config = base.config
+        # the decoder layers, by class: the units the sync gathers one at a time under a sharded engine
+        self.layer_classes = frozenset(getattr(base, "_no_split_modules", None) or ())
         self.allowed_ids = None  # the suppressed ids are masked as vLLM does it: every other id allowed
         if self.suppressed_ids is not None and len(self.suppressed_ids):
             banned = set(self.suppressed_ids.tolist())
@@ -142,22 +212,23 @@ class VLLMEngine(GenerationEngine):
         # the engine initialises torch.distributed when no launcher did (gloo, world size 1): it then owns it
         self._owns_process_group = not torch.distributed.is_initialized()
         start = time.perf_counter()
-        self.llm = LLM(
-            model=self._dir.name,
-            tokenizer=self._dir.name,
-            load_format="dummy",
-            dtype=dtype,
-            tensor_parallel_size=1,
-            max_model_len=self.max_model_len,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=max(4096, self.max_model_len),
-            enable_prefix_caching=True,
-            distributed_executor_backend="external_launcher",
-            seed=accelerator.process_index,
-            logprobs_mode="processed_logprobs",
-            generation_config="vllm",
-            **kwargs,
-        )
+        with _random_state_kept():
+            self.llm = LLM(
+                model=self._dir.name,
+                tokenizer=self._dir.name,
+                load_format="dummy",
+                dtype=dtype,
+                tensor_parallel_size=1,
+                max_model_len=self.max_model_len,
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=max(4096, self.max_model_len),
+                enable_prefix_caching=True,
+                distributed_executor_backend="external_launcher",
+                seed=accelerator.process_index,
+                logprobs_mode="processed_logprobs",
+                generation_config="vllm",
+                **kwargs,
+            )
         self.start_seconds = time.perf_counter() - start
         logger.info(
             "vLLM engine started in %.1f s (max_model_len %d, %d sequences%s).",
@@ -188,15 +259,43 @@ class VLLMEngine(GenerationEngine):
     def _named_weights(self, policy) -> list[tuple[str, torch.Tensor]]:
         """The policy's weights under their checkpoint names, a LoRA adapter merged (inside `merged_lora`)."""
         if _is_peft(policy):
-            prefix = getattr(policy, "prefix", "lora_")
-            out = []
-            for name, param in policy.get_base_model().named_parameters():
-                if prefix in name or "original_module" in name:
-                    continue
-                name = name.replace(".base_layer.", ".").replace("modules_to_save.default.", "")
-                out.append((name, param.data))
-            return out
-        return [(name, param.data) for name, param in policy.named_parameters()]
+            return _checkpoint_names(policy.get_base_model().named_parameters())
+        return _checkpoint_names(policy.named_parameters())
+
+    def _gathered_weights(self, policy, loaded: list):
+        """The policy's weights under their checkpoint names, gathered (ZeRO-3) or unsharded (FSDP2) one decoder
+        layer at a time, then the rest of the model (embeddings, final norm, LM head; under FSDP2 the root unit,
+        whole for the whole sync): a LoRA adapter merged while its layer is whole, and a copy of each weight yielded
+        (vLLM keeps a layer's weights until the layer is complete; the gathered ones are freed when it is sharded
+        again). Counts the weights in `loaded[0]`."""
+        base = policy.get_base_model() if _is_peft(policy) else policy
+        layers = [  # by class name through the MRO: FSDP2 subclasses each unit it wraps (`FSDPLlamaDecoderLayer`)
+            (name, m)
+            for name, m in base.named_modules()
+            if any(cls.__name__ in self.layer_classes for cls in type(m).__mro__)
+        ]
+        prefixes = tuple(f"{name}." for name, _ in layers)
+        for name, layer in layers:
+            with _whole(list(layer.parameters()), layer):
+                _refuse_unmergeable(layer)
+                with merged_lora(layer):
+                    for item in _checkpoint_names(layer.named_parameters(prefix=name)):
+                        loaded[0] += 1
+                        yield item[0], item[1].clone()
+        rest = [(n, p) for n, p in base.named_parameters() if not n.startswith(prefixes)]
+        with _whole([p for _, p in rest]), ExitStack() as merged:
+            try:
+                from peft.tuners.lora import LoraLayer
+            except ImportError:
+                LoraLayer = ()
+            for name, module in base.named_modules():
+                if isinstance(module, LoraLayer) and not name.startswith(prefixes):
+                    _refuse_unmergeable(module)
+                    merged.enter_context(merged_lora(module))
+            rest = [(n, p) for n, p in base.named_parameters() if not n.startswith(prefixes)]  # as merged
+            for name, tensor in _checkpoint_names(rest):
+                loaded[0] += 1  # a weight FSDP2 shards outside its root unit and the layers: gathered alone
+                yield name, tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor.clone()
 
     @torch.no_grad()
     def sync_weights(self, model_wrapped) -> dict[str, float]:
@@ -204,21 +303,22 @@ class VLLMEngine(GenerationEngine):
         Raises when no weight was loaded or some weight of the engine was not."""
         start = time.perf_counter()
         policy = unwrap(self.accelerator, model_wrapped).policy
-        if (
-            _is_peft(policy)
-            and mergeable_lora_layers(policy) is None
-            and any("lora_" in name for name, _ in policy.named_parameters())
-        ):
-            raise RuntimeError(
-                "use_vllm: this LoRA adapter cannot be merged into copies of its base weights (a quantized base, a "
-                "LoRA variant, or a target shared with another weight such as tied embeddings), so the engine would "
-                "decode the base model without it. Target plain linear layers only, or decode with generate."
-            )
-        with merged_lora(policy):
-            weights = self._named_weights(policy)
-            if not weights:
-                raise RuntimeError("use_vllm: the weight sync found no weight to load into the engine.")
-            missing = self.llm.collective_rpc(_reload, args=(weights, self.on_cpu and self.tied))[0]
+        repack = self.on_cpu and self.tied
+        if self.engine is not None:  # sharded: one decoder layer whole at a time
+            count = [0]
+            with root_unsharded(model_wrapped):
+                missing = self.llm.collective_rpc(_reload, args=(self._gathered_weights(policy, count), repack))[0]
+            loaded = count[0]
+        else:
+            if _is_peft(policy):
+                _refuse_unmergeable(policy)
+            with merged_lora(policy) if _is_peft(policy) else nullcontext():
+                weights = self._named_weights(policy)
+                loaded = len(weights)
+                if loaded:
+                    missing = self.llm.collective_rpc(_reload, args=(weights, repack))[0]
+        if not loaded:
+            raise RuntimeError("use_vllm: the weight sync found no weight to load into the engine.")
         if missing:
             raise RuntimeError(
                 f"use_vllm: the weight sync left {len(missing)} of the engine's weights as they were ({', '.join(missing[:5])}"
@@ -269,7 +369,9 @@ class VLLMEngine(GenerationEngine):
             {"prompt_token_ids": ids[mask.bool()].tolist()}
             for ids, mask in zip(batch.input_ids.cpu(), batch.attention_mask.cpu())
         ]
-        seeds = torch.randint(0, 2**31 - 1, (rows,)).tolist()  # torch's stream: seeded runs repeat
+        # torch's stream (seeded runs repeat), which every rank draws alike: each rank takes its own row of seeds
+        seeds = torch.randint(0, 2**31 - 1, (self.accelerator.num_processes, rows))[self.accelerator.process_index]
+        seeds = seeds.tolist()
         params = [self.sampling_params(seed) for seed in seeds]
         outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=False)
         width = max(1, max(len(out.outputs[0].token_ids) for out in outputs))
