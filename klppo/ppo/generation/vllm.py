@@ -13,10 +13,11 @@ that temperature scaling and masking are in them), with what klppo needs beside 
   merged into copies of the base weights first, the prefix cache reset after;
 - under DeepSpeed ZeRO-3 and FSDP2 the weights are gathered one decoder layer at a time, each layer's adapter
   merged while it is whole and a copy of its weights handed to the engine, so that no rank ever holds the whole
-  model twice (TRL gathers per parameter under FSDP and per layer or whole under ZeRO-3);
+  model twice;
 - klppo's sampling semantics: plain temperature sampling (no top-k / top-p, the model's generation config ignored),
   the run's stop token, suppressed ids masked (`allowed_token_ids`, whose masking the processed log-probs include),
-  at most `response_length` tokens, one uniform seed per sequence drawn from torch's generator (seeded runs repeat);
+  at most `response_length` tokens, one seed per sequence drawn from torch's generator (seeded runs repeat; each
+  rank takes its own row of the seeds that every rank draws alike);
 - on a CPU the KV cache is sized from the run's batch and lengths (left alone, vLLM asks for 92% of the host's
   memory and refuses to start).
 """
