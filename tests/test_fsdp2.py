@@ -53,6 +53,33 @@ def test_fsdp2_root_unsharded_for_off_root_forwards(tiny_model_path, tmp_path):
     assert result["loaded_logits_match"] is True and result["loaded_differs_from_before"] is True
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_the_actor_critic_ties_its_lm_head_again_after_the_meta_device(lora):
+    """accelerate's FSDP2 preparation with `cpu_ram_efficient_loading` (as `configs/accelerate/fsdp.yaml` sets it)
+    moves the model to the meta device, which unties a tied LM head from its embedding, then calls the model's
+    `tie_weights`: the actor-critic's ties the policy's again (a PEFT model's too)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from klppo.models import resolve_model_path
+    from klppo.ppo.actor_critic import ActorCritic, ValueHead
+
+    policy = AutoModelForCausalLM.from_pretrained(resolve_model_path("klppo:tiny-llama-vllm-tied"))
+    base = policy
+    if lora:
+        policy = get_peft_model(policy, LoraConfig(r=4, target_modules=["q_proj"]))
+    model = ActorCritic(policy, value_head=ValueHead(base.config.hidden_size))
+
+    def tied() -> bool:
+        return base.lm_head.weight is base.model.embed_tokens.weight
+
+    assert tied()
+    model.to(torch.device("meta"))
+    assert not tied()  # what accelerate re-ties
+    model.tie_weights()
+    assert tied()
+
+
 def fsdp_launch(worker_args: list[str], tmp_path, timeout: float = 600) -> str:
     """The worker on 2 CPU ranks under FSDP2: the shipped FSDP config, with 2 processes and no mixed precision.
     Returns its stderr."""

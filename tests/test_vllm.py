@@ -275,20 +275,25 @@ def test_the_bandit_on_a_drifting_vllm_engine_lands_with_the_correction(tmp_path
     release(trainer)
 
 
-def launch_ranks(tmp_path, launcher: list[str], lora: bool = False) -> list[dict]:
-    """`tests/vllm_ranks_worker.py` on 2 CPU ranks under `launcher`; returns each rank's record."""
+def launch_ranks(tmp_path, launcher: list[str], options: tuple = (), fails: bool = False):
+    """`tests/vllm_ranks_worker.py` on 2 CPU ranks under `launcher` with the worker's `options`; returns each rank's
+    record, or with `fails` the launcher's stderr (it must fail)."""
     import json
     import os
     import subprocess
     import sys
 
-    resolve_model_path("klppo:tiny-llama-vllm")  # built once here, not by both ranks at once
+    for name in ("klppo:tiny-llama-vllm", "klppo:tiny-llama-vllm-tied"):  # built once here, not by both ranks at once
+        resolve_model_path(name)
     worker = os.path.join(os.path.dirname(__file__), "vllm_ranks_worker.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):  # a test before set them
         env.pop(name, None)
-    cmd = [sys.executable, "-m", *launcher, worker, str(tmp_path), *(["lora"] if lora else [])]
+    cmd = [sys.executable, "-m", *launcher, worker, str(tmp_path), *options]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=str(tmp_path))
+    if fails:
+        assert proc.returncode != 0
+        return proc.stderr
     assert proc.returncode == 0, proc.stderr[-6000:]
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
@@ -319,17 +324,38 @@ def test_two_cpu_ranks_each_decode_with_their_own_engine(tmp_path):
     launcher += ["--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_port())]
     ranks = launch_ranks(tmp_path, launcher)
     assert_ranks_synced(ranks)
-    assert not any(r["sharded"] for r in ranks)
+    assert not any(r["sharded"] for r in ranks) and not any(r["gathers"] for r in ranks)
 
 
 @pytest.mark.parametrize(
-    "engine, lora", [("fsdp2", False), ("fsdp2", True), ("zero3", False), ("zero3", True)], ids=lambda v: str(v)
+    "engine, options",
+    [("fsdp2", ("tied",)), ("fsdp2", ("lora",)), ("zero3", ()), ("zero3", ("lora", "head"))],
+    ids=["fsdp2-full-tied", "fsdp2-lora", "zero3-full", "zero3-lora-with-head"],
 )
-def test_sharded_weights_are_gathered_one_layer_at_a_time_into_each_ranks_engine(tmp_path, engine, lora):
+def test_sharded_weights_are_gathered_one_layer_at_a_time_into_each_ranks_engine(tmp_path, engine, options):
     """`accelerate launch` with the shipped FSDP2 config (2 processes, float32; FSDP turned on for CPU ranks as
     `tests/test_fsdp2.py` does) or the shipped ZeRO-3 CPU config, each rank holding a shard of every decoder weight:
-    the sync gathers them one decoder layer at a time (a LoRA adapter merged while its layer is whole), and each
-    rank's engine decodes its trainer's weights after 3 updates."""
+    every sync gathers one decoder layer at a time and then the rest (a LoRA adapter merged while its layer is
+    whole, on the LM head too), and each rank's engine decodes its trainer's weights after 3 updates, tied
+    embeddings and untied."""
+    ranks = launch_ranks(tmp_path, sharded_launcher(engine), options)
+    assert_ranks_synced(ranks)
+    for r in ranks:
+        assert r["sharded"]
+        assert r["gathers_at_once"] == 1
+        assert r["gathers"] == r["engine_syncs"] * (r["layers"] + 1), r  # each layer, then the rest
+
+
+def test_a_lora_on_a_tied_head_is_refused_under_sharding(tmp_path):
+    """FSDP2, the tied model, a LoRA on its LM head: merging it would change the embedding that the head shares, so
+    the engine refuses it at the start, before the weights are sharded (and again at every sync, by the
+    parameters' identity, which shows the sharing where their sharded storage does not)."""
+    stderr = launch_ranks(tmp_path, sharded_launcher("fsdp2"), ("lora", "head", "tied"), fails=True)
+    assert "cannot be merged into copies of its base weights" in stderr
+
+
+def sharded_launcher(engine: str) -> list[str]:
+    """`accelerate launch` with the shipped FSDP2 config (2 processes, float32) or ZeRO-3 CPU config."""
     import os
 
     from test_trainer_distributed import free_port
@@ -337,12 +363,14 @@ def test_sharded_weights_are_gathered_one_layer_at_a_time_into_each_ranks_engine
     configs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "accelerate")
     launcher = ["accelerate.commands.launch", "--main_process_port", str(free_port())]
     if engine == "fsdp2":
-        launcher += ["--config_file", os.path.join(configs, "fsdp.yaml"), "--num_processes", "2"]
-        launcher += ["--mixed_precision", "no"]
-    else:
-        import deepspeed  # noqa: F401  (installed by `scripts/setup.sh vllm`: missing, this fails)
+        return launcher + [
+            "--config_file",
+            os.path.join(configs, "fsdp.yaml"),
+            "--num_processes",
+            "2",
+            "--mixed_precision",
+            "no",
+        ]
+    import deepspeed  # noqa: F401  (installed by `scripts/setup.sh vllm`: missing, this fails)
 
-        launcher += ["--config_file", os.path.join(configs, "deepspeed_zero3_cpu.yaml")]
-    ranks = launch_ranks(tmp_path, launcher, lora)
-    assert_ranks_synced(ranks)
-    assert all(r["sharded"] for r in ranks)
+    return launcher + ["--config_file", os.path.join(configs, "deepspeed_zero3_cpu.yaml")]

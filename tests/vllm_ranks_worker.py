@@ -1,9 +1,9 @@
 """Worker of `tests/test_vllm.py`'s two-rank tests (2 CPU ranks, gloo): each rank starts its own colocated vLLM
 engine, trains 3 updates with a sync before each rollout, then samples once more and writes its record: the
 largest gap between its engine's log-probs and the trainer's forward, the syncs it logged, its coefficient, its
-responses, the prompts it trained on, and whether its weights are sharded.
+responses, the prompts it trained on, whether its weights are sharded, and the weight gathers of its syncs.
 
-    accelerate launch --config_file <a DDP, FSDP2 or ZeRO-3 config> tests/vllm_ranks_worker.py <out_dir> [lora]
+    accelerate launch --config_file <a DDP, FSDP2 or ZeRO-3 config> tests/vllm_ranks_worker.py <out_dir> [lora] [head] [tied]
 
 Under FSDP without a GPU, FSDP is turned on for the CPU ranks first (`dist_trainer_worker.fsdp_on_cpu`).
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from contextlib import contextmanager
 
 import torch
 from datasets import Dataset
@@ -30,12 +31,36 @@ def sharded(trainer) -> bool:
     return hasattr(weight, "device_mesh") or hasattr(weight, "ds_id")
 
 
-def main(out: str, lora: bool = False) -> None:
+def spy_on_gathers() -> dict:
+    """Count the engine's gathers (`_whole` blocks): how many, and how many at once at most."""
+    import klppo.ppo.generation.vllm as engine_module
+
+    whole, counts = engine_module._whole, {"open": 0, "most": 0, "entered": 0}
+
+    @contextmanager
+    def counted(module, params):
+        with whole(module, params):
+            counts["open"] += 1
+            counts["entered"] += 1
+            counts["most"] = max(counts["most"], counts["open"])
+            try:
+                yield
+            finally:
+                counts["open"] -= 1
+
+    engine_module._whole = counted
+    return counts
+
+
+def main(out: str, options: list[str]) -> None:
+    """`options`: `lora` (LoRA on q, v and down projections), `head` (and on the LM head), `tied` (the tied model)."""
     peft_config = None
-    if lora:
+    if "lora" in options:
         from peft import LoraConfig
 
-        peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"])
+        targets = ["q_proj", "v_proj", "down_proj"] + (["lm_head"] if "head" in options else [])
+        peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=targets)
+    gathers = spy_on_gathers()
     args = klppo_config(
         output_dir=os.path.join(out, "run"),
         per_device_train_batch_size=8,
@@ -68,7 +93,7 @@ def main(out: str, lora: bool = False) -> None:
     # 48 distinct prompts: the 3 updates of 8 per rank take one epoch, each rank its own 24
     prompts = Dataset.from_dict({"prompt": [f"{PROMPT} {i}" for i in range(48)]})
     trainer = KLPPOTrainer(
-        model=resolve_model_path("klppo:tiny-llama-vllm"),
+        model=resolve_model_path("klppo:tiny-llama-vllm" + ("-tied" if "tied" in options else "")),
         args=args,
         train_dataset=prompts,
         reward_funcs=reward,
@@ -88,6 +113,10 @@ def main(out: str, lora: bool = False) -> None:
         "responses": rollout.responses.tolist(),
         "sharded": sharded(trainer),
         "prompts": sorted(set(seen)),
+        "layers": trainer.model.policy.config.num_hidden_layers,
+        "engine_syncs": len(trainer.sampler.sync_seconds),
+        "gathers": gathers["entered"],
+        "gathers_at_once": gathers["most"],
     }
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
@@ -97,4 +126,4 @@ def main(out: str, lora: bool = False) -> None:
 if __name__ == "__main__":
     if under_fsdp() and not torch.cuda.is_available():
         fsdp_on_cpu()
-    main(sys.argv[1], lora=sys.argv[2:3] == ["lora"])
+    main(sys.argv[1], sys.argv[2:])

@@ -9,10 +9,13 @@ Two layouts (`KLPPOConfig.critic`):
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 
 @contextmanager
@@ -330,6 +333,22 @@ class ActorCritic(nn.Module):
         self.activation_checkpointing_enable(gradient_checkpointing_kwargs)
 
     gradient_checkpointing_disable = activation_checkpointing_disable
+
+    def tie_weights(self, **kwargs) -> None:
+        """Tie the policy's weights (and a separate critic's) as their configs say. accelerate's FSDP2 preparation
+        with `cpu_ram_efficient_loading` moves the model to the meta device, which unties tied embeddings, then ties
+        them again through this method: without it a tied LM head would train apart from its embedding, and the
+        saved model (which keeps one of the two) would not be the trained one."""
+        for module in self._backbones():
+            if not hasattr(module, "tie_weights"):
+                continue
+            try:
+                module.tie_weights()
+            except KeyError:  # a LoRA layer wrapped around a tied LM head (transformers cannot set its weight)
+                logger.warning(
+                    "The policy's LM head is tied to its embedding and wrapped by a LoRA layer: its tie could not "
+                    "be restored, so the two train apart under FSDP2. Leave lm_head out of lora_target_modules."
+                )
 
     def _backbones(self) -> list[nn.Module]:
         return [self.policy] + ([self.critic.backbone] if self.critic is not None else [])

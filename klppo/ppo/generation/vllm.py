@@ -11,13 +11,13 @@ that temperature scaling and masking are in them), with what klppo needs beside 
   after loading; TRL's `model.load_weights` leaves the packed copies stale on a CPU), the tied LM head repacked from
   the new embedding, every weight vLLM holds checked as loaded (a sync that misses one raises), a LoRA adapter
   merged into copies of the base weights first, the prefix cache reset after;
-- under DeepSpeed ZeRO-3 and FSDP2 the weights are gathered one decoder layer at a time, each layer's adapter
-  merged while it is whole and a copy of its weights handed to the engine, so that no rank ever holds the whole
-  model twice;
+- under DeepSpeed ZeRO-3 and FSDP2 the weights are gathered one decoder layer at a time (the model's
+  `_no_split_modules`; without them, all at once), each layer's adapter merged while it is whole and a copy of its
+  weights handed to the engine;
 - klppo's sampling semantics: plain temperature sampling (no top-k / top-p, the model's generation config ignored),
   the run's stop token, suppressed ids masked (`allowed_token_ids`, whose masking the processed log-probs include),
   at most `response_length` tokens, one seed per sequence drawn from torch's generator (seeded runs repeat; each
-  rank takes its own row of the seeds that every rank draws alike);
+  rank's seeds its own);
 - on a CPU the KV cache is sized from the run's batch and lengths (left alone, vLLM asks for 92% of the host's
   memory and refuses to start).
 """
@@ -28,6 +28,7 @@ import logging
 import os
 import tempfile
 import time
+from collections import Counter
 from contextlib import ExitStack, contextmanager, nullcontext
 
 import torch
@@ -61,9 +62,11 @@ def _checkpoint_names(named) -> list[tuple[str, torch.Tensor]]:
 
 
 def _refuse_unmergeable(module) -> None:
-    """Raise when `module` (a PEFT model, or one layer of it) holds LoRA factors that cannot be merged into copies of
-    their base weights: the engine would decode the base model without them."""
-    if mergeable_lora_layers(module) is None and any("lora_" in name for name, _ in module.named_parameters()):
+    """Raise when `module` (a PEFT model, or one layer of it; None: always) holds LoRA factors that cannot be merged
+    into copies of their base weights: the engine would decode the base model without them."""
+    if module is None or (
+        mergeable_lora_layers(module) is None and any("lora_" in name for name, _ in module.named_parameters())
+    ):
         raise RuntimeError(
             "use_vllm: this LoRA adapter cannot be merged into copies of its base weights (a quantized base, a "
             "LoRA variant, or a target shared with another weight such as tied embeddings), so the engine would "
@@ -72,16 +75,19 @@ def _refuse_unmergeable(module) -> None:
 
 
 @contextmanager
-def _whole(params: list, fsdp_unit=None):
-    """Inside the block, `params` are whole on this rank: DeepSpeed ZeRO-3 gathers them (read only), or FSDP2
-    unshards `fsdp_unit`, the unit that owns them. Every rank enters the same blocks in the same order (each
+def _whole(module, params: list):
+    """Inside the block, `params` (of `module`) are whole on this rank: DeepSpeed ZeRO-3 gathers them (read only),
+    or FSDP2 unshards every unit in `module` (None: none). Every rank enters the same blocks in the same order (each
     gather is a collective)."""
-    if fsdp_unit is not None and is_fsdp2(fsdp_unit):
-        fsdp_unit.unshard()
+    units = [] if module is None else [m for m in module.modules() if is_fsdp2(m)]
+    if units:
+        for unit in units:
+            unit.unshard()
         try:
             yield
         finally:
-            fsdp_unit.reshard()
+            for unit in reversed(units):
+                unit.reshard()
         return
     if any(hasattr(p, "ds_id") for p in params):
         import deepspeed
@@ -90,6 +96,26 @@ def _whole(params: list, fsdp_unit=None):
             yield
         return
     yield
+
+
+def _whole_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of a weight made whole, or of a weight that FSDP2 shards outside the units made whole (gathered)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor.clone()
+
+
+def _refuse_shared_lora_bases(model) -> None:
+    """Raise when a LoRA layer of `model` adapts a weight that another parameter shares (tied embeddings with a LoRA
+    on the LM head): merging it would change the other. Checked by parameter identity, which holds for ZeRO-3's
+    partitions and FSDP2's DTensors, whose storage does not tell."""
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:
+        return
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    for module in model.modules():
+        weight = getattr(module.get_base_layer(), "weight", None) if isinstance(module, LoraLayer) else None
+        if weight is not None and uses[id(weight)] > 1:
+            _refuse_unmergeable(None)
 
 
 @contextmanager
@@ -102,7 +128,7 @@ def _random_state_kept():
 
     import numpy as np
 
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    cuda = torch.cuda.is_available()  # read now: the engine initialises CUDA and seeds it
     states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
     cuda_states = torch.cuda.get_rng_state_all() if cuda else None
     try:
@@ -161,7 +187,13 @@ class VLLMEngine(GenerationEngine):
     def __init__(self, args, accelerator, tokenizer, policy, engine: str | None, prompt_sets=()):
         from vllm import LLM
 
-        self.engine = engine  # DeepSpeed or FSDP2: the sync gathers the weights one decoder layer at a time
+        self.sharding = engine  # DeepSpeed or FSDP2: the sync gathers the weights one decoder layer at a time
+        if engine == "fsdp" and getattr(accelerator.state.fsdp_plugin, "fsdp_version", 2) != 2:
+            raise ValueError(
+                "use_vllm under FSDP version 1: klppo gathers the weights for the engine's sync from FSDP2's units "
+                "only. Set fsdp_version: 2 in the accelerate config (configs/accelerate/fsdp.yaml), or decode with "
+                "generate (use_vllm: false)."
+            )
 
         self.args, self.accelerator, self.tokenizer = args, accelerator, tokenizer
         self.pad_token_id = tokenizer.pad_token_id
@@ -169,6 +201,7 @@ class VLLMEngine(GenerationEngine):
             args, tokenizer, getattr(policy, "generation_config", None)
         )
         base = policy.get_base_model() if _is_peft(policy) else policy
+        _refuse_shared_lora_bases(base)  # at the start, before any engine shards or re-ties the weights
         self.config = base.config
         # the decoder layers, by class: the units the sync gathers one at a time under a sharded engine
         self.layer_classes = frozenset(getattr(base, "_no_split_modules", None) or ())
@@ -270,21 +303,23 @@ class VLLMEngine(GenerationEngine):
         (vLLM keeps a layer's weights until the layer is complete; the gathered ones are freed when it is sharded
         again). Counts the weights in `loaded[0]`."""
         base = policy.get_base_model() if _is_peft(policy) else policy
-        layers = [  # by class name through the MRO: FSDP2 subclasses each unit it wraps (`FSDPLlamaDecoderLayer`)
-            (name, m)
-            for name, m in base.named_modules()
-            if any(cls.__name__ in self.layer_classes for cls in type(m).__mro__)
-        ]
-        prefixes = tuple(f"{name}." for name, _ in layers)
+        _refuse_shared_lora_bases(base)
+        layers, prefixes = [], ()
+        for name, module in base.named_modules():  # by class name through the MRO: FSDP2 subclasses each unit it
+            if name.startswith(prefixes):  # wraps (`FSDPLlamaDecoderLayer`); a layer inside a layer is its own
+                continue
+            if any(cls.__name__ in self.layer_classes for cls in type(module).__mro__):
+                layers.append((name, module))
+                prefixes += (f"{name}.",)
         for name, layer in layers:
-            with _whole(list(layer.parameters()), layer):
+            with _whole(layer, list(layer.parameters())):
                 _refuse_unmergeable(layer)
                 with merged_lora(layer):
-                    for item in _checkpoint_names(layer.named_parameters(prefix=name)):
+                    for weight_name, tensor in _checkpoint_names(layer.named_parameters(prefix=name)):
                         loaded[0] += 1
-                        yield item[0], item[1].clone()
+                        yield weight_name, _whole_copy(tensor)
         rest = [(n, p) for n, p in base.named_parameters() if not n.startswith(prefixes)]
-        with _whole([p for _, p in rest]), ExitStack() as merged:
+        with _whole(None, [p for _, p in rest]), ExitStack() as merged:
             try:
                 from peft.tuners.lora import LoraLayer
             except ImportError:
@@ -294,9 +329,9 @@ class VLLMEngine(GenerationEngine):
                     _refuse_unmergeable(module)
                     merged.enter_context(merged_lora(module))
             rest = [(n, p) for n, p in base.named_parameters() if not n.startswith(prefixes)]  # as merged
-            for name, tensor in _checkpoint_names(rest):
-                loaded[0] += 1  # a weight FSDP2 shards outside its root unit and the layers: gathered alone
-                yield name, tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor.clone()
+            for weight_name, tensor in _checkpoint_names(rest):
+                loaded[0] += 1
+                yield weight_name, _whole_copy(tensor)
 
     @torch.no_grad()
     def sync_weights(self, model_wrapped) -> dict[str, float]:
@@ -305,7 +340,7 @@ class VLLMEngine(GenerationEngine):
         start = time.perf_counter()
         policy = unwrap(self.accelerator, model_wrapped).policy
         repack = self.on_cpu and self.tied
-        if self.engine is not None:  # sharded: one decoder layer whole at a time
+        if self.sharding is not None:  # sharded: one decoder layer whole at a time
             count = [0]
             with root_unsharded(model_wrapped):
                 missing = self.llm.collective_rpc(_reload, args=(self._gathered_weights(policy, count), repack))[0]
@@ -370,9 +405,11 @@ class VLLMEngine(GenerationEngine):
             {"prompt_token_ids": ids[mask.bool()].tolist()}
             for ids, mask in zip(batch.input_ids.cpu(), batch.attention_mask.cpu())
         ]
-        # torch's stream (seeded runs repeat), which every rank draws alike: each rank takes its own row of seeds
-        seeds = torch.randint(0, 2**31 - 1, (self.accelerator.num_processes, rows))[self.accelerator.process_index]
-        seeds = seeds.tolist()
+        # from torch's stream (seeded runs repeat), made the rank's own: every rank draws alike when the ranks hold
+        # as many prompts (training), and rank r's seeds are r more than a multiple of the number of ranks
+        ranks = self.accelerator.num_processes
+        drawn = torch.randint(0, (2**31 - 1) // ranks, (rows,))
+        seeds = (drawn * ranks + self.accelerator.process_index).tolist()
         params = [self.sampling_params(seed) for seed in seeds]
         outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=False)
         width = max(1, max(len(out.outputs[0].token_ids) for out in outputs))
