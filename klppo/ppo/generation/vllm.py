@@ -67,7 +67,7 @@ def _refuse_unmergeable(module) -> None:
     if module is None or (
         mergeable_lora_layers(module) is None and any("lora_" in name for name, _ in module.named_parameters())
     ):
-        raise RuntimeError(
+        raise ValueError(
             "use_vllm: this LoRA adapter cannot be merged into copies of its base weights (a quantized base, a "
             "LoRA variant, or a target shared with another weight such as tied embeddings), so the engine would "
             "decode the base model without it. Target plain linear layers only, or decode with generate."
