@@ -11,6 +11,8 @@
         coefficient and (rank 0) every trainable weight before and after the update, gathered in full. With a seed
         and a stop token, first each rank samples its own prompt from the seed (`sample_alone`) and the trainer
         evaluates one prompt (`EVAL_PROMPTS`): the tokens, log-probs and evaluation are written too.
+    python tests/dist_trainer_worker.py tied <out_dir>
+        Full fine-tuning of the tied tiny model, 2 updates: is the LM head still the embedding after them?
     python tests/dist_trainer_worker.py cli <scripts/train.py arguments>
         `scripts/train.py`, under whatever launched the worker.
 
@@ -78,7 +80,9 @@ def fsdp_on_cpu() -> None:
     AcceleratorState.__init__ = __init__
 
 
-def make_trainer(out_dir: str, reward=length_reward, eval_dataset=None, **overrides) -> KLPPOTrainer:
+def make_trainer(
+    out_dir: str, reward=length_reward, eval_dataset=None, model: str = TINY_MODEL, **overrides
+) -> KLPPOTrainer:
     args = dict(
         output_dir=out_dir,
         per_device_train_batch_size=2,
@@ -107,7 +111,7 @@ def make_trainer(out_dir: str, reward=length_reward, eval_dataset=None, **overri
     )
     args.update(overrides)
     return KLPPOTrainer(
-        model=resolve_model_path(TINY_MODEL),
+        model=resolve_model_path(model),
         args=klppo_config(**args),
         reward_funcs=reward,
         train_dataset=PROMPTS,
@@ -168,6 +172,23 @@ def run_train(out_dir: str) -> None:
     rank = trainer.accelerator.process_index
     with open(os.path.join(out_dir, f"train_rank{rank}.json"), "w") as f:
         json.dump({"rank": rank, "world": trainer.accelerator.num_processes, "coefs": coefs, "kl": values}, f)
+    trainer.shutdown()
+
+
+def run_tied(out_dir: str) -> None:
+    """Full fine-tuning of a tiny Llama whose LM head is its embedding, 2 updates: writes, per rank, whether the head
+    is still the embedding's parameter and how far the embedding moved."""
+    from klppo.ppo.distributed import root_unsharded
+
+    trainer = make_trainer(out_dir, model="klppo:tiny-llama-vllm-tied", max_steps=2)
+    policy = trainer.model.policy
+    before = policy.get_input_embeddings().weight.detach().clone()
+    trainer.train()
+    with root_unsharded(trainer.model_wrapped):
+        head, embedding = policy.get_output_embeddings().weight, policy.get_input_embeddings().weight
+        record = {"tied": head is embedding, "moved": float((embedding.detach() - before).abs().max())}
+    with open(os.path.join(out_dir, f"tied_rank{trainer.accelerator.process_index}.json"), "w") as f:
+        json.dump(record, f)
     trainer.shutdown()
 
 
@@ -369,6 +390,8 @@ if __name__ == "__main__":
         run_update(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     elif mode == "train":
         run_train(sys.argv[2])
+    elif mode == "tied":
+        run_tied(sys.argv[2])
     elif mode == "warmup":
         run_warmup(sys.argv[2], sys.argv[3])
     elif mode == "engine":
@@ -376,4 +399,4 @@ if __name__ == "__main__":
     elif mode == "cli":
         sys.exit(run_cli(sys.argv[2:]))
     else:
-        raise SystemExit(f"unknown mode {mode!r}: use 'update', 'train', 'warmup', 'engine' or 'cli'")
+        raise SystemExit(f"unknown mode {mode!r}: use 'update', 'train', 'tied', 'warmup', 'engine' or 'cli'")

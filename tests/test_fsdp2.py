@@ -80,6 +80,20 @@ def test_the_actor_critic_ties_its_lm_head_again_after_the_meta_device(lora):
     assert tied()
 
 
+@pytest.mark.ranks
+@pytest.mark.slow
+def test_fsdp2_trains_a_tied_lm_head_as_its_embedding(tmp_path):
+    """Under the shipped FSDP2 config (2 processes, float32), full fine-tuning of a model whose LM head is its
+    embedding: after 2 updates the head is still the embedding's parameter on every rank, and it moved."""
+    from klppo.models import resolve_model_path
+
+    resolve_model_path("klppo:tiny-llama-vllm-tied")  # built once here, not by both ranks at once
+    fsdp_launch(["tied", str(tmp_path)], tmp_path)
+    for rank in range(2):
+        record = json.loads((tmp_path / f"tied_rank{rank}.json").read_text())
+        assert record["tied"] is True and record["moved"] > 1e-3, record
+
+
 def fsdp_launch(worker_args: list[str], tmp_path, timeout: float = 600) -> str:
     """The worker on 2 CPU ranks under FSDP2: the shipped FSDP config, with 2 processes and no mixed precision.
     Returns its stderr."""
