@@ -348,8 +348,8 @@ def test_sharded_weights_are_gathered_one_layer_at_a_time_into_each_ranks_engine
 
 def test_a_lora_on_a_tied_head_is_refused_under_sharding(tmp_path):
     """FSDP2, the tied model, a LoRA on its LM head: merging it would change the embedding that the head shares, so
-    the engine refuses it at the start, before the weights are sharded (and again at every sync, by the
-    parameters' identity, which shows the sharing where their sharded storage does not)."""
+    the engine refuses it at the start, before the weights are sharded (by the parameters' identity, which shows
+    the sharing where a sharded storage would not)."""
     stderr = launch_ranks(tmp_path, sharded_launcher("fsdp2"), ("lora", "head", "tied"), fails=True)
     assert "cannot be merged into copies of its base weights" in stderr
 

@@ -61,17 +61,28 @@ def _checkpoint_names(named) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def _unmergeable() -> ValueError:
+    return ValueError(
+        "use_vllm: this LoRA adapter cannot be merged into copies of its base weights (a quantized base, a LoRA "
+        "variant, or a target shared with another weight such as tied embeddings), so the engine would decode the "
+        "base model without it. Target plain linear layers only, or decode with generate."
+    )
+
+
 def _refuse_unmergeable(module) -> None:
-    """Raise when `module` (a PEFT model, or one layer of it; None: always) holds LoRA factors that cannot be merged
-    into copies of their base weights: the engine would decode the base model without them."""
-    if module is None or (
-        mergeable_lora_layers(module) is None and any("lora_" in name for name, _ in module.named_parameters())
-    ):
-        raise ValueError(
-            "use_vllm: this LoRA adapter cannot be merged into copies of its base weights (a quantized base, a "
-            "LoRA variant, or a target shared with another weight such as tied embeddings), so the engine would "
-            "decode the base model without it. Target plain linear layers only, or decode with generate."
-        )
+    """Raise when `module` (a PEFT model, or one layer of it) holds LoRA factors that cannot be merged into copies
+    of their base weights: the engine would decode the base model without them."""
+    if mergeable_lora_layers(module) is None and any("lora_" in name for name, _ in module.named_parameters()):
+        raise _unmergeable()
+
+
+def _lora_layers(model) -> list[tuple[str, torch.nn.Module]]:
+    """`(name, layer)` of every LoRA layer in `model` (none without PEFT)."""
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:
+        return []
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLayer)]
 
 
 @contextmanager
@@ -107,15 +118,11 @@ def _refuse_shared_lora_bases(model) -> None:
     """Raise when a LoRA layer of `model` adapts a weight that another parameter shares (tied embeddings with a LoRA
     on the LM head): merging it would change the other. Checked by parameter identity, which holds for ZeRO-3's
     partitions and FSDP2's DTensors, whose storage does not tell."""
-    try:
-        from peft.tuners.lora import LoraLayer
-    except ImportError:
-        return
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-    for module in model.modules():
-        weight = getattr(module.get_base_layer(), "weight", None) if isinstance(module, LoraLayer) else None
+    for _, layer in _lora_layers(model):
+        weight = getattr(layer.get_base_layer(), "weight", None)
         if weight is not None and uses[id(weight)] > 1:
-            _refuse_unmergeable(None)
+            raise _unmergeable()
 
 
 @contextmanager
@@ -303,7 +310,6 @@ class VLLMEngine(GenerationEngine):
         (vLLM keeps a layer's weights until the layer is complete; the gathered ones are freed when it is sharded
         again). Counts the weights in `loaded[0]`."""
         base = policy.get_base_model() if _is_peft(policy) else policy
-        _refuse_shared_lora_bases(base)
         layers, prefixes = [], ()
         for name, module in base.named_modules():  # by class name through the MRO: FSDP2 subclasses each unit it
             if name.startswith(prefixes):  # wraps (`FSDPLlamaDecoderLayer`); a layer inside a layer is its own
@@ -320,15 +326,10 @@ class VLLMEngine(GenerationEngine):
                         yield weight_name, _whole_copy(tensor)
         rest = [(n, p) for n, p in base.named_parameters() if not n.startswith(prefixes)]
         with _whole(None, [p for _, p in rest]), ExitStack() as merged:
-            try:
-                from peft.tuners.lora import LoraLayer
-            except ImportError:
-                LoraLayer = ()
-            for name, module in base.named_modules():
-                if isinstance(module, LoraLayer) and not name.startswith(prefixes):
-                    _refuse_unmergeable(module)
-                    merged.enter_context(merged_lora(module))
-            rest = [(n, p) for n, p in base.named_parameters() if not n.startswith(prefixes)]  # as merged
+            for name, layer in _lora_layers(base):
+                if not name.startswith(prefixes):
+                    _refuse_unmergeable(layer)
+                    merged.enter_context(merged_lora(layer))  # into copies: `rest` reads them through `.data`
             for weight_name, tensor in _checkpoint_names(rest):
                 loaded[0] += 1
                 yield weight_name, _whole_copy(tensor)
