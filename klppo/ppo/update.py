@@ -213,6 +213,8 @@ def kl_loss_baseline(plan: KLPlan, rollout: Rollout, accelerator) -> tuple[torch
         x = torch.zeros_like(rollout.log_ratio, dtype=torch.float64, requires_grad=True)
         kl = plan.estimate(plan.estimator, rollout.log_ratio.double() + x, x)
         (g,) = torch.autograd.grad(kl.sum(), x)
+    if rollout.is_weight is not None:  # an inexact engine's tokens: the mean under pi_old
+        mask = mask.double() * rollout.is_weight.double()
     rows, lengths = (g * mask).sum(dim=1), mask.sum(dim=1).double()
     total, count = reduce_sum_count(rows.sum(), lengths.sum(), accelerator)
     others = (total - rows) / (count - lengths).clamp(min=1)
@@ -281,7 +283,7 @@ def micro_batch_loss(
     parts = ppo_statistics(
         reads["entropy"], old_log_ratio, pg_clipped, vf_clipped, mask, share, policy=loss, value=value_loss
     )
-    sample = guard_sample(log_ratio.detach(), old_log_ratio.detach(), mb.log_ratio, mask, plan.unit)
+    sample = guard_sample(log_ratio.detach(), old_log_ratio.detach(), mb.log_ratio, mask, plan.unit, mb.is_weight)
     parts["kl/during_update"] = (sample.kl_now, sample.count)  # the KL statistic at the current policy
     if warming:  # the critic alone: neither the policy loss nor the KL reaches the policy's weights
         loss = None
@@ -294,6 +296,8 @@ def micro_batch_loss(
             c = plan.log_ratio_clamp
             w = (old_log_ratio if c is None else old_log_ratio.clamp(-c, c)).exp()
             kl = kl - advantages.kl_loss_baseline[idx].to(w.dtype) * (w - w.detach())
+        if mb.is_weight is not None:  # an inexact engine's tokens: the term's expectation under pi_old
+            kl = kl * mb.is_weight.to(kl.dtype)
         kl_term = kl_loss(
             kl, mask, advantages.kl_loss_coef, plan.loss_agg_mode, **counts, norm_len=args.response_length
         )

@@ -11,9 +11,13 @@ efficient RL framework secretly brings you off-policy RL training"), each token'
 The ratios are weighed into the advantages (`weight_advantages`): PPO's clipped loss is linear in the advantage and
 `w > 0`, so `max(-wA r, -wA clip(r)) = w max(-A r, -A clip(r))`, the per-token policy loss times `w` exactly. The
 advantages are first centred on their mean under `pi_old` (`weight_advantages` says why). The KL
-penalty in the reward reaches the gradient through those same advantages, so it is corrected with them. The KL
-statistic the controller and the guard read (`statistic_kl`) and the logged `kl/k1..k3` are the trainer's log-ratios
-weighted by the same `w` (their expectation under `pi_old` instead of `mu`). Every reading is of the trainer's
+penalty in the reward reaches the gradient through those same advantages, so it is corrected with them; a KL term in
+the loss carries its own gradient, and each token's term (its baseline's mean too) is weighted by the same `w`
+(`update.micro_batch_loss`): with the advantages weighted and that term not, the two halves of the gradient were
+expectations under different distributions, and the loss-mode bandit settled 10x further from its optimum. The KL
+statistic the controller and the guard read (`statistic_kl`, the guard's per-token sums) and the logged
+`kl/k1..k3` are the trainer's log-ratios weighted by the same `w` (their expectation under `pi_old` instead of
+`mu`). Every reading is of the trainer's
 log-probs, never the engine's: the engine's enter only through `w`.
 """
 

@@ -46,14 +46,22 @@ class GuardSample:
 
 @torch.no_grad()
 def guard_sample(
-    log_ratio: torch.Tensor, old_log_ratio: torch.Tensor, rollout_log_ratio: torch.Tensor, mask: torch.Tensor, unit: str
+    log_ratio: torch.Tensor,
+    old_log_ratio: torch.Tensor,
+    rollout_log_ratio: torch.Tensor,
+    mask: torch.Tensor,
+    unit: str,
+    is_weight: torch.Tensor | None = None,
 ) -> GuardSample:
     """The guard's reading of a micro-batch from its per-token log-ratios `[B, R]` at the current policy: to the
     reference (`log_ratio`) and to the sampling policy (`old_log_ratio`), and the rollout's `log pi_old - log ref`.
-    A unit is a sequence (`unit="sequence"`: its tokens summed) or a token."""
+    A unit is a sequence (`unit="sequence"`: its tokens summed) or a token. `is_weight`: an inexact engine sampled
+    the tokens; each token's terms are weighted by its truncated `pi_old / mu` (`generation/correction.py`), as the
+    rollout's statistic is."""
     mask = mask.double()
-    now = torch.exp(old_log_ratio.double()) * log_ratio.double() * mask  # the tokens were sampled by pi_old
-    before = rollout_log_ratio.double() * mask
+    weight = mask if is_weight is None else mask * is_weight.double()
+    now = torch.exp(old_log_ratio.double()) * log_ratio.double() * weight  # the tokens were sampled by pi_old
+    before = rollout_log_ratio.double() * weight
     if unit == "sequence":
         now_units, before_units = now.sum(dim=1), before.sum(dim=1)
     else:  # the masked positions are 0 in both, and add nothing to any sum (no indexing: no host sync)
