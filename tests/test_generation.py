@@ -16,7 +16,7 @@ from klppo.ppo.generation.engine import Sampled
 from klppo.ppo.generation.hf import GenerateEngine
 from klppo.ppo.generation.sampling import Generation
 from klppo.testing import klppo_config
-from klppo.testing.bandit import bandit_trainer, kl, one_token_state, tilted
+from klppo.testing.bandit import PROMPT, bandit_trainer, kl, one_token_state, tilted
 
 BETA = 0.5
 
@@ -66,7 +66,6 @@ def drifted_bandit(tiny_path, tmp_path, factor: float, correction: bool, **overr
 def kl_readings(trainer, prompts: int = 2048) -> tuple[float, float, float]:
     """`(corrected, plain, exact)`: on one rollout of `prompts` copies of the bandit's prompt, the KL statistic the
     trainer reads (k1 weighted by the truncated ratios), the same k1 unweighted, and KL(pi || ref) in closed form."""
-    from klppo.testing.bandit import PROMPT
 
     rollout = trainer.rollout(trainer.prompt_batch([PROMPT] * prompts))
     keep = rollout.response_mask.bool()
@@ -95,6 +94,38 @@ def test_a_drifting_engine_is_measured_and_its_kl_reading_corrected(tiny_path, t
     corrected, plain, exact = kl_readings(trainer, prompts=4096)
     assert abs(plain - exact) > 0.05, (corrected, plain, exact)
     assert abs(corrected - exact) < 0.5 * abs(plain - exact), (corrected, plain, exact)
+
+
+@pytest.mark.numerics
+@pytest.mark.slow
+def test_the_equilibrium_controllers_estimate_from_a_drifting_engines_batch_is_corrected(tiny_path, tmp_path):
+    """The equilibrium controller reads the batch itself: each sequence's score and log-ratio, as importance weights
+    toward the optimum at each beta. On a drifting engine's batch those weights are taken under the engine's mu;
+    each sequence's truncated ratio `pi / mu` corrects them. After 40 updates of the one-token bandit (beta 0.1, the
+    policy away from the reference), one rollout of 4096 responses from an engine 50% hotter: the controller's
+    estimate of the beta whose optimum has KL(pi_beta || ref) = that of beta* = 0.5 (exact from the reference's
+    logits) is within 3% of beta* with the correction, and more than 5% off without it, on the same rollout.
+    Measured (seeds 0-3): corrected 0.993-1.008 beta*, plain 0.917-0.932."""
+    from klppo.kl.controllers.equilibrium import EquilibriumKLController
+    from klppo.ppo import update
+
+    trainer = drifted_bandit(tiny_path, tmp_path, 1.05, True, max_steps=40, kl_coef=0.1)
+    start = one_token_state(trainer)
+    target = kl(tilted(start["ref"], start["reward"], BETA), start["ref"])
+    trainer.train()
+    trainer.sampler.generation_config.temperature = trainer.args.temperature * 1.5
+    rollout = trainer.rollout(trainer.prompt_batch([PROMPT] * 4096))
+    estimates = {}
+    for name, batch in (("corrected", rollout), ("plain", replace(rollout, is_log_weight=None))):
+        controller = EquilibriumKLController(kl_coef=BETA, target=target)
+        rewards = trainer.compute_rewards(batch)
+        penalty = trainer.apply_kl(batch, rewards)
+        update.update_controller(
+            controller, trainer.kl_guard, None, trainer.kl_plan, batch, rewards, penalty, trainer.accelerator, 1, False
+        )
+        estimates[name] = math.exp(controller.estimate) / BETA
+    assert abs(estimates["corrected"] - 1) < 0.03, estimates
+    assert abs(estimates["plain"] - 1) > 0.05, estimates
 
 
 def test_importance_weights_truncate_per_token_and_per_sequence():
@@ -134,6 +165,7 @@ def test_the_correction_weights_the_statistic_and_logs_the_drift():
         statistic_kl: torch.Tensor
         logged_kl: torch.Tensor
         is_weight: torch.Tensor | None = None
+        is_log_weight: torch.Tensor | None = None
         sampling_metrics: dict = dataclasses.field(default_factory=dict)
 
     out = correct_rollout(R(**vars(rollout)), True, "token_truncate", 3.0)
@@ -149,6 +181,29 @@ def test_the_correction_weights_the_statistic_and_logs_the_drift():
     assert off.is_weight is None and torch.equal(off.statistic_kl, rollout.statistic_kl) and off.sampling_metrics
     exact = R(**{**vars(rollout), "sampling_logp": None})
     assert correct_rollout(exact, True, "token_truncate", 3.0) is exact
+    # each sequence's log weight (the equilibrium controller's): its tokens' truncated weights multiplied, or its one
+    # truncated weight; padding adds nothing
+    two = R(
+        logp=torch.log(torch.tensor([[0.5, 0.3], [0.6, 0.9]])),
+        sampling_logp=torch.log(torch.tensor([[0.25, 0.1], [0.1, 0.01]])),
+        response_mask=torch.tensor([[1.0, 1.0], [1.0, 0.0]]),
+        statistic_kl=torch.ones(2, 2),
+        logged_kl=torch.ones(2, 2, 3),
+    )
+    per_token = correct_rollout(two, True, "token_truncate", 3.0).is_log_weight
+    per_sequence = correct_rollout(two, True, "sequence_truncate", 3.0).is_log_weight
+    assert torch.allclose(per_token, torch.tensor([math.log(6.0), math.log(3.0)], dtype=torch.float64))
+    assert torch.allclose(per_sequence, torch.tensor([math.log(3.0), math.log(3.0)], dtype=torch.float64))
+    # a sequence ratio past float64's range is logged at its largest finite value, its weight at the cap
+    long = R(
+        logp=torch.zeros(1, 1000),
+        sampling_logp=torch.full((1, 1000), -1.0),
+        response_mask=torch.ones(1, 1000),
+        statistic_kl=torch.ones(1, 1000),
+        logged_kl=torch.ones(1, 1000, 3),
+    )
+    out = correct_rollout(long, True, "sequence_truncate", 3.0)
+    assert torch.all(out.is_weight == 3.0) and math.isfinite(out.sampling_metrics["sampling/is_ratio_max"])
 
 
 @pytest.mark.parametrize("unit", ["sequence", "token"])

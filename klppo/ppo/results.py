@@ -114,6 +114,9 @@ class Rollout(Sequences):
     # [B, R] the truncated importance weights pi_trainer / pi_engine of an inexact engine's tokens (None: exact
     # engine, or the correction is off); the policy loss, the KL statistic and the logged KL are weighted by them
     is_weight: torch.Tensor | None = None
+    # [B] the same correction for whole sequences: log of each sequence's truncated ratio (the product of its tokens'
+    # weights, or its one weight per sequence), which the equilibrium controller's batch is weighted by
+    is_log_weight: torch.Tensor | None = None
     sampling_metrics: dict = field(default_factory=dict)  # the engine's drift and the correction's, reduced
 
 

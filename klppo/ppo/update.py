@@ -136,10 +136,15 @@ def update_controller(
     controller logs."""
     if controller.reads_sequences:
         mask = rollout.response_mask
+        # an inexact engine sampled the sequences: the batch's importance weights toward the family's member at b
+        # (`log pi_b / pi_old`) times each sequence's truncated `pi_old / mu` (`generation/correction.py`); both
+        # families' weights read `d` only as `exp(-d)`, so that is `d - log w` in place of `d`, and the KL estimate
+        # `E_w[log(n w) + d']` is the same formula (untruncated, `d'` is `log mu / ref`)
+        log_weight = 0.0 if rollout.is_log_weight is None else rollout.is_log_weight.double()
         table = torch.stack(
             [
                 rewards.scores.double(),
-                rollout.log_ratio.double().sum(dim=1),
+                rollout.log_ratio.double().sum(dim=1) - log_weight,
                 mask.sum(dim=1).double(),
                 rewards.scorable.double(),
             ],

@@ -17,7 +17,8 @@ the loss carries its own gradient, and each token's term (its baseline's mean to
 expectations under different distributions, and the loss-mode bandit settled 10x further from its optimum. The KL
 statistic the controller and the guard read (`statistic_kl`, the guard's per-token sums) and the logged
 `kl/k1..k3` are the trainer's log-ratios weighted by the same `w` (their expectation under `pi_old` instead of
-`mu`). Every reading is of the trainer's
+`mu`); the equilibrium controller, which reads whole sequences, weighs each by its truncated ratio
+(`is_log_weight`: the product of its tokens' weights, or its one weight). Every reading is of the trainer's
 log-probs, never the engine's: the engine's enter only through `w`.
 """
 
@@ -43,7 +44,7 @@ def importance_weights(
         log_ratio = diff.sum(dim=1, keepdim=True).expand_as(diff)
     else:
         raise ValueError(f"vllm_importance_sampling_mode must be one of {', '.join(IS_MODES)}, got {mode!r}")
-    ratio = log_ratio.exp()
+    ratio = log_ratio.clamp(max=700.0).exp()  # a long sequence's product can pass float64's range (exp(709))
     capped = (ratio > clip_max) & keep
     w = torch.where(keep, ratio.clamp(max=clip_max), 1.0)
     return w.to(logp.dtype), ratio, capped
@@ -85,9 +86,13 @@ def correct_rollout(rollout, enabled: bool, mode: str, clip_max: float, accelera
     if not enabled:
         return replace(rollout, sampling_metrics=metrics)
     zero = torch.zeros((), dtype=rollout.statistic_kl.dtype, device=w.device)
+    log_w = torch.where(keep, w.double().log(), 0.0).sum(dim=1)  # a sequence's: the product of its tokens' weights
+    if mode == "sequence_truncate":  # or its one weight, on every token
+        log_w = log_w / keep.sum(dim=1).clamp(min=1)
     return replace(
         rollout,
         is_weight=w,
+        is_log_weight=log_w,
         sampling_metrics=metrics,
         statistic_kl=torch.where(keep, rollout.statistic_kl * w.to(rollout.statistic_kl.dtype), zero),
         logged_kl=rollout.logged_kl * w.to(rollout.logged_kl.dtype).unsqueeze(-1),
