@@ -112,6 +112,52 @@ def test_the_engine_decodes_the_trainers_weights_after_every_update(tmp_path, ti
     release(trainer)
 
 
+def test_the_engine_and_the_trainer_agree_at_another_temperature(tmp_path):
+    """The same agreement at temperature 0.7 (every other test samples at 1.0): the engine's processed log-probs
+    are taken after the temperature, as the trainer scores them."""
+    trainer = vllm_trainer("klppo:tiny-llama-vllm", tmp_path, max_steps=3, **{**SYNC_SETTINGS, "temperature": 0.7})
+    trainer.train()
+    agree, moved = engine_agreement(trainer)
+    assert agree < 1e-4, agree
+    assert moved > 100 * max(agree, 1e-5), (moved, agree)
+    release(trainer)
+
+
+def test_a_prompt_longer_than_the_engine_takes_stops_the_run_with_the_fix(tmp_path):
+    """The engine's longest sequence is the datasets' longest prompt plus response_length; a longer prompt given
+    later (here through `vllm_max_model_length` set short) is refused with the setting that fixes it, instead of
+    vLLM cutting the response at its limit and the cut being trained on as sampled."""
+    trainer = vllm_trainer(
+        "klppo:tiny-llama-vllm", tmp_path, max_steps=1, experimental={"vllm_max_model_length": 12}, **SYNC_SETTINGS
+    )
+    trainer.train()
+    with pytest.raises(ValueError, match="vllm_max_model_length to at least"):
+        trainer.rollout(trainer.prompt_batch(["one two three four five six seven eight nine ten"]))
+    release(trainer)
+
+
+def test_sleep_mode_frees_the_engine_between_rollouts_and_the_sync_wakes_it(tmp_path, monkeypatch):
+    """Sleep mode (a GPU's; on a CPU vLLM's sleep does nothing, so the calls are recorded here, not run): before
+    each sync the weights wake, before each generation the KV cache, after it the engine sleeps at level 2; an
+    engine asleep refuses to decode until the next sync. The rank's environment the engine set is taken out at
+    shutdown."""
+    import os
+
+    before = {name: os.environ.get(name) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    trainer = vllm_trainer("klppo:tiny-llama-vllm", tmp_path, max_steps=2, **SYNC_SETTINGS)
+    engine, calls = trainer.sampler, []
+    monkeypatch.setattr(engine.llm, "sleep", lambda level: calls.append(("sleep", level)), raising=False)
+    monkeypatch.setattr(engine.llm, "wake_up", lambda tags: calls.append(("wake", tuple(tags))), raising=False)
+    engine.sleeps = True
+    trainer.train()
+    cycle = [("wake", ("weights",)), ("wake", ("kv_cache",)), ("sleep", 2)]
+    assert calls == cycle * 2
+    with pytest.raises(RuntimeError, match="sleeping without a weight sync"):
+        engine.generate(trainer.prompt_batch(["The day was"]), trainer.kl_plan)
+    release(trainer)
+    assert {name: os.environ.get(name) for name in before} == before
+
+
 @pytest.mark.parametrize("case", ["reference reset", "resume"])
 def test_the_engine_decodes_the_trainers_weights_after_a_reference_reset_and_a_resume(tmp_path, case):
     """LoRA. A reference reset at update 2 (the adapter merged into the reference, a fresh adapter trained after

@@ -176,9 +176,12 @@ EXPERIMENTAL_DOC = r"""
             On a GPU, the share of its memory the engine takes (weights and KV cache). On a CPU the KV cache is
             sized from the run's own batch and lengths instead (`vllm_kv_cache_mb`).
         vllm_max_model_length (`int` or `None`, *optional*, defaults to `None`):
-            The engine's longest sequence; `None`: `max_prompt_length + response_length`.
+            The engine's longest sequence; `None`: the longest prompt of the run's datasets (at most
+            `max_prompt_length`) plus `response_length`. A longer prompt given later stops the run with the fix.
         vllm_enable_sleep_mode (`bool`, *optional*, defaults to `False`):
-            Let the engine free its memory between rollouts (a GPU only: on a CPU vLLM's sleep mode does nothing).
+            Let the engine free its memory between rollouts (a GPU only: on a CPU vLLM's sleep mode does nothing):
+            it sleeps at level 2 (weights and KV cache freed) after each generation; the next sync wakes its weights
+            and loads them all, and generation wakes its KV cache.
         vllm_tensor_parallel_size (`int`, *optional*, defaults to `1`):
             Tensor-parallel ranks per engine; colocated engines take 1 (one engine per training process).
         vllm_dtype (`str`, *optional*, defaults to `"auto"`):

@@ -215,7 +215,8 @@ class VLLMEngine(GenerationEngine):
         self.allowed_ids = None  # the suppressed ids are masked as vLLM does it: every other id allowed
         if self.suppressed_ids is not None and len(self.suppressed_ids):
             banned = set(self.suppressed_ids.tolist())
-            self.allowed_ids = [i for i in range(int(self.config.vocab_size)) if i not in banned]
+            vocab = int(self.config.get_text_config().vocab_size)
+            self.allowed_ids = [i for i in range(vocab) if i not in banned]
         self.tied = bool(getattr(self.config, "tie_word_embeddings", False))
         if args.experimental.vllm_max_model_length is not None:
             self.max_model_len = int(args.experimental.vllm_max_model_length)
@@ -243,7 +244,10 @@ class VLLMEngine(GenerationEngine):
         else:
             kwargs["gpu_memory_utilization"] = args.experimental.vllm_gpu_memory_utilization
             kwargs["enable_sleep_mode"] = args.experimental.vllm_enable_sleep_mode
-        # vLLM needs the rank's environment in the process that runs it (TRL's colocate mode sets the same)
+        # vLLM needs the rank's environment in the process that runs it (TRL's colocate mode sets the same); what
+        # was set here is taken out again at shutdown
+        names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+        self._environ_added = [name for name in names if name not in os.environ]
         os.environ.setdefault("RANK", str(accelerator.process_index))
         os.environ.setdefault("LOCAL_RANK", str(accelerator.local_process_index))
         os.environ.setdefault("WORLD_SIZE", str(accelerator.num_processes))
@@ -280,6 +284,13 @@ class VLLMEngine(GenerationEngine):
         )
         self._synced_once = False
         self.sync_seconds: list[float] = []
+        # sleep mode (a GPU only): asleep at level 2 (weights and KV cache freed) from the end of one generation to
+        # the next sync, which loads every weight anyway
+        self.sleeps = bool(kwargs.get("enable_sleep_mode"))
+        self._weights_asleep = False
+        if self.sleeps:
+            self.llm.sleep(level=2)
+            self._weights_asleep = True
 
     def kv_cache_mb(self) -> float:
         """The KV cache on a CPU, MiB: `vllm_kv_cache_mb`, or every sequence of the local batch at the engine's
@@ -339,6 +350,9 @@ class VLLMEngine(GenerationEngine):
         """Load the policy's current weights into the engine (a LoRA adapter merged), then reset its prefix cache.
         Raises when no weight was loaded or some weight of the engine was not."""
         start = time.perf_counter()
+        if self.sleeps:  # the weights' memory mapped again before they are loaded (TRL does the same)
+            torch.cuda.empty_cache()
+            self.llm.wake_up(tags=["weights"])
         policy = unwrap(self.accelerator, model_wrapped).policy
         repack = self.on_cpu and self.tied
         if self.sharding is not None:  # sharded: one decoder layer whole at a time
@@ -355,15 +369,19 @@ class VLLMEngine(GenerationEngine):
                 if loaded:
                     missing = self.llm.collective_rpc(_reload, args=(weights, repack))[0]
         if not loaded:
-            raise RuntimeError("use_vllm: the weight sync found no weight to load into the engine.")
+            raise RuntimeError(
+                "use_vllm: the weight sync found no weight to load into the engine. Decode with generate "
+                "(use_vllm: false) for this model."
+            )
         if missing:
             raise RuntimeError(
                 f"use_vllm: the weight sync left {len(missing)} of the engine's weights as they were ({', '.join(missing[:5])}"
                 f"{', ...' if len(missing) > 5 else ''}): the engine would decode another model than the trainer's. "
-                "Its parameter names do not match the policy's (an architecture vLLM maps differently)."
+                "Its parameter names do not match the policy's (an architecture vLLM maps differently): decode "
+                "with generate (use_vllm: false) for this model."
             )
         self.llm.reset_prefix_cache()
-        self._synced_once = True
+        self._synced_once, self._weights_asleep = True, False
         seconds = time.perf_counter() - start
         self.sync_seconds.append(seconds)
         return {"time/weight_sync": seconds}
@@ -401,18 +419,40 @@ class VLLMEngine(GenerationEngine):
         """One batch of prompts through the engine: responses, their masks and the engine's processed log-probs."""
         if not self._synced_once:
             raise RuntimeError("use_vllm: the engine decodes before its first weight sync (its weights are dummies).")
+        if self._weights_asleep:
+            raise RuntimeError(
+                "use_vllm: the engine decodes after sleeping without a weight sync (its weights are gone)."
+            )
         rows = batch.input_ids.shape[0]
         prompts = [
             {"prompt_token_ids": ids[mask.bool()].tolist()}
             for ids, mask in zip(batch.input_ids.cpu(), batch.attention_mask.cpu())
         ]
+        longest = max((len(p["prompt_token_ids"]) for p in prompts), default=0)
+        if longest + int(self.args.response_length) > self.max_model_len:
+            # vLLM would cut the response short at max_model_len without a stop token, and the cut would be trained
+            # on as if sampled
+            raise ValueError(
+                f"use_vllm: a prompt of {longest} tokens plus response_length {self.args.response_length} is longer "
+                f"than the engine's max_model_len, {self.max_model_len} (the longest prompt of the run's datasets plus "
+                "response_length, or experimental.vllm_max_model_length). Set experimental.vllm_max_model_length to "
+                f"at least {longest + int(self.args.response_length)} (at most max_prompt_length + response_length is "
+                "ever needed), or give prompts no longer than the datasets'."
+            )
+        if self.sleeps:
+            self.llm.wake_up(tags=["kv_cache"])
         # from torch's stream (seeded runs repeat), made the rank's own: every rank draws alike when the ranks hold
         # as many prompts (training), and rank r's seeds are r more than a multiple of the number of ranks
         ranks = self.accelerator.num_processes
         drawn = torch.randint(0, (2**31 - 1) // ranks, (rows,))
         seeds = (drawn * ranks + self.accelerator.process_index).tolist()
         params = [self.sampling_params(seed) for seed in seeds]
-        outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=False)
+        try:
+            outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=False)
+        finally:
+            if self.sleeps:  # level 2: the weights and the KV cache freed until the next sync
+                self.llm.sleep(level=2)
+                self._weights_asleep = True
         width = max(1, max(len(out.outputs[0].token_ids) for out in outputs))
         tokens = torch.full((rows, width), self.pad_token_id, dtype=torch.long)
         logp = torch.zeros((rows, width), dtype=torch.float32)
@@ -439,7 +479,11 @@ class VLLMEngine(GenerationEngine):
         gc.collect()
         from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
-        destroy_model_parallel()
-        if self._owns_process_group:
-            destroy_distributed_environment()
-        self._dir.cleanup()
+        try:
+            destroy_model_parallel()
+            if self._owns_process_group:
+                destroy_distributed_environment()
+        finally:
+            for name in self._environ_added:
+                os.environ.pop(name, None)
+            self._dir.cleanup()
