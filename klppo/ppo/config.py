@@ -193,9 +193,10 @@ EXPERIMENTAL_DOC = r"""
             `vllm_max_model_length` tokens, in whole blocks of 128 tokens), with a floor of 64 MiB. A smaller cache
             decodes a batch in several waves.
         vllm_importance_sampling_correction (`bool`, *optional*, defaults to `True`):
-            Weight each token's policy loss, the KL statistic and the logged KL by the truncated ratio of the
-            trainer's log-prob to the engine's (`sampling/is_ratio_*`), which corrects the engine's drift from the
-            trainer's numerics. False: the drift is logged, not corrected.
+            Weight each token's policy loss, a KL term in the loss, the KL statistic, the KL guard's readings and
+            the logged KL by the truncated ratio of the trainer's log-prob to the engine's (`sampling/is_ratio_*`),
+            and each sequence of the equilibrium controller's batch by its own, which corrects the engine's drift
+            from the trainer's numerics. False: the drift is logged, not corrected.
         vllm_importance_sampling_mode (`str`, *optional*, defaults to `"token_truncate"`):
             `"token_truncate"`: each token's ratio, capped; `"sequence_truncate"`: the product over a response's
             tokens, capped, on every token of it.

@@ -112,7 +112,8 @@ class Rollout(Sequences):
     statistic_kl: torch.Tensor  # [B, R] the controller's estimator (`kl_statistic`)
     logged_kl: torch.Tensor  # [B, R, 3] k1, k2 and k3 (`LOGGED_ESTIMATORS`), each with the log-ratio clamp only
     # [B, R] the truncated importance weights pi_trainer / pi_engine of an inexact engine's tokens (None: exact
-    # engine, or the correction is off); the policy loss, the KL statistic and the logged KL are weighted by them
+    # engine, or the correction is off); the policy loss, a KL loss term, the KL statistic, the guard's readings and
+    # the logged KL are weighted by them
     is_weight: torch.Tensor | None = None
     # [B] the same correction for whole sequences: log of each sequence's truncated ratio (the product of its tokens'
     # weights, or its one weight per sequence), which the equilibrium controller's batch is weighted by
