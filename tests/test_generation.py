@@ -181,29 +181,29 @@ def test_the_correction_weights_the_statistic_and_logs_the_drift():
     assert off.is_weight is None and torch.equal(off.statistic_kl, rollout.statistic_kl) and off.sampling_metrics
     exact = R(**{**vars(rollout), "sampling_logp": None})
     assert correct_rollout(exact, True, "token_truncate", 3.0) is exact
-    # each sequence's log weight (the equilibrium controller's): its tokens' truncated weights multiplied, or its one
-    # truncated weight; padding adds nothing
+    # each sequence's log weight (the equilibrium controller's): log min(prod_t pi / mu, 3) in either mode, padding
+    # left out, finite however far a long sequence drifts
     two = R(
         logp=torch.log(torch.tensor([[0.5, 0.3], [0.6, 0.9]])),
-        sampling_logp=torch.log(torch.tensor([[0.25, 0.1], [0.1, 0.01]])),
+        sampling_logp=torch.log(torch.tensor([[0.25, 0.6], [0.1, 0.01]])),
         response_mask=torch.tensor([[1.0, 1.0], [1.0, 0.0]]),
         statistic_kl=torch.ones(2, 2),
         logged_kl=torch.ones(2, 2, 3),
     )
-    per_token = correct_rollout(two, True, "token_truncate", 3.0).is_log_weight
-    per_sequence = correct_rollout(two, True, "sequence_truncate", 3.0).is_log_weight
-    assert torch.allclose(per_token, torch.tensor([math.log(6.0), math.log(3.0)], dtype=torch.float64))
-    assert torch.allclose(per_sequence, torch.tensor([math.log(3.0), math.log(3.0)], dtype=torch.float64))
-    # a sequence ratio past float64's range is logged at its largest finite value, its weight at the cap
-    long = R(
-        logp=torch.zeros(1, 1000),
-        sampling_logp=torch.full((1, 1000), -1.0),
-        response_mask=torch.ones(1, 1000),
-        statistic_kl=torch.ones(1, 1000),
-        logged_kl=torch.ones(1, 1000, 3),
-    )
-    out = correct_rollout(long, True, "sequence_truncate", 3.0)
-    assert torch.all(out.is_weight == 3.0) and math.isfinite(out.sampling_metrics["sampling/is_ratio_max"])
+    for mode in ("token_truncate", "sequence_truncate"):
+        log_w = correct_rollout(two, True, mode, 3.0).is_log_weight
+        assert torch.allclose(log_w, torch.tensor([0.0, math.log(3.0)], dtype=torch.float64), atol=1e-6), mode
+    for drift, weight, log_w in ((1.0, 3.0, math.log(3.0)), (-1.0, 0.0, -1000.0)):
+        long = R(
+            logp=torch.zeros(1, 1000),
+            sampling_logp=torch.full((1, 1000), -drift),
+            response_mask=torch.ones(1, 1000),
+            statistic_kl=torch.ones(1, 1000),
+            logged_kl=torch.ones(1, 1000, 3),
+        )
+        out = correct_rollout(long, True, "sequence_truncate", 3.0)
+        assert torch.all(out.is_weight == weight) and math.isfinite(out.sampling_metrics["sampling/is_ratio_max"])
+        assert float(out.is_log_weight[0]) == pytest.approx(log_w)
 
 
 @pytest.mark.parametrize("unit", ["sequence", "token"])

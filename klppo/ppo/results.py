@@ -115,8 +115,8 @@ class Rollout(Sequences):
     # engine, or the correction is off); the policy loss, a KL loss term, the KL statistic, the guard's readings and
     # the logged KL are weighted by them
     is_weight: torch.Tensor | None = None
-    # [B] the same correction for whole sequences: log of each sequence's truncated ratio (the product of its tokens'
-    # weights, or its one weight per sequence), which the equilibrium controller's batch is weighted by
+    # [B] the same correction for whole sequences: log min(pi_trainer(y) / pi_engine(y), clip), in either mode, which
+    # the equilibrium controller's batch is weighted by
     is_log_weight: torch.Tensor | None = None
     sampling_metrics: dict = field(default_factory=dict)  # the engine's drift and the correction's, reduced
 

@@ -140,7 +140,8 @@ def update_controller(
         # (`log pi_b / pi_old`) times each sequence's truncated `pi_old / mu` (`generation/correction.py`); both
         # families' weights read `d` only as `exp(-d)`, so that is `d - log w` in place of `d`, and the KL estimate
         # `E_w[log(n w) + d']` is the same formula (untruncated, `d'` is `log mu / ref`)
-        log_weight = 0.0 if rollout.is_log_weight is None else rollout.is_log_weight.double()
+        log_weight = getattr(rollout, "is_log_weight", None)
+        log_weight = 0.0 if log_weight is None else log_weight.double()
         table = torch.stack(
             [
                 rewards.scores.double(),
@@ -218,7 +219,7 @@ def kl_loss_baseline(plan: KLPlan, rollout: Rollout, accelerator) -> tuple[torch
         x = torch.zeros_like(rollout.log_ratio, dtype=torch.float64, requires_grad=True)
         kl = plan.estimate(plan.estimator, rollout.log_ratio.double() + x, x)
         (g,) = torch.autograd.grad(kl.sum(), x)
-    if rollout.is_weight is not None:  # an inexact engine's tokens: the mean under pi_old
+    if getattr(rollout, "is_weight", None) is not None:  # an inexact engine's tokens: the mean under pi_old
         mask = mask.double() * rollout.is_weight.double()
     rows, lengths = (g * mask).sum(dim=1), mask.sum(dim=1).double()
     total, count = reduce_sum_count(rows.sum(), lengths.sum(), accelerator)
@@ -288,7 +289,9 @@ def micro_batch_loss(
     parts = ppo_statistics(
         reads["entropy"], old_log_ratio, pg_clipped, vf_clipped, mask, share, policy=loss, value=value_loss
     )
-    sample = guard_sample(log_ratio.detach(), old_log_ratio.detach(), mb.log_ratio, mask, plan.unit, mb.is_weight)
+    sample = guard_sample(
+        log_ratio.detach(), old_log_ratio.detach(), mb.log_ratio, mask, plan.unit, getattr(mb, "is_weight", None)
+    )
     parts["kl/during_update"] = (sample.kl_now, sample.count)  # the KL statistic at the current policy
     if warming:  # the critic alone: neither the policy loss nor the KL reaches the policy's weights
         loss = None
@@ -301,7 +304,12 @@ def micro_batch_loss(
             c = plan.log_ratio_clamp
             w = (old_log_ratio if c is None else old_log_ratio.clamp(-c, c)).exp()
             kl = kl - advantages.kl_loss_baseline[idx].to(w.dtype) * (w - w.detach())
-        if mb.is_weight is not None:  # an inexact engine's tokens: the term's expectation under pi_old
+        per_token_weight = not (kl_from_logits and args.experimental.vllm_importance_sampling_mode == "token_truncate")
+        if (
+            getattr(mb, "is_weight", None) is not None and per_token_weight
+        ):  # an inexact engine's tokens: the expectation under pi_old
+            # (a logits-based term at a position does not depend on the token sampled there: its own ratio would
+            # only add noise)
             kl = kl * mb.is_weight.to(kl.dtype)
         kl_term = kl_loss(
             kl, mask, advantages.kl_loss_coef, plan.loss_agg_mode, **counts, norm_len=args.response_length

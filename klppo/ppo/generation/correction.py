@@ -17,13 +17,14 @@ the loss carries its own gradient, and each token's term (its baseline's mean to
 expectations under different distributions, and the loss-mode bandit settled 10x further from its optimum. The KL
 statistic the controller and the guard read (`statistic_kl`, the guard's per-token sums) and the logged
 `kl/k1..k3` are the trainer's log-ratios weighted by the same `w` (their expectation under `pi_old` instead of
-`mu`); the equilibrium controller, which reads whole sequences, weighs each by its truncated ratio
-(`is_log_weight`: the product of its tokens' weights, or its one weight). Every reading is of the trainer's
+`mu`); the equilibrium controller, which reads whole sequences, weighs each by its own truncated ratio
+(`is_log_weight`: `min(prod_t pi_old / mu, clip_max)`, in either mode). Every reading is of the trainer's
 log-probs, never the engine's: the engine's enter only through `w`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
@@ -71,7 +72,8 @@ def correct_rollout(rollout, enabled: bool, mode: str, clip_max: float, accelera
         return rollout
     keep = rollout.response_mask.bool()
     w, ratio, capped = importance_weights(rollout.logp, rollout.sampling_logp, rollout.response_mask, mode, clip_max)
-    diff = (rollout.logp.double() - rollout.sampling_logp.double()).abs()
+    diff_signed = rollout.logp.double() - rollout.sampling_logp.double()
+    diff = diff_signed.abs()
     n = _global(keep.sum().double(), "sum", accelerator)
     big, inf = torch.tensor(float("inf"), dtype=torch.float64), torch.tensor(float("-inf"), dtype=torch.float64)
     kept = lambda x, fill: torch.where(keep, x, fill.to(x.device))  # noqa: E731
@@ -86,9 +88,9 @@ def correct_rollout(rollout, enabled: bool, mode: str, clip_max: float, accelera
     if not enabled:
         return replace(rollout, sampling_metrics=metrics)
     zero = torch.zeros((), dtype=rollout.statistic_kl.dtype, device=w.device)
-    log_w = torch.where(keep, w.double().log(), 0.0).sum(dim=1)  # a sequence's: the product of its tokens' weights
-    if mode == "sequence_truncate":  # or its one weight, on every token
-        log_w = log_w / keep.sum(dim=1).clamp(min=1)
+    # a sequence's own truncated ratio, min(pi_old(y) / mu(y), clip_max), in either mode (float64 from the log-ratios:
+    # a weight that underflows to 0 would give the controller an infinite log-ratio)
+    log_w = torch.where(keep, diff_signed, 0.0).sum(dim=1).clamp(max=math.log(clip_max))
     return replace(
         rollout,
         is_weight=w,
