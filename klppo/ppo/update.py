@@ -304,12 +304,7 @@ def micro_batch_loss(
             c = plan.log_ratio_clamp
             w = (old_log_ratio if c is None else old_log_ratio.clamp(-c, c)).exp()
             kl = kl - advantages.kl_loss_baseline[idx].to(w.dtype) * (w - w.detach())
-        per_token_weight = not (kl_from_logits and args.experimental.vllm_importance_sampling_mode == "token_truncate")
-        if (
-            getattr(mb, "is_weight", None) is not None and per_token_weight
-        ):  # an inexact engine's tokens: the expectation under pi_old
-            # (a logits-based term at a position does not depend on the token sampled there: its own ratio would
-            # only add noise)
+        if getattr(mb, "is_weight", None) is not None:  # an inexact engine's tokens: the expectation under pi_old
             kl = kl * mb.is_weight.to(kl.dtype)
         kl_term = kl_loss(
             kl, mask, advantages.kl_loss_coef, plan.loss_agg_mode, **counts, norm_len=args.response_length
