@@ -14,7 +14,8 @@ on the same prompts, `--response-length` new tokens each, no stop token:
   klppo-unmerged  the same with the adapter left unmerged (`merge_adapter_for_generation=False`);
   vllm    the same rollout with `use_vllm=True`: a vLLM engine colocated in the process (`.venv-vllm`), the merged
           weights synced before every call as in training (`time/weight_sync`, reported apart), `generate`'s
-          compile settings unused.
+          compile settings unused; the engine as it runs by default (`vllm_enforce_eager`: eager on a CPU, compiled on a GPU);
+  vllm-compiled  the same with the engine's model compiled on a CPU too (`vllm_enforce_eager=False`).
 
 The first call compiles (and, with CUDA graphs, warms up); the report gives it apart, then the second call, then
 the median of the others, and for every call the graphs dynamo compiled and the CUDA graphs recorded
@@ -40,7 +41,7 @@ sys.path.insert(0, str(HERE))
 import bench_assets  # noqa: E402
 from compile_counts import CompileCounter, per_step  # noqa: E402
 
-VARIANTS = ("plain", "klppo", "klppo-unmerged", "vllm")
+VARIANTS = ("plain", "klppo", "klppo-unmerged", "vllm", "vllm-compiled")
 
 
 def parse_args(argv=None):
@@ -187,7 +188,8 @@ def profiled(args, call) -> dict:
     return {"profile": top}
 
 
-def run_klppo(args, path, tokenizer, settings, merged: bool, vllm: bool = False) -> dict:
+def run_klppo(args, path, tokenizer, settings, merged: bool, vllm: str | None = None) -> dict:
+    """`vllm`: None (`generate`), "vllm" (the engine eager) or "vllm-compiled"."""
     from collections import defaultdict
 
     from datasets import Dataset
@@ -213,8 +215,12 @@ def run_klppo(args, path, tokenizer, settings, merged: bool, vllm: bool = False)
         use_cpu=args.device == "cpu",
         bf16=args.dtype == "bfloat16",
         cache_implementation="dynamic" if vllm else "static",
-        use_vllm=vllm,
-        experimental={"merge_adapter_for_generation": merged, "generation_compile_config": settings},
+        use_vllm=vllm is not None,
+        experimental={
+            "merge_adapter_for_generation": merged,
+            "generation_compile_config": settings,
+            **({"vllm_enforce_eager": False} if vllm == "vllm-compiled" else {}),
+        },
     )
     prompts = Dataset.from_dict({"prompt": bench_assets.load_prompts(args.batch_size)})
     lora = LoraConfig(
@@ -274,16 +280,18 @@ def render(report: dict) -> str:
     if plain and klppo:
         ratio = klppo["steady_generation_s"] / plain["steady_s"]
         lines += ["", f"klppo's generation / plain `generate`, after warm-up: {ratio:.2f}x."]
-    engine = report["variants"].get("vllm")
-    if engine:
+    for name in ("vllm", "vllm-compiled"):
+        engine = report["variants"].get(name)
+        if not engine:
+            continue
         lines += [
             "",
-            f"vllm: engine started in {engine['engine_start_s']:.1f} s; weight sync per call "
+            f"{name}: engine started in {engine['engine_start_s']:.1f} s; weight sync per call "
             f"{statistics.median(engine['weight_sync_s']):.3f} s (median), not in its generation figures.",
         ]
         if klppo:
             ratio = engine["steady_generation_s"] / klppo["steady_generation_s"]
-            lines += [f"vllm's generation / klppo's (`generate`), after warm-up: {ratio:.2f}x."]
+            lines += [f"{name}'s generation / klppo's (`generate`), after warm-up: {ratio:.2f}x."]
     lines += ["", "klppo's figures are the generation phase of `rollout` (`time/generation`), without its scoring."]
     for name, r in report["variants"].items():
         prof = r.get("profile")
@@ -330,7 +338,12 @@ def main(argv=None):
             variants[name] = run_plain(args, path, tokenizer, settings)
         else:
             variants[name] = run_klppo(
-                args, path, tokenizer, settings, merged=name != "klppo-unmerged", vllm=name == "vllm"
+                args,
+                path,
+                tokenizer,
+                settings,
+                merged=name != "klppo-unmerged",
+                vllm=name if name.startswith("vllm") else None,
             )
         print(f"[decode] {name}: {json.dumps({k: v for k, v in variants[name].items() if k != 'counts'})}", flush=True)
     machine = torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"

@@ -4,7 +4,9 @@
 # (on a GPU: a static KV cache with the decoding step compiled) against TRL 1.12's PPO, most wanted first:
 #   random-360m (SmolLM2-360M's shape), workloads a and b, bfloat16,
 #   benchmarks/decode.py: plain compiled `generate` against klppo's rollout generation, same batch, each under
-#     torch.profiler once (where the difference goes), with TORCH_LOGS=recompiles (why anything recompiled),
+#     torch.profiler once (where the difference goes), with TORCH_LOGS=recompiles (why anything recompiled);
+#     with vLLM importable on klppo's side, its colocated engine too (the `vllm` variant; not in --cpu-smoke, whose
+#     tiny shape's head size vLLM's CPU attention refuses),
 #   random-360m, workload a, bfloat16, a whole run of 20 updates on each side, compilation included,
 #   random-1.7b (SmolLM2-1.7B's shape), workload b, bfloat16,
 #   random-360m, workloads a and b, float32,
@@ -66,7 +68,11 @@ else
   RUN=3
 fi
 TARGETS=${KLPPO_BENCH_TARGETS:-$(temp_dir klppo-bench-targets)}
-KLPPO_PATH="$TARGETS/klppo:$PWD"   # transformers 5.24, trl 1.16 and the rest klppo needs beyond the image; klppo
+KLPPO_PATH="$TARGETS/klppo:$PWD"
+VARIANTS=plain,klppo
+if [ "$mode" = gpu ] && PYTHONPATH="$KLPPO_PATH" "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)" 2>/dev/null; then
+  VARIANTS=plain,klppo,vllm
+fi   # transformers 5.24, trl 1.16 and the rest klppo needs beyond the image; klppo
 PEER_PATH="$TARGETS/peer:$TARGETS/klppo"   # trl 1.12 first; datasets and its helpers from klppo's folder
 # klppo's side: what it needs beyond the image's torch, accelerate and peft, transformers included (klppo reads
 # TrainingArguments fields that the image's transformers 5.17 lacks); the peer: trl 1.12 alone, ahead of
@@ -115,7 +121,7 @@ if [ "$dry" = 1 ]; then
   for step in "${STEPS[@]}"; do
     if [ "${step#*|}" = decode ]; then
       echo "TORCH_LOGS=recompiles PYTHONPATH=$KLPPO_PATH $PY benchmarks/decode.py ${DECODE[*]} --assets $ASSETS" \
-        "--variants plain,klppo --profile --out $OUTDIR"
+        "--variants $VARIANTS --profile --out $OUTDIR"
       continue
     fi
     echo "PYTHONPATH=$KLPPO_PATH $PY benchmarks/bench.py ${COMMON[*]} --assets $ASSETS --peer-python $PY" \
@@ -159,7 +165,7 @@ for step in "${STEPS[@]}"; do
   echo "[gpu.sh] step $name (at ${SECONDS}s, ${left}s left)"
   if [ "${step#*|}" = decode ]; then
     TORCH_LOGS=recompiles PYTHONPATH="$KLPPO_PATH" timeout --kill-after=10 "$left" "$PY" benchmarks/decode.py \
-      "${DECODE[@]}" --assets "$ASSETS" --variants plain,klppo --profile --out "$OUTDIR"
+      "${DECODE[@]}" --assets "$ASSETS" --variants "$VARIANTS" --profile --out "$OUTDIR"
   else
     # shellcheck disable=SC2086  # the step's arguments are words
     run_bench "$left" --name "$name" ${step#*|}

@@ -414,9 +414,9 @@ def test_saved_cpu_reports_still_render(bench):
     assert "### Workload a" in bench.markdown(report)
 
 
-def dry_run(*flags: str) -> str:
-    """What `benchmarks/gpu.sh --dry-run` prints."""
-    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "KLPPO_BENCH_TARGETS")}
+def dry_run(*flags: str, **environ: str) -> str:
+    """What `benchmarks/gpu.sh --dry-run` prints (`environ`: variables set for it)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "KLPPO_BENCH_TARGETS")} | environ
     done = subprocess.run(
         ["bash", str(REPO_ROOT / "benchmarks" / "gpu.sh"), "--dry-run", *flags],
         env=env,
@@ -461,6 +461,17 @@ def test_the_gpu_script_runs_the_table(bench):
     assert {a.model_shape for a in smoke} == {"tiny"} and {a.device for a in smoke} == {"cpu"}
     assert len({bench.report_name(a) for a in smoke}) == len(smoke)
     assert "--force-compile" in next(line for line in dry_run("--cpu-smoke").splitlines() if "decode.py" in line)
+
+
+def test_the_gpu_script_times_the_vllm_engine_where_vllm_is_installed(tmp_path):
+    """`gpu.sh`'s decoding step adds the `vllm` variant when vLLM imports on klppo's side (here a stand-in package
+    in the klppo target folder), and leaves it out otherwise and in the CPU smoke run (the tiny shape's head size)."""
+    (tmp_path / "klppo" / "vllm").mkdir(parents=True)
+    (tmp_path / "klppo" / "vllm" / "__init__.py").write_text("")
+    decode = lambda out: next(line for line in out.splitlines() if "decode.py" in line)  # noqa: E731
+    assert "--variants plain,klppo,vllm " in decode(dry_run(KLPPO_BENCH_TARGETS=str(tmp_path)))
+    assert "--variants plain,klppo " in decode(dry_run("--cpu-smoke", KLPPO_BENCH_TARGETS=str(tmp_path)))
+    assert "--variants plain,klppo " in decode(dry_run(KLPPO_BENCH_TARGETS=str(tmp_path / "none")))
 
 
 def test_the_padding_benchmarks_three_forms_give_the_same_response_logits(tiny_model_and_tokenizer, monkeypatch):

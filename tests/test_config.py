@@ -102,6 +102,8 @@ def test_a_switch_of_the_experimental_settings_must_be_a_bool(tmp_path):
     time, naming the valid values."""
     with pytest.raises(ValueError, match="`kl_loss_baseline` must be true or false, got 'false'"):
         KLPPOConfig(output_dir=str(tmp_path), report_to="none", experimental={"kl_loss_baseline": "false"})
+    with pytest.raises(ValueError, match="`vllm_enforce_eager` must be true, false or unset, got 'no'"):
+        KLPPOConfig(output_dir=str(tmp_path), report_to="none", experimental={"vllm_enforce_eager": "no"})
 
 
 def test_each_documented_default_is_the_codes():

@@ -112,6 +112,33 @@ def test_the_engine_decodes_the_trainers_weights_after_every_update(tmp_path, ti
     release(trainer)
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_compiled_engine_decodes_the_trainers_weights_after_every_update(tmp_path, lora):
+    """The same agreement with the engine's model compiled (`vllm_enforce_eager: false`, vLLM's default on a GPU):
+    the sync writes into the tensors the compiled model reads, not into copies it no longer reads."""
+    peft_config = None
+    if lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"])
+    trainer = vllm_trainer(
+        "klppo:tiny-llama-vllm-tied",
+        tmp_path,
+        peft_config,
+        max_steps=3,
+        experimental={"vllm_enforce_eager": False},
+        **SYNC_SETTINGS,
+    )
+    from vllm.config import CompilationMode
+
+    assert trainer.sampler.llm.llm_engine.vllm_config.compilation_config.mode != CompilationMode.NONE
+    trainer.train()
+    agree, moved = engine_agreement(trainer)
+    assert agree < 1e-4, agree
+    assert moved > 100 * max(agree, 1e-5), (moved, agree)
+    release(trainer)
+
+
 def test_the_engine_and_the_trainer_agree_at_another_temperature(tmp_path):
     """The same agreement at temperature 0.7 (every other test samples at 1.0): the engine's processed log-probs
     are taken after the temperature, as the trainer scores them."""

@@ -192,6 +192,10 @@ EXPERIMENTAL_DOC = r"""
             On a CPU, the KV cache in MiB; `None`: what one rollout needs (every sequence of the local batch at
             `vllm_max_model_length` tokens, in whole blocks of 128 tokens), with a floor of 64 MiB. A smaller cache
             decodes a batch in several waves.
+        vllm_enforce_eager (`bool` or `None`, *optional*, defaults to `None`):
+            Run the engine's model eagerly (True) or compiled (False: vLLM's torch.compile, and its CUDA graphs on a
+            GPU); `None`: eager on a CPU, compiled on a GPU. On a CPU compiling takes over a minute at the engine's
+            start and then decodes faster (`results/vllm/`): worth it for long responses and long runs.
         vllm_importance_sampling_correction (`bool`, *optional*, defaults to `True`):
             Weight each token's policy loss, a KL term in the loss, the KL statistic, the KL guard's readings and
             the logged KL by the truncated ratio of the trainer's log-prob to the engine's (`sampling/is_ratio_*`),
@@ -237,6 +241,7 @@ class ExperimentalSettings:
     vllm_tensor_parallel_size: int = 1
     vllm_dtype: str = "auto"
     vllm_kv_cache_mb: float | None = None
+    vllm_enforce_eager: bool | None = None
     vllm_importance_sampling_correction: bool = True
     vllm_importance_sampling_mode: str = "token_truncate"
     vllm_importance_sampling_clip_max: float = 3.0
@@ -663,8 +668,9 @@ class KLPPOConfig(KLControlConfig, TrainingArguments):
         ):
             if not isinstance(getattr(x, name), bool):
                 raise ValueError(f"`{name}` must be true or false, got {getattr(x, name)!r}.")
-        if x.nonfinite_rollback is not None and not isinstance(x.nonfinite_rollback, bool):
-            raise ValueError(f"`nonfinite_rollback` must be true, false or unset, got {x.nonfinite_rollback!r}.")
+        for name in ("nonfinite_rollback", "vllm_enforce_eager"):
+            if getattr(x, name) is not None and not isinstance(getattr(x, name), bool):
+                raise ValueError(f"`{name}` must be true, false or unset, got {getattr(x, name)!r}.")
 
     def _deepspeed_settings(self) -> None:
         """Under DeepSpeed: on a machine with no GPU (DeepSpeed's CPU accelerator), accelerate only counts the

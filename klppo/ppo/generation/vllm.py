@@ -237,10 +237,12 @@ class VLLMEngine(GenerationEngine):
         self.config.save_pretrained(self._dir.name)
         tokenizer.save_pretrained(self._dir.name)
         kwargs = {}
+        eager = args.experimental.vllm_enforce_eager
+        if eager if eager is not None else self.on_cpu:  # a GPU: vLLM's default, compiled with CUDA graphs
+            kwargs["enforce_eager"] = True
         if self.on_cpu:
             kwargs["kv_cache_memory_bytes"] = int(self.kv_cache_mb() * 2**20)
             kwargs["block_size"] = CPU_BLOCK_SIZE
-            kwargs["enforce_eager"] = True
         else:
             kwargs["gpu_memory_utilization"] = args.experimental.vllm_gpu_memory_utilization
             kwargs["enable_sleep_mode"] = args.experimental.vllm_enable_sleep_mode
