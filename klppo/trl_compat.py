@@ -507,7 +507,7 @@ class PPOTrainer(KLPPOTrainer):
             max_new_tokens=self.args.response_length,
             do_sample=False,
             pad_token_id=self.processing_class.pad_token_id,
-            eos_token_id=self.sampler.generation_config.eos_token_id,
+            eos_token_id=[] if self.sampler.stop_token_id is None else self.sampler.stop_token_id,
             suppress_tokens=None if self.sampler.suppressed_ids is None else self.sampler.suppressed_ids.tolist(),
         )
         table = {"query": [], "model response": [], "score": []}

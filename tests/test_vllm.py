@@ -139,14 +139,124 @@ def test_a_compiled_engine_decodes_the_trainers_weights_after_every_update(tmp_p
     release(trainer)
 
 
-def test_the_engine_and_the_trainer_agree_at_another_temperature(tmp_path):
-    """The same agreement at temperature 0.7 (every other test samples at 1.0): the engine's processed log-probs
-    are taken after the temperature, as the trainer scores them."""
-    trainer = vllm_trainer("klppo:tiny-llama-vllm", tmp_path, max_steps=3, **{**SYNC_SETTINGS, "temperature": 0.7})
+@pytest.mark.parametrize("stop_token", ["eos", None], ids=["stop-at-eos", "fixed-length"])
+def test_the_engine_and_the_trainer_agree_at_another_temperature(tmp_path, stop_token):
+    """The same agreement at temperature 0.7 (every other sync test samples at 1.0): the engine's processed
+    log-probs are taken after the temperature, as the trainer scores them. Fixed-length (`stop_token: None`): EOS
+    is never sampled, and the engine's log-probs are over the other tokens, as the trainer's (unmasked, they would
+    differ by log(1 - p(EOS)), about 1e-3 on this 1,024-token model)."""
+    trainer = vllm_trainer(
+        "klppo:tiny-llama-vllm",
+        tmp_path,
+        max_steps=3,
+        **{**SYNC_SETTINGS, "temperature": 0.7, "stop_token": stop_token},
+    )
     trainer.train()
     agree, moved = engine_agreement(trainer)
     assert agree < 1e-4, agree
     assert moved > 100 * max(agree, 1e-5), (moved, agree)
+    suppressed = trainer.sampler.suppressed_ids
+    assert (suppressed is None) == (stop_token is not None)
+    if suppressed is not None:
+        rollout = trainer.rollout(trainer.prompt_batch(["The day was"] * 16))
+        assert rollout.response_mask.all() and not torch.isin(rollout.responses, suppressed).any()
+    release(trainer)
+
+
+def test_a_response_ends_at_the_stop_token_and_one_without_it_pays_the_missing_eos_penalty(tmp_path):
+    """vLLM's semantics of a stop token as `generate`'s: the stop token is kept as the response's last token (its
+    log-prob is trained), nothing follows it, and a response that never reaches it runs to `response_length` and
+    pays `missing_eos_penalty`. The policy's LM head is scaled 1e5-fold, so that sampling is greedy in effect and
+    the stop token can be picked from one rollout as the second token of one prompt's response and of none of the
+    other's: in the next rollout the first prompt's responses stop there and the other's do not."""
+    from klppo.ppo import update
+
+    settings = {**SYNC_SETTINGS, "missing_eos_penalty": 1.0, "experimental": {"vllm_max_model_length": 32}}
+    trainer = vllm_trainer("klppo:tiny-llama-vllm", tmp_path, max_steps=1, **settings)
+    trainer.setup_optimisation()
+    with torch.no_grad():
+        trainer.model.policy.lm_head.weight.mul_(1e5)
+    batch = trainer.prompt_batch(["The day was"] * 4 + ["Once upon a time there"] * 4)
+    first = trainer.rollout(batch)
+    assert (first.responses[:4] == first.responses[0]).all() and (first.responses[4:] == first.responses[4]).all()
+    stop = int(first.responses[0, 1])
+    assert stop != int(first.responses[0, 0]) and stop not in first.responses[4:].flatten().tolist(), first.responses
+    trainer.sampler.stop_token_id = stop
+    rollout = trainer.rollout(batch)
+    lengths = rollout.response_mask.sum(dim=1).tolist()
+    stopped = [bool((row[:n] == stop).any()) for row, n in zip(rollout.responses, lengths)]
+    for row, n, ends in zip(rollout.responses, lengths, stopped):
+        if ends:  # the stop token last, padding after it
+            assert int(row[n - 1]) == stop and stop not in row[: n - 1].tolist()
+            assert (row[n:] == trainer.processing_class.pad_token_id).all()
+        else:
+            assert n == trainer.args.response_length
+    assert stopped[:4] == [True] * 4 and stopped[4:] == [False] * 4, (stopped, rollout.responses)
+    assert lengths[:4] == [2] * 4
+    keep = rollout.response_mask.bool()
+    assert float((rollout.logp - rollout.sampling_logp).abs()[keep].max()) < 1e-4
+
+    def scores(penalty):
+        return update.compute_rewards(
+            rollout,
+            trainer.reward_funcs,
+            trainer.reward_weights,
+            trainer.reward_func_names,
+            trainer.processing_class,
+            stop,
+            False,
+            penalty,
+            trainer.accelerator,
+            log=False,
+        ).scores
+
+    paid = scores(None) - scores(1.0)
+    assert paid.tolist() == [0.0] * 4 + [1.0] * 4
+    assert trainer.compute_rewards(rollout).scores.tolist() == scores(1.0).tolist()
+    release(trainer)
+
+
+def test_the_trl_shaped_trainer_trains_on_vllm_rollouts_and_writes_its_completions_table(tmp_path):
+    """TRL 1.12's `PPOTrainer` (`klppo.trl_compat`) with `use_vllm`: its update runs `generate_completions`
+    (TRL's greedy table of the eval prompts) at the first update by default, through the policy's own `generate`
+    beside the engine."""
+    from datasets import Dataset
+
+    from klppo.models import load_tokenizer
+    from klppo.testing.bandit import two_token_reward
+    from klppo.trl_compat import PPOConfig, PPOTrainer
+
+    prompts = Dataset.from_dict({"prompt": ["The day was", "My friend said", "A letter came", "It rained"]})
+    path = resolve_model_path("klppo:tiny-llama-vllm")
+    args = PPOConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=2,
+        num_ppo_epochs=1,
+        response_length=4,
+        total_episodes=4,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        seed=0,
+        disable_tqdm=True,
+        use_cpu=True,
+        num_sample_generations=1,
+        use_vllm=True,
+    )
+    trainer = PPOTrainer(
+        args=args,
+        processing_class=load_tokenizer(path),
+        model=path,
+        reward_funcs=two_token_reward,
+        train_dataset=prompts,
+        eval_dataset=prompts,
+    )
+    trainer.train()
+    assert trainer.state.global_step == 1
+    assert any("time/weight_sync" in h for h in trainer.state.log_history)
+    table = trainer.generate_completions()
+    assert list(table.columns) == ["query", "model response", "score"] and len(table) == 4
     release(trainer)
 
 

@@ -54,6 +54,7 @@ class GenerationEngine:
         holds_weights: it decodes from a copy of the weights that `sync_weights` refreshes.
         stop_token_id: the token that ends a response, or None (fixed length).
         suppressed_ids: token ids never sampled (a tensor), or None.
+        accelerator: the run's `Accelerator` (each engine sets it).
     """
 
     name = "engine"
@@ -71,6 +72,15 @@ class GenerationEngine:
 
     def generate(self, batch: PromptBatch, plan) -> Sampled:
         raise NotImplementedError
+
+    @contextmanager
+    def unwrapped(self, model_wrapped):
+        """The actor-critic whole on this rank, to call `generate` on outside a rollout (TRL's
+        `unwrap_model_for_generation`: ZeRO-3 gathers the weights)."""
+        from trl.models.utils import unwrap_model_for_generation
+
+        with unwrap_model_for_generation(model_wrapped, self.accelerator) as model:
+            yield model
 
     def sync_weights(self, model_wrapped) -> dict[str, float]:
         """Load the policy's current weights into the engine; returns what to log (nothing by default)."""
