@@ -273,6 +273,48 @@ def test_a_prompt_longer_than_the_engine_takes_stops_the_run_with_the_fix(tmp_pa
     release(trainer)
 
 
+def test_an_engine_too_short_for_the_datasets_or_an_adapter_it_cannot_decode_is_refused_at_the_start(tmp_path):
+    """Refused before the engine starts, each with its fix: `vllm_max_model_length` shorter than the datasets'
+    longest prompt plus response_length (the run would stop at that prompt mid-run), and a PEFT adapter other than
+    LoRA (IA3 here: the engine decodes base weights with LoRA merged into copies, and would decode the base model)."""
+    from accelerate.state import AcceleratorState
+    from peft import IA3Config
+
+    with pytest.raises(ValueError, match="vllm_max_model_length is 6.*needs"):
+        vllm_trainer("klppo:tiny-llama-vllm", tmp_path, experimental={"vllm_max_model_length": 6}, **SYNC_SETTINGS)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    ia3 = IA3Config(target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"])
+    with pytest.raises(ValueError, match="use_vllm with a IA3 adapter.*LoraConfig"):
+        vllm_trainer("klppo:tiny-llama-vllm", tmp_path, ia3, **SYNC_SETTINGS)
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_an_engine_that_fails_to_start_leaves_the_process_as_it_was(tmp_path, monkeypatch):
+    """The rank's environment variables the engine set, its directory and any process group it started are taken
+    out again when vLLM fails to start, so that a corrected retry in the same process starts clean."""
+    import os
+
+    from accelerate.state import AcceleratorState
+
+    from klppo.ppo.generation.vllm import VLLMEngine
+
+    made = []
+
+    def fail(self, LLM, dtype, kwargs):
+        made.append(self._dir.name)
+        assert os.environ.get("RANK") == "0"
+        raise RuntimeError("vLLM failed to start")
+
+    before = {name: os.environ.get(name) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    monkeypatch.setattr(VLLMEngine, "_start", fail)
+    with pytest.raises(RuntimeError, match="vLLM failed to start"):
+        vllm_trainer("klppo:tiny-llama-vllm", tmp_path, **SYNC_SETTINGS)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    assert made and not os.path.exists(made[0])
+    assert {name: os.environ.get(name) for name in before} == before
+    assert not torch.distributed.is_initialized()
+
+
 def test_sleep_mode_frees_the_engine_between_rollouts_and_the_sync_wakes_it(tmp_path, monkeypatch):
     """Sleep mode (a GPU's; on a CPU vLLM's sleep does nothing, so the calls are recorded here, not run): before
     each sync the weights wake, before each generation the KV cache, after it the engine sleeps at level 2; an
@@ -501,7 +543,8 @@ def assert_ranks_synced(ranks: list[dict]) -> None:
 
 def test_two_cpu_ranks_each_decode_with_their_own_engine(tmp_path):
     """`accelerate launch` with the shipped DDP config (2 processes; torch's elastic agent starts them), full
-    fine-tuning: each rank's engine decodes its trainer's weights."""
+    fine-tuning: each rank's engine decodes its trainer's weights; a prompt too long for the engine on one rank
+    stops the rollout on both (one rank alone would leave the other waiting in the next collective)."""
     import os
 
     from test_trainer_distributed import free_port
@@ -512,6 +555,7 @@ def test_two_cpu_ranks_each_decode_with_their_own_engine(tmp_path):
     ranks = launch_ranks(tmp_path, launcher)
     assert_ranks_synced(ranks)
     assert not any(r["sharded"] for r in ranks) and not any(r["gathers"] for r in ranks)
+    assert all(r["refused"] for r in ranks)  # rank 1's long prompt: both ranks refuse the rollout
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
 """Worker of `tests/test_vllm.py`'s two-rank tests (2 CPU ranks, gloo): each rank starts its own colocated vLLM
 engine, trains 3 updates with a sync before each rollout, then samples once more and writes its record: the
 largest gap between its engine's log-probs and the trainer's forward, the syncs it logged, its coefficient, its
-responses, the prompts it trained on, whether its weights are sharded, and the weight gathers of its syncs.
+responses, the prompts it trained on, whether its weights are sharded, the weight gathers of its syncs, and whether it
+refused a rollout in which rank 1 alone had a prompt longer than the engine takes.
 
     accelerate launch --config_file <a DDP, FSDP2 or ZeRO-3 config> tests/vllm_ranks_worker.py <out_dir> [lora] [head] [tied]
 
@@ -118,6 +119,12 @@ def main(out: str, options: list[str]) -> None:
         "gathers": gathers["entered"],
         "gathers_at_once": gathers["most"],
     }
+    # a prompt longer than the engine takes on rank 1 alone: both ranks refuse it (neither waits for the other)
+    try:
+        trainer.rollout(trainer.prompt_batch([" ".join(["word"] * 40) if rank == 1 else PROMPT] * 8))
+        record["refused"] = False
+    except ValueError as error:
+        record["refused"] = "vllm_max_model_length" in str(error)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
     trainer.shutdown()

@@ -177,7 +177,8 @@ EXPERIMENTAL_DOC = r"""
             sized from the run's own batch and lengths instead (`vllm_kv_cache_mb`).
         vllm_max_model_length (`int` or `None`, *optional*, defaults to `None`):
             The engine's longest sequence; `None`: the longest prompt of the run's datasets (at most
-            `max_prompt_length`) plus `response_length`. A longer prompt given later stops the run with the fix.
+            `max_prompt_length`) plus `response_length`. A value shorter than that is refused at the start; a longer
+            prompt given later (`sample()`) stops the rollout on every rank with the fix.
         vllm_enable_sleep_mode (`bool`, *optional*, defaults to `False`):
             Let the engine free its memory between rollouts (a GPU only: on a CPU vLLM's sleep mode does nothing):
             it sleeps at level 2 (weights and KV cache freed) after each generation; the next sync wakes its weights

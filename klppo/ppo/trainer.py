@@ -209,28 +209,32 @@ class KLPPOTrainer(Trainer):
             self.checkpointing_kwargs,
             (self.train_dataset, self.eval_prompts),
         )
-        self.kl_plan = make_kl_plan(
-            args,
-            policy,
-            self._mixed_precision(),
-            self._vocab_size(policy),
-            compiled_decoding=self.sampler.compiled,
-            decode_reads=self.sampler.reads_while_decoding,
-        )
-        self.scorer = RolloutScorer(
-            self.kl_plan,
-            self.accelerator,
-            self.ref_model,
-            self.use_adapter_reference,
-            self.ref_adapter_name,
-            args.temperature,
-            self.sampler.suppressed_ids,
-            args.rollout_forward_batch_size,
-            args.critic_free,
-            args.experimental.logits_block_mb,
-        )
-        # what one update leaves for the next: the KL controller, the guard, the monitors, the non-finite path
-        self.run = RunState.build(args, self.kl_plan, self.accelerator, log=self.is_world_process_zero())
+        try:  # a check below that refuses the run frees the engine (a vLLM engine holds memory and a process group)
+            self.kl_plan = make_kl_plan(
+                args,
+                policy,
+                self._mixed_precision(),
+                self._vocab_size(policy),
+                compiled_decoding=self.sampler.compiled,
+                decode_reads=self.sampler.reads_while_decoding,
+            )
+            self.scorer = RolloutScorer(
+                self.kl_plan,
+                self.accelerator,
+                self.ref_model,
+                self.use_adapter_reference,
+                self.ref_adapter_name,
+                args.temperature,
+                self.sampler.suppressed_ids,
+                args.rollout_forward_batch_size,
+                args.critic_free,
+                args.experimental.logits_block_mb,
+            )
+            # what one update leaves for the next: the KL controller, the guard, the monitors, the non-finite path
+            self.run = RunState.build(args, self.kl_plan, self.accelerator, log=self.is_world_process_zero())
+        except BaseException:
+            self.sampler.shutdown()
+            raise
 
     @property
     def kl_controller(self):

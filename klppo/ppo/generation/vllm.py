@@ -76,6 +76,23 @@ def _refuse_unmergeable(module) -> None:
         raise _unmergeable()
 
 
+def _refuse_other_adapters(model) -> None:
+    """Raise when a PEFT `model` holds an adapter other than LoRA: prompt and prefix tuning live outside the base
+    model's weights (the engine would decode the base model without them), and IA3, LoHa or LoKr have no merge
+    into copies of the base weights here."""
+    kinds = {
+        str(getattr(getattr(c, "peft_type", None), "value", getattr(c, "peft_type", None)))
+        for c in model.peft_config.values()
+    }
+    if kinds - {"LORA"}:
+        raise ValueError(
+            f"use_vllm with a {', '.join(sorted(kinds - {'LORA'}))} adapter: the engine decodes the base weights with "
+            "LoRA adapters merged into copies of them, and this adapter has no such merge, so the engine would decode "
+            "another model than the trainer's. Use a LoRA adapter (peft_config=LoraConfig(...)), or decode with "
+            "generate (use_vllm: false)."
+        )
+
+
 def _lora_layers(model) -> list[tuple[str, torch.nn.Module]]:
     """`(name, layer)` of every LoRA layer in `model` (none without PEFT)."""
     try:
@@ -207,6 +224,8 @@ class VLLMEngine(GenerationEngine):
         self.stop_token_id, self.suppressed_ids, _ = sampling_setup(
             args, tokenizer, getattr(policy, "generation_config", None)
         )
+        if _is_peft(policy):
+            _refuse_other_adapters(policy)
         base = policy.get_base_model() if _is_peft(policy) else policy
         _refuse_shared_lora_bases(base)  # at the start, before any engine shards or re-ties the weights
         self.config = base.config
@@ -218,15 +237,24 @@ class VLLMEngine(GenerationEngine):
             vocab = int(self.config.get_text_config().vocab_size)
             self.allowed_ids = [i for i in range(vocab) if i not in banned]
         self.tied = bool(getattr(self.config, "tie_word_embeddings", False))
+        # the widest prompt the run's datasets hold (at most max_prompt_length, or what the model's positions leave)
+        cap = args.max_prompt_length
+        if cap is None:
+            cap = int(getattr(self.config, "max_position_embeddings", 2048)) - int(args.response_length)
+        width = cap
+        if any(dataset is not None for dataset in prompt_sets):
+            width = longest_prompt(prompt_sets, tokenizer, cap)
+        need = int(width) + int(args.response_length)
+        self.max_model_len = need
         if args.experimental.vllm_max_model_length is not None:
             self.max_model_len = int(args.experimental.vllm_max_model_length)
-        else:
-            width = args.max_prompt_length
-            if width is not None and any(dataset is not None for dataset in prompt_sets):
-                width = longest_prompt(prompt_sets, tokenizer, args.max_prompt_length)
-            if width is None:
-                width = int(getattr(self.config, "max_position_embeddings", 2048)) - args.response_length
-            self.max_model_len = int(width) + int(args.response_length)
+            if self.max_model_len < need and any(dataset is not None for dataset in prompt_sets):
+                raise ValueError(
+                    f"experimental.vllm_max_model_length is {self.max_model_len}, and the run's longest prompt "
+                    f"({width} tokens) plus response_length ({args.response_length}) needs {need}: the engine would "
+                    f"refuse that prompt mid-run. Set vllm_max_model_length to at least {need}, or leave it unset "
+                    "(the engine then takes exactly what the datasets need)."
+                )
         self.max_num_seqs = max(1, int(args.local_rollout_batch_size))
         dtype = next(p.dtype for p in base.parameters() if p.is_floating_point())
         if args.experimental.vllm_dtype != "auto":
@@ -259,23 +287,12 @@ class VLLMEngine(GenerationEngine):
         # the engine initialises torch.distributed when no launcher did (gloo, world size 1): it then owns it
         self._owns_process_group = not torch.distributed.is_initialized()
         start = time.perf_counter()
-        with _random_state_kept():
-            self.llm = LLM(
-                model=self._dir.name,
-                tokenizer=self._dir.name,
-                load_format="dummy",
-                dtype=dtype,
-                tensor_parallel_size=1,
-                max_model_len=self.max_model_len,
-                max_num_seqs=self.max_num_seqs,
-                max_num_batched_tokens=max(4096, self.max_model_len),
-                enable_prefix_caching=True,
-                distributed_executor_backend="external_launcher",
-                seed=accelerator.process_index,
-                logprobs_mode="processed_logprobs",
-                generation_config="vllm",
-                **kwargs,
-            )
+        self.llm, self._closed = None, False
+        try:
+            self._start(LLM, dtype, kwargs)
+        except BaseException:  # what the engine set is taken out again
+            self.shutdown()
+            raise
         self.start_seconds = time.perf_counter() - start
         logger.info(
             "vLLM engine started in %.1f s (max_model_len %d, %d sequences%s).",
@@ -293,6 +310,27 @@ class VLLMEngine(GenerationEngine):
         if self.sleeps:
             self.llm.sleep(level=2)
             self._weights_asleep = True
+
+    def _start(self, LLM, dtype, kwargs) -> None:
+        """Start the engine (`self.llm`) from the config and tokenizer in the engine's directory, with dummy weights
+        until the first sync."""
+        with _random_state_kept():
+            self.llm = LLM(
+                model=self._dir.name,
+                tokenizer=self._dir.name,
+                load_format="dummy",
+                dtype=dtype,
+                tensor_parallel_size=1,
+                max_model_len=self.max_model_len,
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=max(4096, self.max_model_len),
+                enable_prefix_caching=True,
+                distributed_executor_backend="external_launcher",
+                seed=self.accelerator.process_index,
+                logprobs_mode="processed_logprobs",
+                generation_config="vllm",
+                **kwargs,
+            )
 
     def kv_cache_mb(self) -> float:
         """The KV cache on a CPU, MiB: `vllm_kv_cache_mb`, or every sequence of the local batch at the engine's
@@ -382,7 +420,12 @@ class VLLMEngine(GenerationEngine):
                 "Its parameter names do not match the policy's (an architecture vLLM maps differently): decode "
                 "with generate (use_vllm: false) for this model."
             )
-        self.llm.reset_prefix_cache()
+        if self.llm.reset_prefix_cache() is False:  # blocks still held: a prefix cached under the old weights
+            raise RuntimeError(  # would be read again
+                "use_vllm: the engine could not reset its prefix cache after the weight sync (some of its blocks are "
+                "still held by an unfinished request), so the next rollout could reuse keys and values computed with "
+                "the old weights. This is a bug: please report it with the run's log."
+            )
         self._synced_once, self._weights_asleep = True, False
         seconds = time.perf_counter() - start
         self.sync_seconds.append(seconds)
@@ -431,6 +474,10 @@ class VLLMEngine(GenerationEngine):
             for ids, mask in zip(batch.input_ids.cpu(), batch.attention_mask.cpu())
         ]
         longest = max((len(p["prompt_token_ids"]) for p in prompts), default=0)
+        if self.accelerator.num_processes > 1:  # every rank refuses, or none: one rank alone would leave the others
+            longest_t = torch.tensor(longest, device=self.accelerator.device)  # waiting in the next collective
+            torch.distributed.all_reduce(longest_t, op=torch.distributed.ReduceOp.MAX)
+            longest = int(longest_t)
         if longest + int(self.args.response_length) > self.max_model_len:
             # vLLM would cut the response short at max_model_len without a stop token, and the cut would be trained
             # on as if sampled
@@ -475,8 +522,9 @@ class VLLMEngine(GenerationEngine):
         distributed launch)."""
         import gc
 
-        if getattr(self, "llm", None) is None:
+        if getattr(self, "_closed", True):
             return
+        self._closed = True
         self.llm = None
         gc.collect()
         from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
