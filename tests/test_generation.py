@@ -310,3 +310,38 @@ def test_the_vllm_kv_cache_holds_the_whole_local_batch_in_whole_blocks(tmp_path)
         assert blocks >= sequences * math.ceil(max_model_len / CPU_BLOCK_SIZE) + 1, (max_model_len, sequences, blocks)
     engine.args = SimpleNamespace(experimental=SimpleNamespace(vllm_kv_cache_mb=300))
     assert engine.kv_cache_mb() == 300
+
+
+def test_the_vllm_engines_longest_sequence_is_what_the_datasets_need(tiny_path, tmp_path):
+    """`max_model_length`: the datasets' longest prompt plus `response_length`, with or without
+    `max_prompt_length` (without it the engine took the model's whole context, and a CPU's KV cache was sized for
+    every sequence at that length); a `vllm_max_model_length` shorter than the datasets need is refused with the
+    length needed, a longer one kept; without datasets, the longest prompt the run can take."""
+    from datasets import Dataset
+    from transformers import LlamaConfig
+
+    from klppo.models import load_tokenizer
+    from klppo.ppo.generation.vllm import max_model_length
+    from klppo.ppo.prompts import prompt_token_ids
+
+    tokenizer = load_tokenizer(tiny_path)
+    prompts = Dataset.from_dict({"prompt": ["The day was", "one two three four five six seven eight nine ten"]})
+    longest = max(len(ids) for ids in prompt_token_ids(list(prompts), tokenizer, 64)[1])
+    config = LlamaConfig(max_position_embeddings=4096)
+
+    def length(given=None, datasets=(prompts,), **overrides):
+        args = klppo_config(
+            output_dir=str(tmp_path),
+            response_length=8,
+            experimental={"vllm_max_model_length": given},
+            **overrides,
+        )
+        return max_model_length(args, config, tokenizer, datasets)
+
+    assert length(max_prompt_length=64) == length(max_prompt_length=None) == longest + 8
+    assert length(max_prompt_length=4) == 4 + 8
+    assert length(max_prompt_length=None, datasets=(None,)) == 4096
+    assert length(max_prompt_length=64, datasets=(None, None)) == 64 + 8
+    assert length(given=200, max_prompt_length=None) == 200
+    with pytest.raises(ValueError, match=f"vllm_max_model_length is 10.*needs {longest + 8}"):
+        length(given=10, max_prompt_length=None)

@@ -190,6 +190,29 @@ def _reload(worker, weights, repack_tied_head: bool) -> list[str]:
     return sorted(expected - set(loaded or ()))
 
 
+def max_model_length(args, config, tokenizer, prompt_sets) -> int:
+    """The engine's longest sequence: `vllm_max_model_length`, or the longest prompt of `prompt_sets` (the run's
+    datasets; at most `max_prompt_length`, or without it what the model's positions leave) plus `response_length`.
+    A `vllm_max_model_length` shorter than the datasets need is refused (the run would stop at that prompt)."""
+    cap = args.max_prompt_length
+    if cap is None:
+        cap = int(getattr(config, "max_position_embeddings", 2048)) - int(args.response_length)
+    datasets = any(dataset is not None for dataset in prompt_sets)
+    width = longest_prompt(prompt_sets, tokenizer, cap) if datasets else cap
+    need = int(width) + int(args.response_length)
+    given = args.experimental.vllm_max_model_length
+    if given is None:
+        return need
+    if datasets and int(given) < need:
+        raise ValueError(
+            f"experimental.vllm_max_model_length is {given}, and the run's longest prompt ({width} tokens) plus "
+            f"response_length ({args.response_length}) needs {need}: the engine would refuse that prompt mid-run. "
+            f"Set vllm_max_model_length to at least {need}, or leave it unset (the engine then takes exactly what "
+            "the datasets need)."
+        )
+    return int(given)
+
+
 class VLLMEngine(GenerationEngine):
     """A colocated vLLM engine (see the module's docstring).
 
@@ -237,24 +260,7 @@ class VLLMEngine(GenerationEngine):
             vocab = int(self.config.get_text_config().vocab_size)
             self.allowed_ids = [i for i in range(vocab) if i not in banned]
         self.tied = bool(getattr(self.config, "tie_word_embeddings", False))
-        # the widest prompt the run's datasets hold (at most max_prompt_length, or what the model's positions leave)
-        cap = args.max_prompt_length
-        if cap is None:
-            cap = int(getattr(self.config, "max_position_embeddings", 2048)) - int(args.response_length)
-        width = cap
-        if any(dataset is not None for dataset in prompt_sets):
-            width = longest_prompt(prompt_sets, tokenizer, cap)
-        need = int(width) + int(args.response_length)
-        self.max_model_len = need
-        if args.experimental.vllm_max_model_length is not None:
-            self.max_model_len = int(args.experimental.vllm_max_model_length)
-            if self.max_model_len < need and any(dataset is not None for dataset in prompt_sets):
-                raise ValueError(
-                    f"experimental.vllm_max_model_length is {self.max_model_len}, and the run's longest prompt "
-                    f"({width} tokens) plus response_length ({args.response_length}) needs {need}: the engine would "
-                    f"refuse that prompt mid-run. Set vllm_max_model_length to at least {need}, or leave it unset "
-                    "(the engine then takes exactly what the datasets need)."
-                )
+        self.max_model_len = max_model_length(args, self.config, tokenizer, prompt_sets)
         self.max_num_seqs = max(1, int(args.local_rollout_batch_size))
         dtype = next(p.dtype for p in base.parameters() if p.is_floating_point())
         if args.experimental.vllm_dtype != "auto":
