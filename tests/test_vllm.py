@@ -90,9 +90,33 @@ def engine_agreement(trainer) -> tuple[float, float]:
     return agree, moved
 
 
+def spy_on_merges(monkeypatch) -> dict:
+    """Count the LoRA layers the sync holds merged at once (`merged_lora` blocks open together, by their layers)."""
+    from contextlib import contextmanager
+
+    import klppo.ppo.generation.vllm as engine_module
+    from klppo.ppo.generation.static_cache import mergeable_lora_layers
+
+    merged_lora, counts = engine_module.merged_lora, {"open": 0, "most": 0}
+
+    @contextmanager
+    def counted(module, buffers=None):
+        layers = len(mergeable_lora_layers(module) or ())
+        with merged_lora(module, buffers):
+            counts["open"] += layers
+            counts["most"] = max(counts["most"], counts["open"])
+            try:
+                yield
+            finally:
+                counts["open"] -= layers
+
+    monkeypatch.setattr(engine_module, "merged_lora", counted)
+    return counts
+
+
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_the_engine_decodes_the_trainers_weights_after_every_update(tmp_path, tied, lora):
+def test_the_engine_decodes_the_trainers_weights_after_every_update(tmp_path, monkeypatch, tied, lora):
     """After 3 updates (a sync before each rollout), the engine's processed log-probs of the tokens it sampled
     equal the trainer's forward at the same weights in float32 (a few 1e-6; the bound 1e-4), while the same tokens
     under the initial weights (the reference) are far off: the engine holds the updated weights, not the first."""
@@ -102,10 +126,13 @@ def test_the_engine_decodes_the_trainers_weights_after_every_update(tmp_path, ti
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"])
+    merged = spy_on_merges(monkeypatch)
     trainer = vllm_trainer(name, tmp_path, peft_config, max_steps=3, **SYNC_SETTINGS)
     trainer.train()
     syncs = [h["time/weight_sync"] for h in trainer.state.log_history if "time/weight_sync" in h]
     assert len(syncs) == 3
+    # the adapter merged one decoder layer at a time: at most that layer's 3 LoRA layers' copies alive at once
+    assert merged["most"] == (3 if lora else 0) and merged["open"] == 0
     agree, moved = engine_agreement(trainer)
     assert agree < 1e-4, agree
     assert moved > 100 * max(agree, 1e-5), (moved, agree)

@@ -29,7 +29,7 @@ import os
 import tempfile
 import time
 from collections import Counter
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 
 import torch
 
@@ -354,18 +354,15 @@ class VLLMEngine(GenerationEngine):
         return max(float(KV_CACHE_FLOOR_MB), need)
 
     # ------------------------------------------------------------------ weights
-    def _named_weights(self, policy) -> list[tuple[str, torch.Tensor]]:
-        """The policy's weights under their checkpoint names, a LoRA adapter merged (inside `merged_lora`)."""
-        if _is_peft(policy):
-            return _checkpoint_names(policy.get_base_model().named_parameters())
-        return _checkpoint_names(policy.named_parameters())
-
-    def _gathered_weights(self, policy, loaded: list):
-        """The policy's weights under their checkpoint names, gathered (ZeRO-3) or unsharded (FSDP2) one decoder
-        layer at a time, then the rest of the model (embeddings, final norm, LM head; under FSDP2 the root unit,
-        whole for the whole sync): a LoRA adapter merged while its layer is whole, and a copy of each weight yielded
-        (vLLM keeps a layer's weights until the layer is complete; the gathered ones are freed when it is sharded
-        again). Counts the weights in `loaded[0]`."""
+    def _layerwise_weights(self, policy, loaded: list):
+        """The policy's weights under their checkpoint names, one decoder layer at a time (the model's
+        `_no_split_modules`), then the rest of the model (embeddings, final norm, LM head): a LoRA adapter merged
+        into copies of a layer's base weights while that layer is handed over, so that one layer's merged copies
+        are alive at a time, not the whole model's. Under a sharded engine each layer is gathered (ZeRO-3) or
+        unsharded (FSDP2; its root, whole for the whole sync) while it is handed over, and a copy of each weight
+        yielded (vLLM keeps a layer's weights until the layer is complete; the gathered ones are freed when it is
+        sharded again). Counts the weights in `loaded[0]`."""
+        copy = _whole_copy if self.sharding is not None else (lambda tensor: tensor)
         base = policy.get_base_model() if _is_peft(policy) else policy
         layers, prefixes = [], ()
         for name, module in base.named_modules():  # by class name through the MRO: FSDP2 subclasses each unit it
@@ -380,7 +377,7 @@ class VLLMEngine(GenerationEngine):
                 with merged_lora(layer):
                     for weight_name, tensor in _checkpoint_names(layer.named_parameters(prefix=name)):
                         loaded[0] += 1
-                        yield weight_name, _whole_copy(tensor)
+                        yield weight_name, copy(tensor)
         rest = [(n, p) for n, p in base.named_parameters() if not n.startswith(prefixes)]
         with _whole(None, [p for _, p in rest]), ExitStack() as merged:
             for name, layer in _lora_layers(base):
@@ -389,7 +386,7 @@ class VLLMEngine(GenerationEngine):
                     merged.enter_context(merged_lora(layer))  # into copies: `rest` reads them through `.data`
             for weight_name, tensor in _checkpoint_names(rest):
                 loaded[0] += 1
-                yield weight_name, _whole_copy(tensor)
+                yield weight_name, copy(tensor)
 
     @torch.no_grad()
     def sync_weights(self, model_wrapped) -> dict[str, float]:
@@ -401,19 +398,12 @@ class VLLMEngine(GenerationEngine):
             self.llm.wake_up(tags=["weights"])
         policy = unwrap(self.accelerator, model_wrapped).policy
         repack = self.on_cpu and self.tied
-        if self.sharding is not None:  # sharded: one decoder layer whole at a time
-            count = [0]
-            with root_unsharded(model_wrapped):
-                missing = self.llm.collective_rpc(_reload, args=(self._gathered_weights(policy, count), repack))[0]
-            loaded = count[0]
-        else:
-            if _is_peft(policy):
-                _refuse_unmergeable(policy)
-            with merged_lora(policy) if _is_peft(policy) else nullcontext():
-                weights = self._named_weights(policy)
-                loaded = len(weights)
-                if loaded:
-                    missing = self.llm.collective_rpc(_reload, args=(weights, repack))[0]
+        if _is_peft(policy) and self.sharding is None:  # before any weight is loaded (sharded: per gathered layer)
+            _refuse_unmergeable(policy)
+        count = [0]
+        with root_unsharded(model_wrapped):
+            missing = self.llm.collective_rpc(_reload, args=(self._layerwise_weights(policy, count), repack))[0]
+        loaded = count[0]
         if not loaded:
             raise RuntimeError(
                 "use_vllm: the weight sync found no weight to load into the engine. Decode with generate "
