@@ -354,6 +354,23 @@ class VLLMEngine(GenerationEngine):
         return max(float(KV_CACHE_FLOOR_MB), need)
 
     # ------------------------------------------------------------------ weights
+    def _layers(self, base) -> tuple[list, tuple, list]:
+        """`(layers, prefixes, outside)` of the base model, found once (the model's modules stay as they are): its
+        decoder layers as `(name, module)` by class name through the MRO (FSDP2 subclasses each unit it wraps,
+        `FSDPLlamaDecoderLayer`; a layer inside a layer is its own), their names' prefixes, and the LoRA layers
+        outside them."""
+        if getattr(self, "_layer_split", (None,))[0] is not base:
+            layers, prefixes = [], ()
+            for name, module in base.named_modules():
+                if name.startswith(prefixes):
+                    continue
+                if any(cls.__name__ in self.layer_classes for cls in type(module).__mro__):
+                    layers.append((name, module))
+                    prefixes += (f"{name}.",)
+            outside = [layer for name, layer in _lora_layers(base) if not name.startswith(prefixes)]
+            self._layer_split = (base, layers, prefixes, outside)
+        return self._layer_split[1:]
+
     def _layerwise_weights(self, policy, loaded: list):
         """The policy's weights under their checkpoint names, one decoder layer at a time (the model's
         `_no_split_modules`), then the rest of the model (embeddings, final norm, LM head): a LoRA adapter merged
@@ -364,26 +381,20 @@ class VLLMEngine(GenerationEngine):
         sharded again). Counts the weights in `loaded[0]`."""
         copy = _whole_copy if self.sharding is not None else (lambda tensor: tensor)
         base = policy.get_base_model() if _is_peft(policy) else policy
-        layers, prefixes = [], ()
-        for name, module in base.named_modules():  # by class name through the MRO: FSDP2 subclasses each unit it
-            if name.startswith(prefixes):  # wraps (`FSDPLlamaDecoderLayer`); a layer inside a layer is its own
-                continue
-            if any(cls.__name__ in self.layer_classes for cls in type(module).__mro__):
-                layers.append((name, module))
-                prefixes += (f"{name}.",)
+        layers, prefixes, outside = self._layers(base)
         for name, layer in layers:
             with _whole(layer, list(layer.parameters())):
-                _refuse_unmergeable(layer)
+                if self.sharding is not None:  # whole only now (unsharded: checked before the sync)
+                    _refuse_unmergeable(layer)
                 with merged_lora(layer):
                     for weight_name, tensor in _checkpoint_names(layer.named_parameters(prefix=name)):
                         loaded[0] += 1
                         yield weight_name, copy(tensor)
         rest = [(n, p) for n, p in base.named_parameters() if not n.startswith(prefixes)]
         with _whole(None, [p for _, p in rest]), ExitStack() as merged:
-            for name, layer in _lora_layers(base):
-                if not name.startswith(prefixes):
-                    _refuse_unmergeable(layer)
-                    merged.enter_context(merged_lora(layer))  # into copies: `rest` reads them through `.data`
+            for layer in outside:
+                _refuse_unmergeable(layer)
+                merged.enter_context(merged_lora(layer))  # into copies: `rest` reads them through `.data`
             for weight_name, tensor in _checkpoint_names(rest):
                 loaded[0] += 1
                 yield weight_name, copy(tensor)
