@@ -581,7 +581,9 @@ def test_two_cpu_ranks_each_decode_with_their_own_engine(tmp_path):
     launcher += ["--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_port())]
     ranks = launch_ranks(tmp_path, launcher)
     assert_ranks_synced(ranks)
-    assert not any(r["sharded"] for r in ranks) and not any(r["gathers"] for r in ranks)
+    assert not any(r["sharded"] for r in ranks)
+    for r in ranks:  # handed over layer by layer as under sharding, with nothing to gather
+        assert r["gathers"] == r["engine_syncs"] * (r["layers"] + 1) and r["gathers_at_once"] == 1, r
     assert all(r["refused"] for r in ranks)  # rank 1's long prompt: both ranks refuse the rollout
 
 

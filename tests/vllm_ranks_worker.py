@@ -33,7 +33,8 @@ def sharded(trainer) -> bool:
 
 
 def spy_on_gathers() -> dict:
-    """Count the engine's gathers (`_whole` blocks): how many, and how many at once at most."""
+    """Count the blocks the sync hands over (`_whole`: gathered where the weights are sharded, a no-op otherwise):
+    how many, and how many at once at most."""
     import klppo.ppo.generation.vllm as engine_module
 
     whole, counts = engine_module._whole, {"open": 0, "most": 0, "entered": 0}
