@@ -189,7 +189,8 @@ def profiled(args, call) -> dict:
 
 
 def run_klppo(args, path, tokenizer, settings, merged: bool, vllm: str | None = None) -> dict:
-    """`vllm`: None (`generate`), "vllm" (the engine eager) or "vllm-compiled"."""
+    """`vllm`: None (`generate`), "vllm" (the engine as it runs by default: eager on a CPU, compiled on a GPU) or
+    "vllm-compiled" (compiled on a CPU too)."""
     from collections import defaultdict
 
     from datasets import Dataset

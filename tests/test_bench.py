@@ -464,14 +464,26 @@ def test_the_gpu_script_runs_the_table(bench):
 
 
 def test_the_gpu_script_times_the_vllm_engine_where_vllm_is_installed(tmp_path):
-    """`gpu.sh`'s decoding step adds the `vllm` variant when vLLM imports on klppo's side (here a stand-in package
-    in the klppo target folder), and leaves it out otherwise and in the CPU smoke run (the tiny shape's head size)."""
+    """`gpu.sh`'s decoding step runs decode.py once more with `--variants klppo,vllm`, into its own folder (a failure
+    there keeps the first run's figures), when vLLM imports on klppo's side (here a stand-in package in the klppo
+    target folder); not in the CPU smoke run (the tiny shape's head size), nor where vLLM does not import."""
+    import importlib.util
+    import sys
+
     (tmp_path / "klppo" / "vllm").mkdir(parents=True)
     (tmp_path / "klppo" / "vllm" / "__init__.py").write_text("")
-    decode = lambda out: next(line for line in out.splitlines() if "decode.py" in line)  # noqa: E731
-    assert "--variants plain,klppo,vllm " in decode(dry_run(KLPPO_BENCH_TARGETS=str(tmp_path)))
-    assert "--variants plain,klppo " in decode(dry_run("--cpu-smoke", KLPPO_BENCH_TARGETS=str(tmp_path)))
-    assert "--variants plain,klppo " in decode(dry_run(KLPPO_BENCH_TARGETS=str(tmp_path / "none")))
+    python = {"PYTHON": sys.executable}
+
+    def decode(*flags, targets):
+        out = dry_run(*flags, KLPPO_BENCH_TARGETS=str(targets), **python)
+        return [line for line in out.splitlines() if "decode.py" in line]
+
+    first, second = decode(targets=tmp_path)
+    assert "--variants plain,klppo --profile" in first
+    assert "--variants klppo,vllm --out" in second and second.rstrip().endswith("/decode-vllm")
+    assert len(decode("--cpu-smoke", targets=tmp_path)) == 1
+    if importlib.util.find_spec("vllm") is None:  # this interpreter without vLLM: the step leaves it out
+        assert len(decode(targets=tmp_path / "none")) == 1
 
 
 def test_the_padding_benchmarks_three_forms_give_the_same_response_logits(tiny_model_and_tokenizer, monkeypatch):

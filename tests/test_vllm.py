@@ -317,8 +317,9 @@ def test_an_engine_too_short_for_the_datasets_or_an_adapter_it_cannot_decode_is_
 
 
 def test_an_engine_that_fails_to_start_leaves_the_process_as_it_was(tmp_path, monkeypatch):
-    """The rank's environment variables the engine set, its directory and any process group it started are taken
-    out again when vLLM fails to start, so that a corrected retry in the same process starts clean."""
+    """The rank's environment variables the engine set and its directory are taken out again when vLLM fails to
+    start, so that a corrected retry in the same process starts clean (vLLM is stopped before it starts a process
+    group here: the group's teardown is the one `shutdown` runs after every test)."""
     import os
 
     from accelerate.state import AcceleratorState

@@ -9,11 +9,12 @@ that temperature scaling and masking are in them), with what klppo needs beside 
   weights, never a checkpoint on disk;
 - the sync works on a CPU as on a GPU: `reload_weights`' steps (vLLM repacks each linear weight for its kernels
   after loading; TRL's `model.load_weights` leaves the packed copies stale on a CPU), the tied LM head repacked from
-  the new embedding, every weight vLLM holds checked as loaded (a sync that misses one raises), a LoRA adapter
-  merged into copies of the base weights first, the prefix cache reset after;
-- under DeepSpeed ZeRO-3 and FSDP2 the weights are gathered one decoder layer at a time (the model's
-  `_no_split_modules`; without them, all at once), each layer's adapter merged while it is whole and a copy of its
-  weights handed to the engine;
+  the new embedding, every weight vLLM holds checked as loaded (a sync that misses one raises), the prefix cache
+  reset after;
+- the weights are handed over one decoder layer at a time (the model's `_no_split_modules`; without them, all at
+  once), a LoRA adapter merged into copies of that layer's base weights; under DeepSpeed ZeRO-3 and FSDP2 each
+  layer is gathered while it is handed over, its adapter merged while it is whole, and a copy of its weights
+  handed to the engine;
 - klppo's sampling semantics: plain temperature sampling (no top-k / top-p, the model's generation config ignored),
   the run's stop token, suppressed ids masked (`allowed_token_ids`, whose masking the processed log-probs include),
   at most `response_length` tokens, one seed per sequence drawn from torch's generator (seeded runs repeat; each
