@@ -37,6 +37,7 @@ import torch
 from ..distributed import is_fsdp2, root_unsharded, unwrap
 from ..prompts import longest_prompt
 from ..results import PromptBatch
+from .correction import _global
 from .engine import GenerationEngine, Sampled
 from .sampling import Generation, sampling_setup
 from .static_cache import mergeable_lora_layers, merged_lora
@@ -81,10 +82,7 @@ def _refuse_other_adapters(model) -> None:
     """Raise when a PEFT `model` holds an adapter other than LoRA: prompt and prefix tuning live outside the base
     model's weights (the engine would decode the base model without them), and IA3, LoHa or LoKr have no merge
     into copies of the base weights here."""
-    kinds = {
-        str(getattr(getattr(c, "peft_type", None), "value", getattr(c, "peft_type", None)))
-        for c in model.peft_config.values()
-    }
+    kinds = {str(getattr(c.peft_type, "value", c.peft_type)) for c in model.peft_config.values()}
     if kinds - {"LORA"}:
         raise ValueError(
             f"use_vllm with a {', '.join(sorted(kinds - {'LORA'}))} adapter: the engine decodes the base weights with "
@@ -482,10 +480,8 @@ class VLLMEngine(GenerationEngine):
             for ids, mask in zip(batch.input_ids.cpu(), batch.attention_mask.cpu())
         ]
         longest = max((len(p["prompt_token_ids"]) for p in prompts), default=0)
-        if self.accelerator.num_processes > 1:  # every rank refuses, or none: one rank alone would leave the others
-            longest_t = torch.tensor(longest, device=self.accelerator.device)  # waiting in the next collective
-            torch.distributed.all_reduce(longest_t, op=torch.distributed.ReduceOp.MAX)
-            longest = int(longest_t)
+        # every rank refuses, or none: one rank alone would leave the others waiting in the next collective
+        longest = int(_global(torch.tensor(longest), "max", self.accelerator))
         if longest + int(self.args.response_length) > self.max_model_len:
             # vLLM would cut the response short at max_model_len without a stop token, and the cut would be trained
             # on as if sampled
